@@ -1,0 +1,226 @@
+"""The whole kvroute configuration as one typed model.
+
+One explicit ``Config`` (as uvicorn has) built from a YAML file, then overridden by
+``KVROUTE_*`` environment variables where that is natural for deployments (the Redis URL,
+the admin key, the listen port). Validation errors name the offending key and value.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
+
+BackendKind = Literal["vllm", "contiguous", "paged"]
+PoolRole = Literal["general", "long"]
+PolicyName = Literal["kvroute", "round_robin", "least_loaded", "most_free"]
+
+
+class _Strict(BaseModel):
+    """Base: unknown keys are errors, so a typo in a config file is never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BackendConfig(_Strict):
+    """One inference server behind the gateway."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: HttpUrl
+    pool: str = "general"
+    kind: BackendKind = "vllm"
+    capacity_tokens: int | None = Field(default=None, gt=0, description="override the reported KV capacity")
+    bytes_per_token: int | None = Field(default=None, gt=0, description="for backends that report bytes")
+    metrics_path: str = "/metrics"
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class PoolConfig(_Strict):
+    """A named group of backends; ``role: long`` marks the dedicated long-request pool."""
+
+    role: PoolRole = "general"
+
+
+class RoutingConfig(_Strict):
+    policy: PolicyName = "kvroute"
+    long_threshold_tokens: int = Field(default=8_000, gt=0)
+    default_max_tokens: int = Field(default=256, gt=0)
+    max_tokens_limit: int = Field(default=1_000_000, gt=0, description="max_tokens above this is a 400")
+    safety_margin: float = Field(default=0.02, ge=0.0, lt=1.0, description="fraction of demand kept spare")
+    chat_tokens_per_message: int = Field(default=3, ge=0)
+    chat_tokens_reply_priming: int = Field(default=3, ge=0)
+    tokenize_in_thread_chars: int = Field(default=4_096, ge=0, description="prompts longer than this are tokenized off the event loop")
+
+
+class StoreConfig(_Strict):
+    redis_url: str | None = Field(default=None, description="absent: the embedded in-process store")
+    key_prefix: str = "kvroute"
+    op_timeout_s: float = Field(default=0.1, gt=0)
+    reservation_ttl_s: float = Field(default=900.0, gt=0)
+    report_grace_s: float = Field(default=0.5, ge=0, description="reservations this close before a report still count as not yet visible in it")
+    max_snapshot_age_s: float = Field(default=30.0, gt=0, description="with the store down, routing uses the last snapshot up to this age")
+
+
+class CollectorConfig(_Strict):
+    scrape_interval_s: float = Field(default=1.0, gt=0)
+    stale_after_s: float = Field(default=5.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    report_ttl_s: float = Field(default=60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _stale_after_interval(self) -> CollectorConfig:
+        if self.stale_after_s < self.scrape_interval_s:
+            raise ValueError(
+                f"stale_after_s ({self.stale_after_s}) must be >= scrape_interval_s ({self.scrape_interval_s})"
+            )
+        return self
+
+
+class RetryConfig(_Strict):
+    max_attempts: int = Field(default=3, ge=1, le=16)
+    retry_key_ttl_s: float = Field(default=300.0, gt=0)
+    ceiling_ttl_s: float = Field(default=30.0, gt=0, description="how long a node stays 'cannot fit N' after failing N")
+    hash_body: bool = Field(default=False, description="treat identical bodies as the same client retry")
+
+
+class QueueConfig(_Strict):
+    max_size: int = Field(default=256, ge=0)
+    max_wait_s: float = Field(default=5.0, ge=0)
+    retry_after_s: int = Field(default=2, ge=1)
+
+
+class UpstreamConfig(_Strict):
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    ttfb_timeout_s: float = Field(default=120.0, gt=0)
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+    total_timeout_s: float = Field(default=600.0, gt=0)
+    max_connections: int = Field(default=1024, gt=0)
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    max_concurrent_requests: int = Field(default=4096, gt=0)
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+
+class AdminConfig(_Strict):
+    api_key: str | None = Field(default=None, description="absent: admin endpoints are disabled")
+
+
+class Config(_Strict):
+    listen: ListenConfig = ListenConfig()
+    backends: list[BackendConfig] = Field(min_length=1)
+    pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"general": PoolConfig()})
+    routing: RoutingConfig = RoutingConfig()
+    store: StoreConfig = StoreConfig()
+    collector: CollectorConfig = CollectorConfig()
+    retry: RetryConfig = RetryConfig()
+    queue: QueueConfig = QueueConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    limits: LimitsConfig = LimitsConfig()
+    admin: AdminConfig = AdminConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        seen: set[str] = set()
+        for i, b in enumerate(self.backends):
+            if b.name in seen:
+                raise ValueError(f"backends.{i}.name: duplicate backend name {b.name!r}")
+            seen.add(b.name)
+            if b.pool not in self.pools:
+                raise ValueError(
+                    f"backends.{i}.pool: {b.pool!r} is not a defined pool (defined: {sorted(self.pools)})"
+                )
+        return self
+
+    def pool_role(self, pool: str) -> PoolRole:
+        return self.pools[pool].role
+
+    def backend(self, name: str) -> BackendConfig:
+        for b in self.backends:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message names each offending key and value."""
+
+
+# Environment variable -> dotted config key. Only what deployments typically inject.
+ENV_OVERRIDES: dict[str, str] = {
+    "KVROUTE_REDIS_URL": "store.redis_url",
+    "KVROUTE_ADMIN_KEY": "admin.api_key",
+    "KVROUTE_POLICY": "routing.policy",
+    "KVROUTE_HOST": "listen.host",
+    "KVROUTE_PORT": "listen.port",
+    "KVROUTE_LONG_THRESHOLD_TOKENS": "routing.long_threshold_tokens",
+}
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        child = node.get(p)
+        if not isinstance(child, dict):
+            child = {}
+            node[p] = child
+        node = child
+    node[leaf] = value
+
+
+def apply_env(data: dict[str, Any], environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, Any]:
+    env = os.environ if environ is None else environ
+    for var, key in ENV_OVERRIDES.items():
+        if var in env:
+            _set_dotted(data, key, env[var] if env[var] != "" else None)
+    return data
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: {err.error_count()} error(s)"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        value = e.get("input")
+        shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>", environ: dict[str, str] | None = None) -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    data = apply_env(dict(data), environ)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return parse_config(data, str(p), environ)

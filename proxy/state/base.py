@@ -1,0 +1,186 @@
+"""The state store interface shared by the Redis store and the embedded in-process store.
+
+Both implementations pass one contract suite (tests/test_state_contract.py). Times are
+passed in by the caller (unix seconds) so that behaviour is deterministic under test and
+identical between the two stores; hosts are expected to keep clocks in sync (NTP).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from proxy.fleet import MemoryReport, Overlay
+
+Status = Literal["up", "down", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """An in-flight request's claim on a backend's KV memory; expires on its own."""
+
+    id: str
+    tokens: int
+    created_at: float
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Flags:
+    draining: bool = False
+    cooldown_until: float = 0.0
+    ceiling_tokens: int | None = None
+    ceiling_set_at: float = 0.0
+    ceiling_until: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendState:
+    """Everything the store holds about one backend, read in one go."""
+
+    name: str
+    status: Status = "unknown"
+    status_reason: str = ""
+    report: MemoryReport | None = None
+    reservations: tuple[Reservation, ...] = ()
+    flags: Flags = field(default_factory=Flags)
+
+    def overlay(self, now: float, grace_s: float) -> Overlay:
+        return build_overlay(self.report, self.reservations, self.flags, now, grace_s)
+
+
+def pending_tokens(report: MemoryReport | None, reservations: tuple[Reservation, ...] | list[Reservation], now: float, grace_s: float) -> int:
+    """Tokens reserved after the report was taken (minus a grace), i.e. not yet visible in it.
+
+    Reservations older than the report are already allocated on the backend and counted in
+    its free/largest-block figures; counting them again would double count.
+    """
+    cutoff = (report.reported_at - grace_s) if report is not None else float("-inf")
+    return sum(r.tokens for r in reservations if r.expires_at > now and r.created_at >= cutoff)
+
+
+def build_overlay(
+    report: MemoryReport | None,
+    reservations: tuple[Reservation, ...] | list[Reservation],
+    flags: Flags,
+    now: float,
+    grace_s: float,
+) -> Overlay:
+    live = [r for r in reservations if r.expires_at > now]
+    ceiling = flags.ceiling_tokens
+    # A learned ceiling is lifted by a newer report that shows a block big enough again.
+    if ceiling is not None and (
+        now >= flags.ceiling_until
+        or (report is not None and report.reported_at > flags.ceiling_set_at and report.largest_free_block_tokens >= ceiling)
+    ):
+        ceiling = None
+    return Overlay(
+        pending_tokens=pending_tokens(report, live, now, grace_s),
+        reserved_tokens=sum(r.tokens for r in live),
+        inflight=len(live),
+        draining=flags.draining,
+        cooldown_until=flags.cooldown_until,
+        ceiling_tokens=ceiling,
+        ceiling_until=flags.ceiling_until if ceiling is not None else 0.0,
+    )
+
+
+def reservation_fits(report: MemoryReport | None, pending: int, tokens: int, headroom: float) -> bool:
+    """The atomic reserve's check: pending + demand x (1 + headroom) within the largest free block.
+
+    With no report there is nothing to check against, so the reservation is allowed.
+    """
+    if report is None:
+        return True
+    return pending + tokens * (1.0 + headroom) <= report.largest_free_block_tokens
+
+
+class StoreUnavailable(Exception):
+    """The store did not answer within its deadline (after one retry)."""
+
+
+class StateStore(abc.ABC):
+    """Per-backend reported state, the gateway's overlay, retry memory, locks and events."""
+
+    # --- reports (written by the collector, or pushed by custom servers into Redis) ---
+    @abc.abstractmethod
+    async def put_report(self, name: str, report: MemoryReport, ttl_s: float) -> None:
+        """Store a backend's memory report and mark it up; the report expires after ttl_s."""
+
+    @abc.abstractmethod
+    async def mark_down(self, name: str, reason: str, ttl_s: float) -> None:
+        """Mark a backend unreachable (keeps the last report for diagnosis)."""
+
+    @abc.abstractmethod
+    async def read(self, names: list[str], now: float) -> dict[str, BackendState]:
+        """Read the full state of these backends in one round trip; unknown names come back empty."""
+
+    @abc.abstractmethod
+    async def known_backends(self) -> set[str]:
+        """Names of every backend that has ever reported (including ones pushed directly)."""
+
+    # --- reservations ---
+    @abc.abstractmethod
+    async def reserve(
+        self,
+        name: str,
+        reservation_id: str,
+        tokens: int,
+        now: float,
+        ttl_s: float,
+        *,
+        check_fit: bool = True,
+        headroom: float = 0.0,
+        grace_s: float = 0.0,
+    ) -> bool:
+        """Atomically add a reservation; with check_fit, only if it fits (see reservation_fits)."""
+
+    @abc.abstractmethod
+    async def release(self, name: str, reservation_id: str) -> None:
+        """Remove a reservation; releasing an unknown id is a no-op."""
+
+    @abc.abstractmethod
+    async def reservations(self, name: str, now: float) -> list[Reservation]:
+        """Live (unexpired) reservations on a backend."""
+
+    # --- flags ---
+    @abc.abstractmethod
+    async def set_draining(self, name: str, draining: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def set_cooldown(self, name: str, until: float) -> None: ...
+
+    @abc.abstractmethod
+    async def set_ceiling(self, name: str, tokens: int, now: float, until: float) -> None:
+        """Learn that `name` cannot fit `tokens` (or more) now; keeps the lowest active ceiling."""
+
+    # --- retry memory ---
+    @abc.abstractmethod
+    async def add_failed(self, retry_key: str, name: str, ttl_s: float) -> None: ...
+
+    @abc.abstractmethod
+    async def failed_on(self, retry_key: str) -> set[str]: ...
+
+    # --- coordination between gateway replicas ---
+    @abc.abstractmethod
+    async def try_lock(self, lock: str, owner: str, ttl_s: float) -> bool:
+        """Take or extend (when already ours) a lock with expiry."""
+
+    @abc.abstractmethod
+    async def unlock(self, lock: str, owner: str) -> None: ...
+
+    # --- maintenance event log ---
+    @abc.abstractmethod
+    async def append_event(self, event: dict[str, Any], max_len: int = 1000) -> None: ...
+
+    @abc.abstractmethod
+    async def events(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Newest first."""
+
+    # --- lifecycle ---
+    @abc.abstractmethod
+    async def ping(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
