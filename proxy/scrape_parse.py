@@ -64,7 +64,9 @@ class Samples:
             for family in text_string_to_metric_families(_only(text, keep) if keep else text):
                 for s in family.samples:
                     by_name.setdefault(s.name, []).append(Sample(dict(s.labels), float(s.value)))
-        except Exception as exc:  # the parser raises ValueError, but also IndexError/TypeError on junk
+        except (
+            Exception
+        ) as exc:  # the parser raises ValueError, but also IndexError/TypeError on junk
             first = text.strip().splitlines()[0][:80] if text.strip() else ""
             raise ScrapeError(
                 f"not valid Prometheus text exposition ({type(exc).__name__}: {exc}); starts with {first!r}"
@@ -97,7 +99,9 @@ def _only(text: str, keep: frozenset[str]) -> str:
 @functools.cache
 def _line_selector(keep: frozenset[str]) -> re.Pattern[str]:
     names = "|".join(re.escape(n) for n in sorted(keep, key=len, reverse=True))
-    return re.compile(rf"^[ \t]*(?:#[ \t]+(?:HELP|TYPE)[ \t]+)?(?:{names})(?=[ \t{{]).*$", re.MULTILINE)
+    return re.compile(
+        rf"^[ \t]*((?:#[ \t]+(?:HELP|TYPE)[ \t]+)?(?:{names})(?=[ \t{{\r]|$).*?)\r?$", re.MULTILINE
+    )
 
 
 # --- small helpers ----------------------------------------------------------------------
@@ -301,7 +305,9 @@ def report_from_samples(
             f"required metric {bc.VLLM_KV_USAGE} (or {bc.VLLM_KV_USAGE_DEPRECATED}, "
             f"or the kvroute gauges {', '.join(_KVROUTE_REQUIRED)}) is missing"
         )
-    raise ScrapeError(f"required kvroute allocator gauges are missing ({', '.join(_KVROUTE_REQUIRED)})")
+    raise ScrapeError(
+        f"required kvroute allocator gauges are missing ({', '.join(_KVROUTE_REQUIRED)})"
+    )
 
 
 def parse_report(

@@ -8,7 +8,9 @@ identical between the two stores; hosts are expected to keep clocks in sync (NTP
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from proxy.fleet import MemoryReport, Overlay
@@ -60,6 +62,71 @@ def pending_tokens(report: MemoryReport | None, reservations: tuple[Reservation,
     return sum(r.tokens for r in reservations if r.expires_at > now and r.created_at >= cutoff)
 
 
+def live_reservations(reservations: Iterable[Reservation], now: float) -> tuple[Reservation, ...]:
+    """Unexpired reservations in a canonical order (oldest first, then id), so both stores agree."""
+    return tuple(sorted((r for r in reservations if r.expires_at > now), key=lambda r: (r.created_at, r.id)))
+
+
+def ceiling_in_force(flags: Flags, report: MemoryReport | None, now: float) -> int | None:
+    """The learned ceiling that still applies, or None once it expired or a newer report lifted it.
+
+    A learned ceiling is lifted by a report taken after it was set that shows a free block
+    big enough again (the node freed memory or restarted).
+    """
+    ceiling = flags.ceiling_tokens
+    if ceiling is None or now >= flags.ceiling_until:
+        return None
+    if report is not None and report.reported_at > flags.ceiling_set_at and report.largest_free_block_tokens >= ceiling:
+        return None
+    return ceiling
+
+
+def merge_ceiling(flags: Flags, report: MemoryReport | None, tokens: int, now: float, until: float) -> Flags:
+    """set_ceiling's rule: the lowest ceiling still in force wins.
+
+    A lower (or the first) ceiling replaces the one in force; the same ceiling learned again
+    is refreshed (later set_at/until); a higher one adds nothing, since "cannot fit N" already
+    implies "cannot fit more than N". The Redis store runs the same rule in Lua.
+    """
+    current = ceiling_in_force(flags, report, now)
+    if current is None or tokens < current:
+        return replace(flags, ceiling_tokens=tokens, ceiling_set_at=now, ceiling_until=until)
+    if tokens == current:
+        return replace(
+            flags,
+            ceiling_set_at=max(flags.ceiling_set_at, now),
+            ceiling_until=max(flags.ceiling_until, until),
+        )
+    return flags
+
+
+def check_finite(**values: float) -> None:
+    """Reject NaN/infinite times and sizes: Redis and Python would order them differently."""
+    for label, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"{label} must be a finite number, got {value!r}")
+
+
+def check_ttl(ttl_s: float) -> None:
+    check_finite(ttl_s=ttl_s)
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+
+
+def check_tokens(tokens: int) -> None:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
+
+
+def check_reserve_args(tokens: int, now: float, ttl_s: float, headroom: float, grace_s: float) -> None:
+    """Reject arguments both stores would otherwise treat differently (negative, NaN, infinite)."""
+    check_tokens(tokens)
+    check_finite(now=now, headroom=headroom, grace_s=grace_s)
+    check_ttl(ttl_s)
+    if headroom < 0 or grace_s < 0:
+        raise ValueError(f"headroom and grace_s must be >= 0, got {headroom!r}, {grace_s!r}")
+
+
 def build_overlay(
     report: MemoryReport | None,
     reservations: tuple[Reservation, ...] | list[Reservation],
@@ -68,13 +135,7 @@ def build_overlay(
     grace_s: float,
 ) -> Overlay:
     live = [r for r in reservations if r.expires_at > now]
-    ceiling = flags.ceiling_tokens
-    # A learned ceiling is lifted by a newer report that shows a block big enough again.
-    if ceiling is not None and (
-        now >= flags.ceiling_until
-        or (report is not None and report.reported_at > flags.ceiling_set_at and report.largest_free_block_tokens >= ceiling)
-    ):
-        ceiling = None
+    ceiling = ceiling_in_force(flags, report, now)
     return Overlay(
         pending_tokens=pending_tokens(report, live, now, grace_s),
         reserved_tokens=sum(r.tokens for r in live),

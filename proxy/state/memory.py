@@ -1,0 +1,229 @@
+"""The embedded in-process state store: the default for a single gateway.
+
+Plain dicts. Every method runs its critical section without an ``await`` in it, so on
+one event loop each call is atomic (the reserve check-and-add cannot interleave with
+another reserve). Report, retry-key and lock TTLs run on a monotonic clock (as Redis's
+PEXPIRE does on the server's clock); reservations, ceilings and cooldowns use the times
+passed in by the caller, exactly as the Redis store does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from proxy.fleet import MemoryReport
+from proxy.state.base import (
+    BackendState,
+    Flags,
+    Reservation,
+    StateStore,
+    Status,
+    check_finite,
+    check_reserve_args,
+    check_tokens,
+    check_ttl,
+    live_reservations,
+    merge_ceiling,
+    pending_tokens,
+    reservation_fits,
+)
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class _Entry:
+    """The per-backend state hash: report and status expire together, as one Redis key does."""
+
+    report: MemoryReport | None
+    status: Status
+    reason: str
+    expires_at: float  # on the store's clock
+
+
+class InProcessStore(StateStore):
+    """One gateway's state in memory; shares nothing with other processes."""
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self._clock = clock
+        self._states: dict[str, _Entry] = {}
+        self._known: set[str] = set()
+        self._res: dict[str, dict[str, Reservation]] = {}
+        self._flags: dict[str, Flags] = {}
+        self._retry: dict[str, tuple[set[str], float]] = {}
+        self._locks: dict[str, tuple[str, float]] = {}
+        self._events: deque[bytes] = deque()
+        self._retry_sweep_at = 1024  # sweep expired retry keys when the dict grows past this
+
+    # --- helpers (no awaits) ---
+    def _state(self, name: str) -> _Entry | None:
+        entry = self._states.get(name)
+        if entry is not None and self._clock() >= entry.expires_at:
+            del self._states[name]
+            return None
+        return entry
+
+    def _live(self, name: str, now: float) -> dict[str, Reservation]:
+        """The backend's reservations with expired ones purged (as the Lua script does)."""
+        res = self._res.get(name)
+        if res is None:
+            return {}
+        for rid in [rid for rid, r in res.items() if r.expires_at <= now]:
+            del res[rid]
+        if not res:
+            del self._res[name]
+            return {}
+        return res
+
+    # --- reports ---
+    async def put_report(self, name: str, report: MemoryReport, ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        self._states[name] = _Entry(report, "up", "", self._clock() + ttl_s)
+        self._known.add(name)
+
+    async def mark_down(self, name: str, reason: str, ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        entry = self._state(name)
+        report = entry.report if entry is not None else None
+        self._states[name] = _Entry(report, "down", reason, self._clock() + ttl_s)
+        self._known.add(name)
+
+    async def read(self, names: list[str], now: float) -> dict[str, BackendState]:
+        out: dict[str, BackendState] = {}
+        for name in names:
+            entry = self._state(name)
+            res = self._res.get(name, {})
+            out[name] = BackendState(
+                name=name,
+                status=entry.status if entry is not None else "unknown",
+                status_reason=entry.reason if entry is not None else "",
+                report=entry.report if entry is not None else None,
+                reservations=live_reservations(res.values(), now),
+                flags=self._flags.get(name, Flags()),
+            )
+        return out
+
+    async def known_backends(self) -> set[str]:
+        return set(self._known)
+
+    # --- reservations ---
+    async def reserve(
+        self,
+        name: str,
+        reservation_id: str,
+        tokens: int,
+        now: float,
+        ttl_s: float,
+        *,
+        check_fit: bool = True,
+        headroom: float = 0.0,
+        grace_s: float = 0.0,
+    ) -> bool:
+        check_reserve_args(tokens, now, ttl_s, headroom, grace_s)
+        live = self._live(name, now)
+        if check_fit:
+            entry = self._state(name)
+            report = entry.report if entry is not None else None
+            others = [r for rid, r in live.items() if rid != reservation_id]
+            if not reservation_fits(report, pending_tokens(report, others, now, grace_s), tokens, headroom):
+                return False
+        self._res.setdefault(name, live)[reservation_id] = Reservation(
+            reservation_id, tokens, now, now + ttl_s
+        )
+        return True
+
+    async def release(self, name: str, reservation_id: str) -> None:
+        res = self._res.get(name)
+        if res is not None:
+            res.pop(reservation_id, None)
+            if not res:
+                del self._res[name]
+
+    async def reservations(self, name: str, now: float) -> list[Reservation]:
+        return list(live_reservations(self._live(name, now).values(), now))
+
+    # --- flags ---
+    async def set_draining(self, name: str, draining: bool) -> None:
+        self._flags[name] = replace(self._flags.get(name, Flags()), draining=bool(draining))
+
+    async def set_cooldown(self, name: str, until: float) -> None:
+        check_finite(until=until)
+        self._flags[name] = replace(self._flags.get(name, Flags()), cooldown_until=float(until))
+
+    async def set_ceiling(self, name: str, tokens: int, now: float, until: float) -> None:
+        check_tokens(tokens)
+        check_finite(now=now, until=until)
+        entry = self._state(name)
+        report = entry.report if entry is not None else None
+        flags = self._flags.get(name, Flags())
+        self._flags[name] = merge_ceiling(flags, report, tokens, float(now), float(until))
+
+    # --- retry memory ---
+    async def add_failed(self, retry_key: str, name: str, ttl_s: float) -> None:
+        check_ttl(ttl_s)
+        now = self._clock()
+        names, expires_at = self._retry.get(retry_key, (set(), 0.0))
+        if now >= expires_at:
+            names = set()
+        names.add(name)
+        self._retry[retry_key] = (names, now + ttl_s)  # the TTL is refreshed on every add
+        if len(self._retry) > self._retry_sweep_at:
+            for key in [k for k, (_, exp) in self._retry.items() if now >= exp]:
+                del self._retry[key]
+            self._retry_sweep_at = max(1024, 2 * len(self._retry))
+
+    async def failed_on(self, retry_key: str) -> set[str]:
+        item = self._retry.get(retry_key)
+        if item is None:
+            return set()
+        if self._clock() >= item[1]:
+            del self._retry[retry_key]
+            return set()
+        return set(item[0])
+
+    # --- coordination ---
+    async def try_lock(self, lock: str, owner: str, ttl_s: float) -> bool:
+        check_ttl(ttl_s)
+        now = self._clock()
+        held = self._locks.get(lock)
+        if held is not None and now < held[1] and held[0] != owner:
+            return False
+        self._locks[lock] = (owner, now + ttl_s)
+        return True
+
+    async def unlock(self, lock: str, owner: str) -> None:
+        held = self._locks.get(lock)
+        if held is not None and held[0] == owner:
+            del self._locks[lock]
+
+    # --- events ---
+    async def append_event(self, event: dict[str, Any], max_len: int = 1000) -> None:
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        # Stored as JSON, like the Redis list, so both stores accept and return the same things.
+        self._events.appendleft(orjson.dumps(event))
+        while len(self._events) > max_len:
+            self._events.pop()
+
+    async def events(self, limit: int = 100) -> list[dict[str, Any]]:
+        if limit < 1:
+            return []
+        out: list[dict[str, Any]] = []
+        for raw in self._events:
+            if len(out) >= limit:
+                break
+            out.append(orjson.loads(raw))
+        return out
+
+    # --- lifecycle ---
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
