@@ -102,7 +102,7 @@ class _Node:
     __slots__ = (
         "alloc", "ceiling", "ceiling_set", "ceiling_until", "down", "drain_started", "draining",
         "frag_since", "inflight", "live", "name", "pending", "report", "restarts", "role",
-        "started_at", "view", "view_at",
+        "started_at", "view",
     )  # fmt: skip
 
     def __init__(self, name: str, role: str, alloc: Any) -> None:
@@ -121,7 +121,6 @@ class _Node:
         self.frag_since: float | None = None
         self.restarts = 0
         self.view: NodeView | None = None
-        self.view_at = -1.0
         self.report: MemoryReport | None = None  # lag mode: the last scrape
         self.pending: dict[int, int] = {}  # lag mode: placed after the last scrape
 
@@ -269,6 +268,8 @@ class Simulation:
         self.bucket_fail = 0
         self.bucket_req = 0
         self.lag = cfg.report_lag_s > 0
+        self.snap_at = -1.0
+        self.refresh_s = max(1e-3, cfg.settings.stale_after_s / 2)
 
     # --- event plumbing -------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: Any) -> None:
@@ -328,8 +329,6 @@ class Simulation:
 
     # --- the fleet as the gateway sees it ---------------------------------------------------
     def _view(self, n: _Node, now: float) -> NodeView:
-        if n.view is not None and now - n.view_at < 1.0:
-            return n.view
         ceiling = n.ceiling if n.ceiling is not None and now < n.ceiling_until else None
         if self.lag:
             report = n.report
@@ -346,12 +345,18 @@ class Simulation:
             ceiling_tokens=ceiling,
             ceiling_until=n.ceiling_until if ceiling is not None else 0.0,
         )
-        n.view = NodeView(name=n.name, role="long" if n.role == "long" else "general", up=not n.down, report=report, overlay=ov)
-        n.view_at = now
-        return n.view
+        view = NodeView(name=n.name, role="long" if n.role == "long" else "general", up=not n.down, report=report, overlay=ov)
+        n.view = view
+        return view
 
     def _snapshot(self, now: float) -> FleetSnapshot:
-        return FleetSnapshot(nodes=tuple(self._view(n, now) for n in self.nodes), taken_at=now)
+        # Views are rebuilt when their node changed, and all of them every half staleness
+        # period (so that a fresh report never looks stale to the policy).
+        if now - self.snap_at >= self.refresh_s:
+            for n in self.nodes:
+                n.view = None
+            self.snap_at = now
+        return FleetSnapshot(nodes=tuple([n.view or self._view(n, now) for n in self.nodes]), taken_at=now)
 
     def _fleet_free_fraction(self) -> float:
         cap = free = 0

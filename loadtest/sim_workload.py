@@ -108,7 +108,9 @@ def mix_stream(mix: tuple[RequestClass, ...], rate_per_s: float, duration_s: flo
             if u < edge:
                 c = mix[i]
                 break
-        yield SimRequest(t, rng.randint(*c.prompt), rng.randint(*c.output), c.kind)
+        (plo, phi), (olo, ohi) = c.prompt, c.output
+        r = rng.random
+        yield SimRequest(t, plo + int(r() * (phi - plo + 1)), olo + int(r() * (ohi - olo + 1)), c.kind)
 
 
 def _read_trace(path: str | Path) -> list[tuple[float, int, int]]:

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_DELEGATED = {"engine": "loadtest.engine", "demo": "proxy.demo", "simulate": "loadtest.simulator", "tune": "loadtest.tune"}
+_DELEGATED = {"engine": "loadtest.engine", "demo": "loadtest.demo", "simulate": "loadtest.simulator", "tune": "loadtest.tune"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,7 +52,12 @@ class BackendState:
         return build_overlay(self.report, self.reservations, self.flags, now, grace_s)
 
 
-def pending_tokens(report: MemoryReport | None, reservations: tuple[Reservation, ...] | list[Reservation], now: float, grace_s: float) -> int:
+def pending_tokens(
+    report: MemoryReport | None,
+    reservations: tuple[Reservation, ...] | list[Reservation],
+    now: float,
+    grace_s: float,
+) -> int:
     """Tokens reserved after the report was taken (minus a grace), i.e. not yet visible in it.
 
     Reservations older than the report are already allocated on the backend and counted in
@@ -64,7 +69,9 @@ def pending_tokens(report: MemoryReport | None, reservations: tuple[Reservation,
 
 def live_reservations(reservations: Iterable[Reservation], now: float) -> tuple[Reservation, ...]:
     """Unexpired reservations in a canonical order (oldest first, then id), so both stores agree."""
-    return tuple(sorted((r for r in reservations if r.expires_at > now), key=lambda r: (r.created_at, r.id)))
+    return tuple(
+        sorted((r for r in reservations if r.expires_at > now), key=lambda r: (r.created_at, r.id))
+    )
 
 
 def ceiling_in_force(flags: Flags, report: MemoryReport | None, now: float) -> int | None:
@@ -76,12 +83,18 @@ def ceiling_in_force(flags: Flags, report: MemoryReport | None, now: float) -> i
     ceiling = flags.ceiling_tokens
     if ceiling is None or now >= flags.ceiling_until:
         return None
-    if report is not None and report.reported_at > flags.ceiling_set_at and report.largest_free_block_tokens >= ceiling:
+    if (
+        report is not None
+        and report.reported_at > flags.ceiling_set_at
+        and report.largest_free_block_tokens >= ceiling
+    ):
         return None
     return ceiling
 
 
-def merge_ceiling(flags: Flags, report: MemoryReport | None, tokens: int, now: float, until: float) -> Flags:
+def merge_ceiling(
+    flags: Flags, report: MemoryReport | None, tokens: int, now: float, until: float
+) -> Flags:
     """set_ceiling's rule: the lowest ceiling still in force wins.
 
     A lower (or the first) ceiling replaces the one in force; the same ceiling learned again
@@ -103,7 +116,11 @@ def merge_ceiling(flags: Flags, report: MemoryReport | None, tokens: int, now: f
 def check_finite(**values: float) -> None:
     """Reject NaN/infinite times and sizes: Redis and Python would order them differently."""
     for label, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             raise ValueError(f"{label} must be a finite number, got {value!r}")
 
 
@@ -118,7 +135,9 @@ def check_tokens(tokens: int) -> None:
         raise ValueError(f"tokens must be a non-negative int, got {tokens!r}")
 
 
-def check_reserve_args(tokens: int, now: float, ttl_s: float, headroom: float, grace_s: float) -> None:
+def check_reserve_args(
+    tokens: int, now: float, ttl_s: float, headroom: float, grace_s: float
+) -> None:
     """Reject arguments both stores would otherwise treat differently (negative, NaN, infinite)."""
     check_tokens(tokens)
     check_finite(now=now, headroom=headroom, grace_s=grace_s)
@@ -147,7 +166,9 @@ def build_overlay(
     )
 
 
-def reservation_fits(report: MemoryReport | None, pending: int, tokens: int, headroom: float) -> bool:
+def reservation_fits(
+    report: MemoryReport | None, pending: int, tokens: int, headroom: float
+) -> bool:
     """The atomic reserve's check: pending + demand x (1 + headroom) within the largest free block.
 
     With no report there is nothing to check against, so the reservation is allowed.

@@ -131,8 +131,11 @@ class InProcessStore(StateStore):
             entry = self._state(name)
             report = entry.report if entry is not None else None
             others = [r for rid, r in live.items() if rid != reservation_id]
-            if not reservation_fits(report, pending_tokens(report, others, now, grace_s), tokens, headroom):
+            if not reservation_fits(
+                report, pending_tokens(report, others, now, grace_s), tokens, headroom
+            ):
                 return False
+        now = float(now)
         self._res.setdefault(name, live)[reservation_id] = Reservation(
             reservation_id, tokens, now, now + ttl_s
         )

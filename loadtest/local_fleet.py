@@ -1,0 +1,236 @@
+"""Start a local fleet as real processes: simulated engines, optional Redis, the gateway.
+
+Used by the demo, the end-to-end comparison, benchmarks and the fault-injection tests,
+so every one of them exercises the same processes a user would run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_http(url: str, timeout_s: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll `url` until it answers 2xx; fail early if the process died."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        try:
+            r = httpx.get(url, timeout=1.0)
+            if r.status_code < 300:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            last = exc.__class__.__name__
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s ({last})")
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    url: str
+    popen: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    def start(self, env: dict[str, str] | None = None, log_dir: Path | None = None) -> None:
+        out: Any = subprocess.DEVNULL
+        if log_dir is not None:
+            self.log_path = log_dir / f"{self.name}.log"
+            out = self.log_path.open("ab")
+        self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(5)
+        self.popen = None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+@dataclass
+class EngineSpec:
+    name: str
+    pool: str = "general"
+    allocator: str = "contiguous"
+    capacity_tokens: int = 100_000
+    speedup: float = 50.0
+    block_size: int = 16
+    extra: Sequence[str] = ()
+
+
+def engine_proc(spec: EngineSpec, port: int | None = None) -> Proc:
+    port = port or free_port()
+    argv = [
+        sys.executable, "-m", "loadtest.engine",
+        "--host", "127.0.0.1", "--port", str(port), "--name", spec.name,
+        "--allocator", spec.allocator, "--capacity-tokens", str(spec.capacity_tokens),
+        "--speedup", str(spec.speedup), "--block-size", str(spec.block_size), *spec.extra,
+    ]  # fmt: skip
+    return Proc(spec.name, argv, f"http://127.0.0.1:{port}")
+
+
+def redis_proc(workdir: Path, port: int | None = None) -> Proc:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
+    port = port or free_port()
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)]
+    return Proc("redis", argv, f"redis://127.0.0.1:{port}/0")
+
+
+def gateway_config(engines: Sequence[tuple[EngineSpec, str]], **overrides: Any) -> dict[str, Any]:
+    pools = sorted({spec.pool for spec, _ in engines} | {"general"})
+    cfg: dict[str, Any] = {
+        "pools": {p: {"role": "long" if p == "long" else "general"} for p in pools},
+        "backends": [{"name": s.name, "url": url, "pool": s.pool, "kind": s.allocator} for s, url in engines],
+        "collector": {"scrape_interval_s": 0.25, "stale_after_s": 3.0},
+    }
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values
+    return cfg
+
+
+@dataclass
+class LocalFleet:
+    """Engines + (optional) Redis + gateway processes; use as a context manager."""
+
+    specs: Sequence[EngineSpec]
+    policy: str = "kvroute"
+    use_redis: bool = False
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvroute-fleet-")))
+    engines: list[Proc] = field(default_factory=list)
+    redis: Proc | None = None
+    gateway: Proc | None = None
+    gateway_port: int = 0
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def start_engines(self) -> None:
+        for spec in self.specs:
+            p = engine_proc(spec)
+            p.start(log_dir=self.workdir)
+            self.engines.append(p)
+        for p in self.engines:
+            wait_http(p.url + "/health", proc=p.popen)
+
+    def start_redis(self) -> None:
+        self.redis = redis_proc(self.workdir)
+        self.redis.start(log_dir=self.workdir)
+        import redis as redis_lib
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis_lib.Redis.from_url(self.redis.url).ping()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def write_config(self, policy: str | None = None) -> Path:
+        overrides = {k: dict(v) if isinstance(v, dict) else v for k, v in self.config_overrides.items()}
+        overrides.setdefault("routing", {})["policy"] = policy or self.policy
+        if self.redis is not None:
+            overrides.setdefault("store", {})["redis_url"] = self.redis.url
+        cfg = gateway_config(list(zip(self.specs, [p.url for p in self.engines], strict=True)), **overrides)
+        path = self.workdir / f"kvroute-{policy or self.policy}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return path
+
+    def start_gateway(self, policy: str | None = None, port: int | None = None) -> Proc:
+        path = self.write_config(policy)
+        self.gateway_port = port or free_port()
+        argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path), "--port", str(self.gateway_port), "--log-level", "warning"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+        self.gateway = Proc("gateway", argv, self.gateway_url)
+        self.gateway.start(env=env, log_dir=self.workdir)
+        wait_http(self.gateway_url + "/health", proc=self.gateway.popen)
+        return self.gateway
+
+    def stop_gateway(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.gateway = None
+
+    def restart_engines(self) -> None:
+        """What a process restart does: every allocator empty, uptime reset."""
+        for p in self.engines:
+            httpx.post(p.url + "/admin/restart", timeout=5).raise_for_status()
+
+    def start(self) -> LocalFleet:
+        if self.use_redis:
+            self.start_redis()
+        self.start_engines()
+        self.start_gateway()
+        return self
+
+    def stop(self) -> None:
+        self.stop_gateway()
+        for p in self.engines:
+            p.stop()
+        self.engines.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> LocalFleet:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def local_fleet(specs: Sequence[EngineSpec], **kw: Any) -> Iterator[LocalFleet]:
+    fleet = LocalFleet(specs, **kw)
+    with fleet:
+        yield fleet
