@@ -13,13 +13,14 @@ RUN groupadd --system --gid 10001 kvroute \
       --shell /usr/sbin/nologin kvroute
 
 WORKDIR /opt/kvroute
-# Only what `pip install .` needs (see .dockerignore); dependencies first for layer caching
-# would need a lock file, so the package and its dependencies install in one step.
+# Only what `pip install .` needs (see .dockerignore). Without a lock file the package and
+# its dependencies install in one step.
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 COPY loadtest ./loadtest
+# The source is not needed once installed (a regular, non-editable install).
 RUN pip install . \
- && rm -rf /opt/kvroute/build /opt/kvroute/*.egg-info
+ && cd / && rm -rf /opt/kvroute
 
 USER kvroute:kvroute
 WORKDIR /home/kvroute

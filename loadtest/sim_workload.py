@@ -1,8 +1,8 @@
 """Request streams for the offline fleet simulator.
 
 A six-day run is millions of requests, so mixes are generated lazily (an iterator, never a
-list), seeded, and sorted by arrival by construction (Poisson arrivals). Trace replay reads
-the Azure trace through ``loadtest.workload`` and loops it to cover any horizon.
+list) through ``loadtest.workload`` (the generator the benchmarks use too), seeded and sorted
+by arrival. Trace replay loops the trace end to end to cover any horizon.
 
 Session retention: first-fit fragmentation only trends over *uptime* (rather than settling
 within minutes) when some allocations live far longer than a request. Multi-turn chat
@@ -13,13 +13,21 @@ fragmentation creep up over days and what a restart resets.
 
 from __future__ import annotations
 
-import csv
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Protocol
+
+from loadtest.workload import (
+    DEFAULT_LONG_THRESHOLD,
+    MixClass,
+    Request,
+    bimodal_classes,
+    iter_parametric,
+    load_trace,
+)
 
 
 class ReqLike(Protocol):
@@ -35,37 +43,18 @@ class ReqLike(Protocol):
     def kind(self) -> str: ...
 
 
-class SimRequest(NamedTuple):
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    kind: str
+def problem_mix() -> list[MixClass]:
+    """The problem statement: 70% short chat queries under 500 tokens, 30% long documents 15k-30k."""
+    return bimodal_classes()
 
 
-@dataclass(frozen=True, slots=True)
-class RequestClass:
-    """One component of a mix: its share of requests and uniform prompt/output length ranges."""
-
-    kind: str
-    share: float
-    prompt: tuple[int, int]
-    output: tuple[int, int]
-
-
-# The problem statement: 70% short chat queries under 500 tokens, 30% long documents 15k-30k.
-PROBLEM_MIX: tuple[RequestClass, ...] = (
-    RequestClass("short", 0.7, (40, 460), (30, 400)),
-    RequestClass("long", 0.3, (15_000, 30_000), (200, 1_000)),
-)
-
-
-def parse_mix(text: str) -> tuple[RequestClass, ...]:
-    """``kind:share:plo-phi:olo-ohi,...`` e.g. ``short:0.7:40-460:30-400,long:0.3:15000-30000:200-1000``."""
-    out: list[RequestClass] = []
+def parse_mix(text: str) -> list[MixClass]:
+    """``kind:share:plo-phi:olo-ohi,...`` e.g. ``short:0.7:20-500:16-256,long:0.3:15000-30000:128-1024``."""
+    out: list[MixClass] = []
     for part in text.split(","):
         fields = part.strip().split(":")
-        if len(fields) != 4:
-            raise ValueError(f"mix component {part!r}: expected kind:share:plo-phi:olo-ohi")
+        if len(fields) != 4 or fields[0] not in ("short", "long"):
+            raise ValueError(f"mix component {part!r}: expected short|long:share:plo-phi:olo-ohi")
         kind, share, p, o = fields
         try:
             plo, phi = (int(x) for x in p.split("-"))
@@ -75,63 +64,19 @@ def parse_mix(text: str) -> tuple[RequestClass, ...]:
             raise ValueError(f"mix component {part!r}: share must be a number, ranges lo-hi integers") from None
         if sh <= 0 or not 0 < plo <= phi or not 0 < olo <= ohi:
             raise ValueError(f"mix component {part!r}: share must be > 0 and ranges 0 < lo <= hi")
-        out.append(RequestClass(kind, sh, (plo, phi), (olo, ohi)))
-    if not out:
-        raise ValueError("empty mix")
-    return tuple(out)
+        out.append(MixClass("long" if kind == "long" else "short", sh, (plo, phi), (olo, ohi)))
+    return out
 
 
-def mean_demand(mix: tuple[RequestClass, ...]) -> float:
+def mean_demand(mix: Sequence[MixClass]) -> float:
+    """Mean KV demand (prompt + output tokens) of a request drawn from ``mix``."""
     total = sum(c.share for c in mix)
     return sum(c.share / total * (sum(c.prompt) + sum(c.output)) / 2 for c in mix)
 
 
-def mix_stream(mix: tuple[RequestClass, ...], rate_per_s: float, duration_s: float, seed: int) -> Iterator[SimRequest]:
-    """Poisson arrivals at ``rate_per_s`` for ``duration_s``, classes drawn by share."""
-    if rate_per_s <= 0:
-        raise ValueError("rate must be positive")
-    rng = random.Random(seed)
-    total = sum(c.share for c in mix)
-    cum: list[float] = []
-    acc = 0.0
-    for c in mix:
-        acc += c.share / total
-        cum.append(acc)
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate_per_s)
-        if t >= duration_s:
-            return
-        u = rng.random()
-        c = mix[-1]
-        for i, edge in enumerate(cum):
-            if u < edge:
-                c = mix[i]
-                break
-        (plo, phi), (olo, ohi) = c.prompt, c.output
-        r = rng.random
-        yield SimRequest(t, plo + int(r() * (phi - plo + 1)), olo + int(r() * (ohi - olo + 1)), c.kind)
-
-
-def _read_trace(path: str | Path) -> list[tuple[float, int, int]]:
-    """(offset_s, prompt, output) rows; via loadtest.workload when present, else read here."""
-    try:
-        from loadtest.workload import load_trace
-
-        reqs = load_trace(path, length_scale=1.0, rate_scale=1.0)
-        return [(float(r.arrival_s), int(r.prompt_tokens), int(r.output_tokens)) for r in reqs]
-    except ImportError:
-        pass
-    from datetime import datetime
-
-    rows: list[tuple[float, int, int]] = []
-    with open(path, newline="", encoding="ascii") as f:
-        t0: datetime | None = None
-        for rec in csv.DictReader(f):
-            ts = datetime.strptime(rec["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f")
-            t0 = t0 or ts
-            rows.append(((ts - t0).total_seconds(), int(rec["ContextTokens"]), int(rec["GeneratedTokens"])))
-    return rows
+def mix_stream(mix: Sequence[MixClass], rate_per_s: float, duration_s: float, seed: int) -> Iterator[Request]:
+    """Poisson arrivals at ``rate_per_s`` for ``duration_s`` (lazy: six days never sit in memory)."""
+    return iter_parametric(rate_per_s, mix, duration_s=duration_s, seed=seed)
 
 
 def trace_stream(
@@ -139,35 +84,31 @@ def trace_stream(
     duration_s: float,
     length_scale: float = 1.0,
     rate_scale: float = 1.0,
-    long_threshold: int = 8_000,
-) -> Iterator[SimRequest]:
+    long_threshold: int = DEFAULT_LONG_THRESHOLD,
+) -> Iterator[Request]:
     """Replay the trace, prompt lengths x ``length_scale``, arrivals x ``rate_scale`` faster,
     looped end to end until ``duration_s`` (the Azure code trace spans ~57 minutes)."""
-    if length_scale <= 0 or rate_scale <= 0:
-        raise ValueError("length_scale and rate_scale must be positive")
-    rows = _read_trace(path)
+    rows = load_trace(path, length_scale, rate_scale, long_threshold=long_threshold)
     if not rows:
         return
-    base = rows[0][0]
-    span = (rows[-1][0] - base) / rate_scale + 1.0 / rate_scale
+    gap = (rows[-1].arrival_s - rows[0].arrival_s) / max(1, len(rows) - 1)
+    span = rows[-1].arrival_s + gap
     loop = 0
     while True:
         offset = loop * span
-        for t, p, o in rows:
-            at = offset + (t - base) / rate_scale
+        for r in rows:
+            at = offset + r.arrival_s
             if at >= duration_s:
                 return
-            prompt = max(1, round(p * length_scale))
-            kind = "long" if prompt + o >= long_threshold else "short"
-            yield SimRequest(at, prompt, o, kind)
+            yield Request(at, r.prompt_tokens, r.output_tokens, r.kind)
         loop += 1
 
 
-def trace_rate(path: str | Path) -> tuple[float, float]:
-    """(requests per second, mean demand in tokens) of the trace at scale 1."""
-    rows = _read_trace(path)
-    span = max(1e-9, rows[-1][0] - rows[0][0])
-    return len(rows) / span, sum(p + o for _, p, o in rows) / len(rows)
+def trace_stats(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> tuple[float, float]:
+    """(requests per second, mean demand in tokens) of the trace at these scales."""
+    rows = load_trace(path, length_scale, rate_scale)
+    span = max(1e-9, rows[-1].arrival_s - rows[0].arrival_s)
+    return len(rows) / span, sum(r.total_tokens for r in rows) / len(rows)
 
 
 @dataclass(frozen=True, slots=True)

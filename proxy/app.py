@@ -158,7 +158,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
         if collector is not None:
             collector.on_report.append(lambda name, report: gateway.admission.notify())
-            await collector.start()
+            collector.start()
         app.state.rt = Runtime(cfg, st, fleet, gateway, collector, upstream, metrics, owner)
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)

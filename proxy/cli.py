@@ -26,6 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or cfg.listen.host
     port = args.port if args.port is not None else cfg.listen.port
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
     uvicorn.run(
         create_app(cfg),
         host=host,

@@ -63,7 +63,7 @@ class StoreConfig(_Strict):
     key_prefix: str = "kvroute"
     op_timeout_s: float = Field(default=0.1, gt=0)
     reservation_ttl_s: float = Field(default=900.0, gt=0)
-    report_grace_s: float = Field(default=0.5, ge=0, description="reservations this close before a report still count as not yet visible in it")
+    report_grace_s: float = Field(default=0.25, ge=0, description="reservations this close before a report still count as not yet visible in it")
     max_snapshot_age_s: float = Field(default=30.0, gt=0, description="with the store down, routing uses the last snapshot up to this age")
 
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from proxy.config import Config
-from proxy.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
+from proxy.fleet import FleetSnapshot, MemoryReport, NodeView
 from proxy.state.base import BackendState, StateStore, StoreUnavailable
 
 log = logging.getLogger("kvroute.fleet")

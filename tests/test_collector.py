@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,10 +13,10 @@ import pytest
 from aiohttp import web
 
 from proxy.collector import LOCK_NAME, Collector
-from proxy.config import Config
+from proxy.config import Config, StoreConfig
 from proxy.fleet import MemoryReport
 from proxy.scrape_parse import ScrapeError, parse_report
-from proxy.state.memory import InProcessStore
+from proxy.state import InProcessStore, StateStore, open_store
 
 NOW = 1_760_000_000.0
 
@@ -463,12 +464,24 @@ async def test_backend_comes_back_up_and_report_follows(metrics_server: MetricsS
     )
 
 
-async def test_only_the_lock_holder_scrapes(metrics_server: MetricsServer) -> None:
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_only_the_lock_holder_scrapes(
+    metrics_server: MetricsServer, kind: str, request: pytest.FixtureRequest
+) -> None:
     metrics_server.pages = {"/metrics": (200, KVROUTE_CONTIGUOUS)}
     cfg = make_config([{"name": "a", "url": metrics_server.url(), "kind": "contiguous"}])
-    store = InProcessStore()
-    first = Collector(cfg, store, "gw-1")
-    second = Collector(cfg, store, "gw-2")
+    stores: list[StateStore]
+    if kind == "redis":  # two replicas, each with its own connection to one shared Redis
+        store_cfg = StoreConfig(
+            redis_url=request.getfixturevalue("redis_server"),
+            key_prefix=f"kvroute-{uuid.uuid4().hex[:8]}",
+        )
+        stores = [open_store(store_cfg), open_store(store_cfg)]
+    else:
+        shared = InProcessStore()
+        stores = [shared, shared]
+    first = Collector(cfg, stores[0], "gw-1")
+    second = Collector(cfg, stores[1], "gw-2")
     second_seen: list[str] = []
     second.on_report.append(lambda name, _r: second_seen.append(name))
     try:
@@ -476,20 +489,25 @@ async def test_only_the_lock_holder_scrapes(metrics_server: MetricsServer) -> No
         hits = metrics_server.hits["/metrics"]
         assert await second.scrape_once() is None
         assert await second.scrape_once() is None
-        assert (
-            metrics_server.hits["/metrics"] == hits
-        )  # the second replica did not touch the backend
+        assert metrics_server.hits["/metrics"] == hits  # the second replica left the backend alone
         assert second_seen == []
         assert second.status()["rounds_skipped_total"] == 2 and second.status()["backends"] == {}
         assert first.status()["leader"] is True
+        # ... and reads what the first one wrote.
+        state = (await stores[1].read(["a"], NOW))["a"]
+        assert (
+            state.status == "up" and state.report is not None and state.report.free_tokens == 49_807
+        )
 
         await first.stop()  # hands the lock back: the second takes over on its next round
         assert await second.scrape_once() is not None
         assert second_seen == ["a"] and second.status()["leader"] is True
-        assert await store.try_lock(LOCK_NAME, "gw-3", 5.0) is False
+        assert await stores[0].try_lock(LOCK_NAME, "gw-3", 5.0) is False
     finally:
         await first.stop()
         await second.stop()
+        for st in {id(x): x for x in stores}.values():
+            await st.close()
 
 
 async def test_loop_runs_hooks_survives_hook_errors_and_stops(
@@ -530,8 +548,6 @@ async def test_store_outage_is_counted_and_never_stops_the_loop(
     metrics_server: MetricsServer,
 ) -> None:
     """A Redis store that cannot be reached: every store call fails, scraping and hooks go on."""
-    from proxy.state import open_store
-
     metrics_server.pages = {"/metrics": (200, KVROUTE_PAGED)}
     cfg = Config.model_validate(
         {
@@ -542,12 +558,17 @@ async def test_store_outage_is_counted_and_never_stops_the_loop(
     )
     store = open_store(cfg.store)
     collector = Collector(cfg, store, "gw-1")
-    reports = asyncio.Event()
-    collector.on_report.append(lambda _n, _r: reports.set())
+    outage_seen = asyncio.Event()
+
+    def hook(_name: str, _report: MemoryReport) -> None:
+        # Runs after the failed put_report of the same round: the errors are already counted.
+        if collector.status()["store_errors_total"] >= 4:
+            outage_seen.set()
+
+    collector.on_report.append(hook)
     collector.start()
     try:
-        await asyncio.wait_for(reports.wait(), 10)
-        await _until(lambda: collector.status()["store_errors_total"] >= 4, 10)
+        await asyncio.wait_for(outage_seen.wait(), 10)
         assert collector.running
     finally:
         await collector.stop()
@@ -555,9 +576,3 @@ async def test_store_outage_is_counted_and_never_stops_the_loop(
     st = collector.status()
     assert st["store_ok"] is False and st["round_errors_total"] == 0
     assert st["backends"]["a"]["outcome"] == "ok"
-
-
-async def _until(cond: Callable[[], bool], timeout_s: float) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():
-            await asyncio.sleep(0.01)

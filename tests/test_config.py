@@ -67,7 +67,7 @@ def test_env_overrides_file() -> None:
 
 
 def test_bad_env_value_is_reported_under_its_key() -> None:
-    with pytest.raises(ConfigError, match="listen.port"):
+    with pytest.raises(ConfigError, match=r"listen\.port"):
         parse_config(MINIMAL, environ={"KVROUTE_PORT": "eighty"})
 
 

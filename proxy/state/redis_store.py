@@ -27,6 +27,8 @@ import asyncio
 import math
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from functools import lru_cache
 from typing import Any, TypeVar, cast
 
 import orjson
@@ -202,6 +204,18 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 return 0
 """
 
+# KEYS: every key to read.  Returns one flat HGETALL array per key, or the error text for a
+# key that is not a hash (a foreign writer's mistake spoils that backend only, not the read).
+# One reply for the whole fleet: far less client-side work than a pipeline of 3N replies.
+_LUA_READ = r"""
+local out = {}
+for i = 1, #KEYS do
+  local r = redis.pcall('HGETALL', KEYS[i])
+  if type(r) == 'table' and r.err then out[i] = r.err else out[i] = r end
+end
+return out
+"""
+
 # KEYS: lock.  ARGV: owner.  Compare-and-delete.
 _LUA_UNLOCK = r"""
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -212,6 +226,9 @@ return 0
 
 
 # --------------------------------------------------------------------------- parsing
+# Parsing is memoised: read() runs every few ms and sees the same strings until the next
+# report, while the regex check (needed to match Lua's number syntax exactly) is not free.
+@lru_cache(maxsize=16384)
 def _num(s: str | None) -> float | None:
     if s is None or _NUM.fullmatch(s) is None:
         return None
@@ -239,8 +256,14 @@ def parse_report(h: dict[str, str]) -> tuple[MemoryReport | None, str]:
     allocator (contiguous|paged), block_size (>= 1), running, waiting, started_at. Numbers are
     plain decimals (``30000``, ``1712345678.25``); token counts are rounded down.
     """
-    if not any(k in h for k in REPORT_FIELDS):
+    return _parse_report_fields(tuple(h.get(k) for k in REPORT_FIELDS))
+
+
+@lru_cache(maxsize=1024)
+def _parse_report_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport | None, str]:
+    if all(v is None for v in values):
         return None, ""
+    h = {k: v for k, v in zip(REPORT_FIELDS, values, strict=True) if v is not None}
     ints: dict[str, int] = {}
     for key in REPORT_INT_FIELDS:
         v = _count(h.get(key))
@@ -297,16 +320,24 @@ def report_fields(report: MemoryReport) -> dict[str, str]:
     }
 
 
+@lru_cache(maxsize=16384)
+def _res_value(value: str) -> tuple[int, float, float] | None:
+    """``"<tokens> <created_at> <expires_at>"`` or None when malformed."""
+    parts = value.split(" ")
+    if len(parts) != 3:
+        return None
+    tokens, created, expires = _count(parts[0]), _num(parts[1]), _num(parts[2])
+    if tokens is None or created is None or expires is None:
+        return None
+    return tokens, created, expires
+
+
 def _parse_reservations(h: dict[str, str]) -> list[Reservation]:
     out: list[Reservation] = []
     for rid, value in h.items():
-        parts = value.split(" ")
-        if len(parts) != 3:
-            continue
-        tokens, created, expires = _count(parts[0]), _num(parts[1]), _num(parts[2])
-        if tokens is None or created is None or expires is None:
-            continue
-        out.append(Reservation(rid, tokens, created, expires))
+        parsed = _res_value(value)
+        if parsed is not None:
+            out.append(Reservation(rid, *parsed))
     return out
 
 
@@ -375,6 +406,7 @@ class RedisStore(StateStore):
         self._set_ceiling = self._r.register_script(_LUA_SET_CEILING)
         self._try_lock = self._r.register_script(_LUA_TRY_LOCK)
         self._unlock = self._r.register_script(_LUA_UNLOCK)
+        self._read = self._r.register_script(_LUA_READ)
 
     # --- keys ---
     def _k_state(self, name: str) -> str:
@@ -440,20 +472,12 @@ class RedisStore(StateStore):
         await self._call("mark_down", op)
 
     async def read(self, names: list[str], now: float) -> dict[str, BackendState]:
-        """One MULTI/EXEC pipeline for every backend: one round trip, one consistent snapshot."""
+        """One script call for every backend: one round trip, one consistent snapshot."""
         unique = list(dict.fromkeys(names))
         if not unique:
             return {}
-
-        async def op() -> list[Any]:
-            async with self._r.pipeline(transaction=True) as pipe:
-                for n in unique:
-                    pipe.hgetall(self._k_state(n))
-                    pipe.hgetall(self._k_res(n))
-                    pipe.hgetall(self._k_flags(n))
-                return await pipe.execute(raise_on_error=False)
-
-        results = await self._call("read", op)
+        keys = [k for n in unique for k in (self._k_state(n), self._k_res(n), self._k_flags(n))]
+        results = await self._call("read", lambda: self._read(keys=keys))
         out: dict[str, BackendState] = {}
         for i, n in enumerate(unique):
             parts: list[dict[str, str]] = []
@@ -461,23 +485,17 @@ class RedisStore(StateStore):
             for label, value in zip(
                 ("state", "res", "flags"), results[3 * i : 3 * i + 3], strict=True
             ):
-                # e.g. WRONGTYPE from a foreign writer: it spoils this backend only, not the read.
-                if isinstance(value, Exception):
+                if isinstance(value, list):
+                    it = iter(value)
+                    parts.append(dict(zip(it, it, strict=True)))
+                else:  # the error text for a key of the wrong type
                     errors.append(f"{label} key unreadable: {value}")
                     parts.append({})
-                else:
-                    parts.append(cast(dict[str, str], value))
             st = _parse_state(n, parts[0], parts[1], parts[2], now)
             if errors:
                 extra = "; ".join(errors)
-                st = BackendState(
-                    name=st.name,
-                    status=st.status,
-                    status_reason=f"{st.status_reason}; {extra}" if st.status_reason else extra,
-                    report=st.report,
-                    reservations=st.reservations,
-                    flags=st.flags,
-                )
+                reason = f"{st.status_reason}; {extra}" if st.status_reason else extra
+                st = replace(st, status_reason=reason)
             out[n] = st
         return out
 

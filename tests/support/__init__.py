@@ -1,0 +1,1 @@
+"""Test helpers that start real things: simulated engines, redis-server, the gateway."""

@@ -1,0 +1,79 @@
+"""Run the real gateway app on uvicorn in a background thread, as httpx's own tests do."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from loadtest.local_fleet import free_port
+from proxy.app import create_app
+from proxy.config import Config, parse_config
+
+
+class ThreadedServer(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # not the main thread
+        pass
+
+
+@contextmanager
+def run_gateway(cfg: Config, **app_kw: Any) -> Iterator[str]:
+    port = free_port()
+    app = create_app(cfg, **app_kw)
+    server = ThreadedServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def gateway_cfg(backends: list[dict[str, Any]], **sections: Any) -> Config:
+    pools = {b.get("pool", "general") for b in backends} | {"general"}
+    data: dict[str, Any] = {
+        "pools": {p: {"role": "long" if p == "long" else "general"} for p in pools},
+        "backends": backends,
+        "collector": {"scrape_interval_s": 0.1, "stale_after_s": 2.0},
+        "queue": {"max_wait_s": 0.5},
+    }
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    return parse_config(data, "test", environ={})
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def fleet_state(url: str) -> dict[str, Any]:
+    data: dict[str, Any] = httpx.get(url + "/fleet", timeout=5).json()
+    return data
+
+
+@pytest.fixture
+def gateway_runner() -> Callable[..., Any]:
+    return run_gateway
+
+
+def run_async(coro: Any) -> Any:
+    return asyncio.run(coro)

@@ -1,0 +1,326 @@
+"""Unit tests of the pure routing policy (proxy/policy.py) on hand-built fleet snapshots."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
+from proxy.policy import (
+    POLICIES,
+    PolicySettings,
+    RouteRequest,
+    classify,
+    eligible,
+    make_policy,
+    nothing_fits_reason,
+)
+
+NOW = 10_000.0
+CAP = 131_072
+THRESHOLD = 8_000
+S = PolicySettings(safety_margin=0.0, stale_after_s=5.0, long_threshold_tokens=THRESHOLD)
+
+
+def node(
+    name: str,
+    free: int = CAP,
+    largest: int | None = None,
+    role: str = "general",
+    cap: int = CAP,
+    up: bool = True,
+    reported_at: float = NOW,
+    started_at: float = NOW - 3_600.0,
+    allocator: str = "contiguous",
+    block_size: int = 1,
+    running: int = 0,
+    waiting: int = 0,
+    report: bool = True,
+    **overlay: Any,
+) -> NodeView:
+    rep = (
+        MemoryReport(
+            capacity_tokens=cap,
+            free_tokens=free,
+            largest_free_block_tokens=free if largest is None else largest,
+            allocator=allocator,  # type: ignore[arg-type]
+            block_size=block_size,
+            running=running,
+            waiting=waiting,
+            started_at=started_at,
+            reported_at=reported_at,
+        )
+        if report
+        else None
+    )
+    return NodeView(name=name, pool=role, role=role, up=up, report=rep, overlay=Overlay(**overlay))  # type: ignore[arg-type]
+
+
+def fleet(*nodes: NodeView) -> FleetSnapshot:
+    return FleetSnapshot(nodes=tuple(nodes), taken_at=NOW)
+
+
+def route(policy: str, snap: FleetSnapshot, demand: int, exclude: frozenset[str] = frozenset(), s: PolicySettings = S) -> list[str]:
+    p = make_policy(policy, s)
+    return p.rank(snap, RouteRequest(demand, classify(demand, s.long_threshold_tokens), exclude), NOW)
+
+
+# --- classify --------------------------------------------------------------------------------
+def test_classify_at_the_threshold() -> None:
+    assert classify(THRESHOLD - 1, THRESHOLD) == "short"
+    assert classify(THRESHOLD, THRESHOLD) == "long"
+    assert classify(THRESHOLD + 1, THRESHOLD) == "long"
+    assert classify(1, 1) == "long"
+
+
+# --- long requests --------------------------------------------------------------------------
+def test_long_goes_to_long_pool_best_fit() -> None:
+    snap = fleet(
+        node("g0", free=120_000),
+        node("L-big", free=90_000, largest=60_000, role="long"),
+        node("L-tight", free=40_000, largest=24_000, role="long"),
+        node("L-small", free=30_000, largest=10_000, role="long"),
+    )
+    ranked = route("kvroute", snap, 22_000)
+    # The tightest long-pool block that holds it first (big blocks stay whole), then the other
+    # long-pool node, then general nodes; a long node that cannot fit it is not offered at all.
+    assert ranked[:2] == ["L-tight", "L-big"]
+    assert "L-small" not in ranked
+    assert ranked.index("g0") > ranked.index("L-big")
+
+
+def test_long_spills_to_freshest_general_node_when_long_pool_cannot_fit() -> None:
+    snap = fleet(
+        node("L0", free=50_000, largest=12_000, role="long"),
+        node("g-frag", free=60_000, largest=25_000),  # fits, but 58% fragmented
+        node("g-fresh", free=40_000, largest=40_000, started_at=NOW - 60),  # fits, whole
+        node("g-full", free=10_000, largest=10_000),
+    )
+    ranked = route("kvroute", snap, 22_000)
+    assert ranked[0] == "g-fresh"
+    assert set(ranked) == {"g-fresh", "g-frag"}
+
+
+def test_long_with_nothing_that_fits_is_empty_and_reason_is_fragmentation() -> None:
+    snap = fleet(
+        node("L0", free=50_000, largest=12_000, role="long"),
+        node("g0", free=45_000, largest=9_000),
+    )
+    assert route("kvroute", snap, 22_000) == []
+    cause, msg = nothing_fits_reason(snap, 22_000, NOW)
+    assert cause == "fragmentation"
+    assert "22000" in msg
+
+
+# --- short requests -------------------------------------------------------------------------
+def test_short_prefers_fragmented_general_nodes_and_avoids_the_fresh_big_block_node() -> None:
+    snap = fleet(
+        node("g-fresh", free=126_000, largest=126_000),  # nearly empty: its big block is precious
+        node("g-frag", free=50_000, largest=4_000),  # already checkerboarded: a short fits a gap
+        node("L0", free=100_000, largest=100_000, role="long"),
+    )
+    ranked = route("kvroute", snap, 400)
+    assert ranked[0] == "g-frag"
+    assert ranked.index("g-frag") < ranked.index("g-fresh")
+    assert ranked[-1] == "L0"  # the long pool only after every general node
+
+
+def test_short_balances_load_between_similar_nodes() -> None:
+    snap = fleet(
+        node("g-busy", free=20_000, largest=5_000),
+        node("g-idle", free=80_000, largest=5_000),
+    )
+    assert route("kvroute", snap, 300)[0] == "g-idle"
+
+
+def test_short_spills_to_long_pool_when_no_general_node_fits() -> None:
+    snap = fleet(node("g0", free=100, largest=100), node("L0", free=80_000, role="long"))
+    assert route("kvroute", snap, 300) == ["L0"]
+
+
+# --- fit check -------------------------------------------------------------------------------
+def test_fit_check_honours_pending_reservations() -> None:
+    snap = fleet(node("a", free=30_000, largest=30_000, pending_tokens=10_000), node("b", free=25_000))
+    assert route("kvroute", snap, 22_000) == ["b"]
+    assert route("kvroute", snap, 20_000)[0] in {"a", "b"} and set(route("kvroute", snap, 20_000)) == {"a", "b"}
+
+
+def test_fit_check_honours_safety_margin() -> None:
+    snap = fleet(node("a", free=22_200, largest=22_200))
+    assert route("kvroute", snap, 22_000, s=replace(S, safety_margin=0.0)) == ["a"]
+    assert route("kvroute", snap, 22_000, s=replace(S, safety_margin=0.02)) == []
+
+
+def test_fit_check_rounds_to_whole_paged_blocks() -> None:
+    exact = fleet(node("p", free=22_000, largest=22_000, allocator="paged", block_size=16))
+    assert route("kvroute", exact, 21_990) == ["p"]  # 1375 blocks = 22,000 tokens
+    short_by_a_block = fleet(node("p", free=21_984, largest=21_984, allocator="paged", block_size=16))
+    assert route("kvroute", short_by_a_block, 21_985) == []  # needs 1375 blocks, 1374 free
+    assert route("kvroute", short_by_a_block, 21_984) == ["p"]
+
+
+def test_fit_check_honours_learned_ceiling_until_it_expires() -> None:
+    n = node("a", free=60_000, ceiling_tokens=20_000, ceiling_until=NOW + 10)
+    snap = fleet(n)
+    assert route("kvroute", snap, 20_000) == []
+    assert route("kvroute", snap, 25_000) == []
+    assert route("kvroute", snap, 19_999) == ["a"]
+    expired = fleet(replace(n, overlay=Overlay(ceiling_tokens=20_000, ceiling_until=NOW - 1)))
+    assert route("kvroute", expired, 25_000) == ["a"]
+
+
+# --- exclusions --------------------------------------------------------------------------------
+EXCLUDED = {
+    "down": {"up": False},
+    "stale": {"reported_at": NOW - 60},
+    "draining": {"draining": True},
+    "cooldown": {"cooldown_until": NOW + 5},
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("why", sorted(EXCLUDED))
+def test_excluded_nodes_are_never_ranked(policy: str, why: str) -> None:
+    snap = fleet(node("ok", free=60_000), node("bad", free=120_000, **EXCLUDED[why]))
+    for demand in (300, 22_000):
+        assert route(policy, snap, demand) == ["ok"], (policy, why, demand)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_already_failed_nodes_are_excluded(policy: str) -> None:
+    snap = fleet(node("a", free=120_000), node("b", free=110_000), node("c", free=100_000))
+    ranked = route(policy, snap, 300, exclude=frozenset({"a", "c"}))
+    assert ranked == ["b"]
+
+
+def test_cooldown_over_is_eligible_again() -> None:
+    snap = fleet(node("a", free=60_000, cooldown_until=NOW - 0.1))
+    assert route("kvroute", snap, 300) == ["a"]
+
+
+def test_unknown_nodes_are_routable_but_last() -> None:
+    snap = fleet(node("u", report=False), node("k", free=60_000, largest=30_000))
+    assert route("kvroute", snap, 300) == ["k", "u"]
+    assert route("kvroute", snap, 22_000) == ["k", "u"]
+    assert route("kvroute", snap, 40_000) == ["u"]  # nothing known fits: only the unknown one
+    assert [n.name for n in eligible(snap, RouteRequest(300, "short"), NOW, S)] == ["u", "k"]
+
+
+# --- baselines ----------------------------------------------------------------------------------
+def test_round_robin_rotates_and_ignores_memory() -> None:
+    snap = fleet(node("a", free=0, largest=0), node("b"), node("c"))
+    p = make_policy("round_robin", S)
+    req = RouteRequest(22_000, "long")
+    firsts = [p.rank(snap, req, NOW)[0] for _ in range(6)]
+    assert firsts == ["a", "b", "c", "a", "b", "c"]
+    assert sorted(p.rank(snap, req, NOW)) == ["a", "b", "c"]
+    assert p.checks_fit is False
+
+
+def test_least_loaded_orders_by_requests_in_flight() -> None:
+    snap = fleet(
+        node("busy", running=10, waiting=2),
+        node("idle", running=0),
+        node("mid", running=3, inflight=5),  # the gateway's own count wins when higher
+    )
+    assert route("least_loaded", snap, 300) == ["idle", "mid", "busy"]
+
+
+def test_most_free_orders_by_free_less_pending_and_ignores_fragmentation() -> None:
+    snap = fleet(
+        node("frag", free=90_000, largest=2_000),
+        node("whole", free=60_000, largest=60_000),
+        node("pend", free=100_000, pending_tokens=50_000),
+    )
+    assert route("most_free", snap, 22_000) == ["frag", "whole", "pend"]
+
+
+def test_make_policy() -> None:
+    assert set(POLICIES) == {"kvroute", "round_robin", "least_loaded", "most_free"}
+    for name in POLICIES:
+        assert make_policy(name).name == name
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("random")
+
+
+# --- nothing_fits_reason ------------------------------------------------------------------------
+def test_nothing_fits_reason_tells_fragmentation_from_capacity() -> None:
+    fragmented = fleet(node("a", free=50_000, largest=1_200), node("b", free=40_000, largest=900))
+    cause, msg = nothing_fits_reason(fragmented, 22_000, NOW)
+    assert cause == "fragmentation"
+    assert "restart" in msg
+    full = fleet(node("a", free=5_000, largest=5_000), node("b", free=4_000, largest=1_000))
+    cause, msg = nothing_fits_reason(full, 22_000, NOW)
+    assert cause == "capacity"
+    assert "9000" in msg
+
+
+def test_nothing_fits_reason_counts_pending_and_respects_names() -> None:
+    snap = fleet(node("a", free=30_000, largest=30_000, pending_tokens=25_000), node("b", free=100_000, largest=2_000))
+    assert nothing_fits_reason(snap, 22_000, NOW, names=["a"])[0] == "capacity"
+    assert nothing_fits_reason(snap, 22_000, NOW, names=["b"])[0] == "fragmentation"
+
+
+# --- properties ---------------------------------------------------------------------------------
+@st.composite
+def fleets(draw: st.DrawFn) -> FleetSnapshot:
+    count = draw(st.integers(1, 8))
+    nodes = []
+    for i in range(count):
+        cap = draw(st.sampled_from([16_384, 65_536, CAP]))
+        free = draw(st.integers(0, cap))
+        largest = draw(st.integers(0, free))
+        paged = draw(st.booleans())
+        nodes.append(
+            node(
+                f"n{i}",
+                cap=cap,
+                free=free,
+                largest=free if paged else largest,
+                role=draw(st.sampled_from(["general", "long"])),
+                up=draw(st.booleans()) or i == 0,
+                reported_at=NOW - draw(st.sampled_from([0.0, 1.0, 30.0])),
+                allocator="paged" if paged else "contiguous",
+                block_size=16 if paged else 1,
+                report=draw(st.integers(0, 9)) > 0,
+                running=draw(st.integers(0, 50)),
+                pending_tokens=draw(st.integers(0, 20_000)),
+                draining=draw(st.integers(0, 9)) == 0,
+                cooldown_until=NOW + draw(st.sampled_from([-1.0, 0.0, 5.0])),
+                ceiling_tokens=draw(st.one_of(st.none(), st.integers(1, CAP))),
+                ceiling_until=NOW + draw(st.sampled_from([-1.0, 10.0])),
+            )
+        )
+    return fleet(*nodes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    snap=fleets(),
+    demand=st.integers(1, 40_000),
+    policy=st.sampled_from(sorted(POLICIES)),
+    margin=st.sampled_from([0.0, 0.02, 0.1]),
+    exclude=st.sets(st.sampled_from([f"n{i}" for i in range(8)]), max_size=3),
+)
+def test_every_ranked_node_is_eligible_and_kvroute_ranks_only_fitting_nodes(
+    snap: FleetSnapshot, demand: int, policy: str, margin: float, exclude: set[str]
+) -> None:
+    s = replace(S, safety_margin=margin)
+    req = RouteRequest(demand, classify(demand, s.long_threshold_tokens), frozenset(exclude))
+    ranked = make_policy(policy, s).rank(snap, req, NOW)
+    ok = {n.name: n for n in eligible(snap, req, NOW, s)}
+    assert len(ranked) == len(set(ranked))
+    assert set(ranked) <= set(ok)
+    if policy == "kvroute":
+        for name in ranked:
+            n = ok[name]
+            assert n.report is None or n.fits(demand, NOW, margin)
+        known = [n for n in ranked if ok[n].report is not None]
+        assert ranked[: len(known)] == known  # unknown nodes come last
+        assert set(known) == {n.name for n in ok.values() if n.report is not None and n.fits(demand, NOW, margin)}
+    else:
+        assert set(ranked) == set(ok)

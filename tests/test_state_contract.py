@@ -1,0 +1,392 @@
+"""One contract for both state stores: the embedded in-process store and Redis.
+
+Every test runs against both (fixture ``store``), so the gateway behaves the same whichever
+is configured. Times for reservations and ceilings are passed in (synthetic, around T0);
+report, retry-key and lock TTLs run on the store's own clock, so those few tests sleep a
+little past a short TTL (an expiry lower bound, never a speed assertion).
+
+The ``redis_server`` fixture comes from tests/support/redis_server.py (registered in
+tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.config import StoreConfig
+from proxy.fleet import MemoryReport
+from proxy.state import (
+    BackendState,
+    Flags,
+    InProcessStore,
+    RedisStore,
+    StateStore,
+    open_store,
+)
+
+T0 = 1_700_000_000.0
+SHORT_TTL = 0.1  # store-clock TTLs in the expiry tests
+PAST_TTL = 0.35  # how long those tests wait: well past SHORT_TTL
+
+
+def rep(largest: int, reported_at: float = T0, **kw: object) -> MemoryReport:
+    fields: dict[str, object] = {
+        "capacity_tokens": 100_000,
+        "free_tokens": max(largest, 40_000),
+        "largest_free_block_tokens": largest,
+        "reported_at": reported_at,
+        "started_at": T0 - 3600.0,
+    }
+    fields.update(kw)
+    return MemoryReport(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
+    s: StateStore
+    if request.param == "memory":
+        s = InProcessStore()
+    else:
+        url = request.getfixturevalue("redis_server")
+        admin = aioredis.from_url(url)
+        await admin.flushdb()
+        await admin.aclose()
+        # A generous deadline: these tests are about behaviour; deadlines have their own tests.
+        s = RedisStore(StoreConfig(redis_url=url, op_timeout_s=2.0))
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def one(store: StateStore, name: str, now: float) -> BackendState:
+    return (await store.read([name], now))[name]
+
+
+# --- reports ------------------------------------------------------------------------------
+async def test_report_round_trip(store: StateStore) -> None:
+    r = MemoryReport(
+        capacity_tokens=120_000,
+        free_tokens=45_600,
+        largest_free_block_tokens=1_200,
+        allocator="paged",
+        block_size=16,
+        running=7,
+        waiting=2,
+        started_at=T0 - 5 * 86400 + 0.125,
+        reported_at=T0 + 0.1,
+    )
+    await store.put_report("n1", r, ttl_s=60)
+    st = await one(store, "n1", T0 + 1)
+    assert st.report == r
+    assert st.status == "up"
+    assert st.status_reason == ""
+    assert st.name == "n1"
+
+
+async def test_newer_report_replaces_older(store: StateStore) -> None:
+    await store.put_report("n1", rep(30_000, T0), ttl_s=60)
+    await store.put_report("n1", rep(5_000, T0 + 1), ttl_s=60)
+    st = await one(store, "n1", T0 + 2)
+    assert st.report is not None
+    assert st.report.largest_free_block_tokens == 5_000
+    assert st.report.reported_at == T0 + 1
+
+
+async def test_report_expires_after_ttl(store: StateStore) -> None:
+    await store.put_report("n1", rep(30_000), ttl_s=SHORT_TTL)
+    assert (await one(store, "n1", T0)).report is not None
+    await asyncio.sleep(PAST_TTL)
+    st = await one(store, "n1", T0)
+    assert st.report is None
+    assert st.status == "unknown"
+    assert "n1" in await store.known_backends()  # known forever, even when the report lapsed
+
+
+async def test_mark_down_keeps_last_report(store: StateStore) -> None:
+    r = rep(30_000)
+    await store.put_report("n1", r, ttl_s=60)
+    await store.mark_down("n1", "connect refused", ttl_s=60)
+    st = await one(store, "n1", T0 + 1)
+    assert st.status == "down"
+    assert st.status_reason == "connect refused"
+    assert st.report == r
+    await store.put_report("n1", rep(20_000, T0 + 2), ttl_s=60)
+    st = await one(store, "n1", T0 + 3)
+    assert (st.status, st.status_reason) == ("up", "")
+
+
+async def test_mark_down_without_report_and_its_ttl(store: StateStore) -> None:
+    await store.mark_down("n2", "timeout", ttl_s=SHORT_TTL)
+    st = await one(store, "n2", T0)
+    assert (st.status, st.status_reason, st.report) == ("down", "timeout", None)
+    assert "n2" in await store.known_backends()
+    await asyncio.sleep(PAST_TTL)
+    assert (await one(store, "n2", T0)).status == "unknown"
+
+
+async def test_read_unknown_names_and_empty(store: StateStore) -> None:
+    assert await store.read([], T0) == {}
+    await store.put_report("known", rep(10_000), ttl_s=60)
+    got = await store.read(["known", "ghost", "ghost"], T0)
+    assert set(got) == {"known", "ghost"}
+    assert got["ghost"] == BackendState(name="ghost")
+    assert got["ghost"].overlay(T0, 0.5).pending_tokens == 0
+    assert got["known"].report is not None
+
+
+async def test_known_backends(store: StateStore) -> None:
+    assert await store.known_backends() == set()
+    await store.put_report("a", rep(1), ttl_s=60)
+    await store.put_report("b:with:colons", rep(1), ttl_s=60)
+    await store.put_report("a", rep(2), ttl_s=60)
+    await store.reserve("c", "r", 1, T0, 60)  # a reservation alone does not make a backend known
+    await store.set_draining("d", True)  # nor does a flag
+    assert await store.known_backends() == {"a", "b:with:colons"}
+
+
+# --- reservations ---------------------------------------------------------------------------
+async def test_reserve_and_release(store: StateStore) -> None:
+    await store.put_report("n1", rep(30_000, T0), ttl_s=60)
+    assert await store.reserve("n1", "r1", 10_000, T0 + 1, 60)
+    assert await store.reserve("n1", "r2", 5_000, T0 + 2, 60)
+    live = await store.reservations("n1", T0 + 3)
+    assert [(r.id, r.tokens, r.created_at, r.expires_at) for r in live] == [
+        ("r1", 10_000, T0 + 1, T0 + 61),
+        ("r2", 5_000, T0 + 2, T0 + 62),
+    ]
+    ov = (await one(store, "n1", T0 + 3)).overlay(T0 + 3, 0.5)
+    assert (ov.pending_tokens, ov.reserved_tokens, ov.inflight) == (15_000, 15_000, 2)
+    await store.release("n1", "r1")
+    await store.release("n1", "never-made")  # no-op
+    await store.release("ghost", "r1")  # no-op
+    assert [r.id for r in await store.reservations("n1", T0 + 3)] == ["r2"]
+    ov = (await one(store, "n1", T0 + 3)).overlay(T0 + 3, 0.5)
+    assert (ov.pending_tokens, ov.inflight) == (5_000, 1)
+
+
+async def test_reserve_refused_when_it_would_not_fit(store: StateStore) -> None:
+    await store.put_report("n1", rep(30_000, T0), ttl_s=60)
+    assert await store.reserve("n1", "a", 20_000, T0 + 1, 60)
+    assert not await store.reserve("n1", "b", 15_000, T0 + 1, 60)  # 35k > 30k
+    assert await store.reserve("n1", "c", 10_000, T0 + 1, 60)  # exactly 30k fits
+    assert not await store.reserve("n1", "d", 1, T0 + 1, 60)
+    assert await store.reserve("n1", "e", 15_000, T0 + 1, 60, check_fit=False)
+    ids = {r.id for r in await store.reservations("n1", T0 + 1)}
+    assert ids == {"a", "c", "e"}
+
+
+async def test_reserve_headroom(store: StateStore) -> None:
+    await store.put_report("n1", rep(30_000, T0), ttl_s=60)
+    assert not await store.reserve("n1", "a", 25_000, T0 + 1, 60, headroom=0.25)  # 31.25k
+    assert await store.reserve("n1", "a", 24_000, T0 + 1, 60, headroom=0.25)  # exactly 30k
+
+
+async def test_reserve_without_report_is_allowed(store: StateStore) -> None:
+    assert await store.reserve("fresh", "a", 10**9, T0, 60)
+    assert [r.tokens for r in await store.reservations("fresh", T0)] == [10**9]
+
+
+async def test_reserve_same_id_replaces_not_doubles(store: StateStore) -> None:
+    """A retried reserve (lost reply) must not count itself against its own fit."""
+    await store.put_report("n1", rep(30_000, T0), ttl_s=60)
+    assert await store.reserve("n1", "a", 25_000, T0 + 1, 60)
+    assert await store.reserve("n1", "a", 25_000, T0 + 1, 60)
+    live = await store.reservations("n1", T0 + 1)
+    assert [(r.id, r.tokens) for r in live] == [("a", 25_000)]
+
+
+async def test_pending_ignores_reservations_older_than_report(store: StateStore) -> None:
+    assert await store.reserve("n1", "old", 20_000, T0, 60)  # before any report
+    # The backend's next report (taken 5 s later) already shows the 20k allocated.
+    await store.put_report("n1", rep(10_000, T0 + 5), ttl_s=60)
+    st = await one(store, "n1", T0 + 6)
+    ov = st.overlay(T0 + 6, 0.5)
+    assert (ov.pending_tokens, ov.reserved_tokens, ov.inflight) == (0, 20_000, 1)
+    # So the old reservation does not count against the reserve check either...
+    assert await store.reserve("n1", "new", 10_000, T0 + 6, 60, grace_s=0.5)
+    # ...while the new one does.
+    assert not await store.reserve("n1", "newer", 1, T0 + 6, 60, grace_s=0.5)
+    ov = (await one(store, "n1", T0 + 6)).overlay(T0 + 6, 0.5)
+    assert ov.pending_tokens == 10_000
+
+
+async def test_grace_keeps_reservations_just_before_report_pending(store: StateStore) -> None:
+    assert await store.reserve("n1", "r", 8_000, T0 + 4.8, 60)
+    await store.put_report("n1", rep(10_000, T0 + 5), ttl_s=60)
+    st = await one(store, "n1", T0 + 6)
+    assert st.overlay(T0 + 6, 0.5).pending_tokens == 8_000  # 0.2 s before the report: in grace
+    assert st.overlay(T0 + 6, 0.1).pending_tokens == 0
+    assert not await store.reserve("n1", "x", 3_000, T0 + 6, 60, grace_s=0.5)
+    assert await store.reserve("n1", "x", 3_000, T0 + 6, 60, grace_s=0.1)
+
+
+async def test_expired_reservations_vanish(store: StateStore) -> None:
+    await store.put_report("n1", rep(30_000, T0), ttl_s=60)
+    assert await store.reserve("n1", "short", 25_000, T0 + 1, 10)
+    assert not await store.reserve("n1", "blocked", 25_000, T0 + 5, 60)
+    # At expires_at exactly the reservation is gone (live means expires_at > now).
+    assert await store.reservations("n1", T0 + 11) == []
+    st = await one(store, "n1", T0 + 11)
+    assert st.reservations == ()
+    assert st.overlay(T0 + 11, 0.5).inflight == 0
+    assert await store.reserve("n1", "next", 25_000, T0 + 11, 60)
+    assert [r.id for r in await store.reservations("n1", T0 + 11)] == ["next"]
+    # read() of an earlier instant still filters by its own now.
+    assert [r.id for r in (await one(store, "n1", T0 + 12)).reservations] == ["next"]
+
+
+async def test_reserve_rejects_bad_arguments(store: StateStore) -> None:
+    with pytest.raises(ValueError):
+        await store.reserve("n1", "r", -1, T0, 60)
+    with pytest.raises(ValueError):
+        await store.reserve("n1", "r", 1, float("nan"), 60)
+    with pytest.raises(ValueError):
+        await store.reserve("n1", "r", 1, T0, 0)
+    assert await store.reservations("n1", T0) == []
+
+
+# --- flags --------------------------------------------------------------------------------
+async def test_draining_and_cooldown(store: StateStore) -> None:
+    assert (await one(store, "n1", T0)).flags == Flags()
+    await store.set_draining("n1", True)
+    await store.set_cooldown("n1", T0 + 30.5)
+    st = await one(store, "n1", T0)
+    assert st.flags.draining is True
+    assert st.flags.cooldown_until == T0 + 30.5
+    ov = st.overlay(T0, 0.5)
+    assert ov.draining and ov.cooldown_until == T0 + 30.5
+    await store.set_draining("n1", False)
+    await store.set_cooldown("n1", 0.0)
+    assert (await one(store, "n1", T0)).flags == Flags()
+
+
+async def test_ceiling_lowest_wins_and_expires(store: StateStore) -> None:
+    await store.set_ceiling("n1", 20_000, T0, T0 + 30)
+    await store.set_ceiling("n1", 25_000, T0 + 1, T0 + 31)  # higher: adds nothing
+    f = (await one(store, "n1", T0 + 2)).flags
+    assert (f.ceiling_tokens, f.ceiling_set_at, f.ceiling_until) == (20_000, T0, T0 + 30)
+    await store.set_ceiling("n1", 15_000, T0 + 2, T0 + 32)  # lower: replaces
+    st = await one(store, "n1", T0 + 3)
+    assert (st.flags.ceiling_tokens, st.flags.ceiling_until) == (15_000, T0 + 32)
+    ov = st.overlay(T0 + 3, 0.5)
+    assert (ov.ceiling_tokens, ov.ceiling_until) == (15_000, T0 + 32)
+    await store.set_ceiling("n1", 15_000, T0 + 4, T0 + 34)  # same again: refreshed
+    f = (await one(store, "n1", T0 + 5)).flags
+    assert (f.ceiling_tokens, f.ceiling_set_at, f.ceiling_until) == (15_000, T0 + 4, T0 + 34)
+    # Expired: gone from the overlay, and a higher ceiling may now be learned.
+    assert (await one(store, "n1", T0 + 34)).overlay(T0 + 34, 0.5).ceiling_tokens is None
+    await store.set_ceiling("n1", 28_000, T0 + 40, T0 + 70)
+    f = (await one(store, "n1", T0 + 41)).flags
+    assert (f.ceiling_tokens, f.ceiling_set_at, f.ceiling_until) == (28_000, T0 + 40, T0 + 70)
+
+
+async def test_ceiling_lifted_by_newer_bigger_report(store: StateStore) -> None:
+    await store.put_report("n1", rep(30_000, T0), ttl_s=60)
+    await store.set_ceiling("n1", 22_000, T0 + 1, T0 + 31)
+    # A report older than the ceiling does not lift it, even though it shows 30k.
+    assert (await one(store, "n1", T0 + 2)).overlay(T0 + 2, 0.5).ceiling_tokens == 22_000
+    # A newer report with a smaller block does not lift it.
+    await store.put_report("n1", rep(21_000, T0 + 3), ttl_s=60)
+    assert (await one(store, "n1", T0 + 4)).overlay(T0 + 4, 0.5).ceiling_tokens == 22_000
+    # A newer report with a block >= the ceiling does.
+    await store.put_report("n1", rep(22_000, T0 + 5), ttl_s=60)
+    ov = (await one(store, "n1", T0 + 6)).overlay(T0 + 6, 0.5)
+    assert (ov.ceiling_tokens, ov.ceiling_until) == (None, 0.0)
+    # Once lifted, a higher ceiling can be learned (the lifted one is not "in force").
+    await store.set_ceiling("n1", 26_000, T0 + 7, T0 + 37)
+    ov = (await one(store, "n1", T0 + 8)).overlay(T0 + 8, 0.5)
+    assert ov.ceiling_tokens == 26_000
+
+
+# --- retry memory ---------------------------------------------------------------------------
+async def test_retry_memory(store: StateStore) -> None:
+    assert await store.failed_on("req-1") == set()
+    await store.add_failed("req-1", "n1", ttl_s=60)
+    await store.add_failed("req-1", "n2", ttl_s=60)
+    await store.add_failed("req-1", "n1", ttl_s=60)
+    await store.add_failed("req-2", "n3", ttl_s=60)
+    assert await store.failed_on("req-1") == {"n1", "n2"}
+    assert await store.failed_on("req-2") == {"n3"}
+
+
+async def test_retry_memory_expires(store: StateStore) -> None:
+    await store.add_failed("req-1", "n1", ttl_s=SHORT_TTL)
+    assert await store.failed_on("req-1") == {"n1"}
+    await asyncio.sleep(PAST_TTL)
+    assert await store.failed_on("req-1") == set()
+    await store.add_failed("req-1", "n2", ttl_s=60)
+    assert await store.failed_on("req-1") == {"n2"}
+
+
+# --- locks --------------------------------------------------------------------------------
+async def test_lock_exclusive_extend_unlock(store: StateStore) -> None:
+    assert await store.try_lock("restart", "gw-a", 30)
+    assert not await store.try_lock("restart", "gw-b", 30)
+    assert await store.try_lock("restart", "gw-a", 30)  # extend: ours
+    await store.unlock("restart", "gw-b")  # not the owner: no effect
+    assert not await store.try_lock("restart", "gw-b", 30)
+    await store.unlock("restart", "gw-a")
+    assert await store.try_lock("restart", "gw-b", 30)
+    assert await store.try_lock("other", "gw-a", 30)  # locks are independent
+
+
+async def test_lock_expires_and_extension_keeps_it(store: StateStore) -> None:
+    assert await store.try_lock("kept", "gw-a", SHORT_TTL)
+    assert await store.try_lock("kept", "gw-a", 60)  # extended well past the first TTL
+    assert await store.try_lock("lapsed", "gw-a", SHORT_TTL)
+    await asyncio.sleep(PAST_TTL)
+    assert not await store.try_lock("kept", "gw-b", 30)
+    assert await store.try_lock("lapsed", "gw-b", 30)  # expired: free to take
+    await store.unlock("lapsed", "gw-a")  # the old owner cannot release the new owner's lock
+    assert not await store.try_lock("lapsed", "gw-a", 30)
+
+
+# --- events -------------------------------------------------------------------------------
+async def test_events_newest_first_and_trimmed(store: StateStore) -> None:
+    assert await store.events() == []
+    for i in range(7):
+        await store.append_event(
+            {"i": i, "kind": "restart", "node": "n1", "x": [1.5, None]}, max_len=5
+        )
+    got = await store.events()
+    assert [e["i"] for e in got] == [6, 5, 4, 3, 2]
+    assert got[0] == {"i": 6, "kind": "restart", "node": "n1", "x": [1.5, None]}
+    assert [e["i"] for e in await store.events(limit=2)] == [6, 5]
+    assert await store.events(limit=0) == []
+
+
+async def test_events_are_copies(store: StateStore) -> None:
+    ev = {"k": [1]}
+    await store.append_event(ev)
+    ev["k"].append(2)
+    got = await store.events()
+    got[0]["k"].append(3)
+    assert await store.events() == [{"k": [1]}]
+
+
+async def test_event_must_be_json(store: StateStore) -> None:
+    with pytest.raises(TypeError):
+        await store.append_event({"bad": object()})
+    assert await store.events() == []
+
+
+# --- lifecycle ------------------------------------------------------------------------------
+async def test_ping(store: StateStore) -> None:
+    assert await store.ping() is True
+
+
+async def test_open_store_chooses_by_config(redis_server: str) -> None:
+    mem = open_store(StoreConfig())
+    assert isinstance(mem, InProcessStore)
+    red = open_store(StoreConfig(redis_url=redis_server, key_prefix="kvr-factory"))
+    try:
+        assert isinstance(red, RedisStore)
+        assert await red.ping()
+    finally:
+        await red.close()
+        await mem.close()
