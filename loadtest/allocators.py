@@ -217,7 +217,9 @@ class PagedAllocator:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if capacity_tokens < block_size:
-            raise ValueError(f"capacity_tokens ({capacity_tokens}) must hold at least one block of {block_size}")
+            raise ValueError(
+                f"capacity_tokens ({capacity_tokens}) must hold at least one block of {block_size}"
+            )
         self.block_size = int(block_size)
         self._nblocks = int(capacity_tokens) // self.block_size
         self._free_blocks: list[int] = []
@@ -313,7 +315,9 @@ class PagedAllocator:
         )
 
 
-def make_allocator(kind: str, capacity_tokens: int, block_size: int = 16) -> ContiguousAllocator | PagedAllocator:
+def make_allocator(
+    kind: str, capacity_tokens: int, block_size: int = 16
+) -> ContiguousAllocator | PagedAllocator:
     """Build an allocator by name; ``block_size`` only matters for ``paged``."""
     if kind == "contiguous":
         return ContiguousAllocator(capacity_tokens)

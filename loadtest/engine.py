@@ -50,7 +50,7 @@ from loadtest.engine_protocol import (
     usage_chunk,
 )
 from proxy import backend_contract as contract
-from proxy.tokens import count_prompt_async
+from proxy.tokens import count_prompt_async, encoding
 
 log = logging.getLogger("kvroute.engine")
 
@@ -116,7 +116,14 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-OUTCOMES = ("ok", "allocation_failed", "context_length_exceeded", "bad_request", "cancelled", "restarted")
+OUTCOMES = (
+    "ok",
+    "allocation_failed",
+    "context_length_exceeded",
+    "bad_request",
+    "cancelled",
+    "restarted",
+)
 
 
 class Engine:
@@ -145,7 +152,9 @@ class Engine:
         self._rng = random.Random(config.seed)
         per_token = 1.0 / (config.decode_tokens_per_s * config.speedup)
         self._per_token_s = per_token
-        self._tokens_per_chunk = max(1, math.ceil(config.chunk_interval_s / per_token)) if per_token > 0 else 1
+        self._tokens_per_chunk = (
+            max(1, math.ceil(config.chunk_interval_s / per_token)) if per_token > 0 else 1
+        )
         self._headers = {"x-engine-name": config.name}
 
     # --- the allocator's figures -------------------------------------------------------
@@ -239,7 +248,9 @@ class Engine:
         if self.fault == "error500":
             return web.Response(status=500, text="Internal Server Error")
         if self.fault == "garbage":
-            return web.Response(status=200, body=b"\x00\xffnot json {{{<html>garbage", content_type=JSON)
+            return web.Response(
+                status=200, body=b"\x00\xffnot json {{{<html>garbage", content_type=JSON
+            )
         # hang: accept, read, never answer, until the fault is cleared or the engine restarts;
         # then drop the connection the way a dying process would.
         await request.read()
@@ -265,7 +276,11 @@ class Engine:
             body, p = parse_body(await request.read(), chat, cfg.default_max_tokens)
             if cfg.strict_model and p.model != cfg.model:
                 raise BadRequest(
-                    f"The model `{p.model}` does not exist.", "model", "model_not_found", 404, "NotFoundError"
+                    f"The model `{p.model}` does not exist.",
+                    "model",
+                    "model_not_found",
+                    404,
+                    "NotFoundError",
                 )
         except BadRequest as exc:
             self.outcomes["bad_request"] += 1
@@ -285,14 +300,18 @@ class Engine:
                 f"requested {demand} tokens ({prompt_tokens} in the {what}, {p.max_tokens} in the "
                 f"completion). Please reduce the length of the {what} or completion."
             )
-            return self._error(400, error_body(msg, "invalid_request_error", what, "context_length_exceeded"))
+            return self._error(
+                400, error_body(msg, "invalid_request_error", what, "context_length_exceeded")
+            )
         self._next += 1
         rid = self._next
         if alloc.allocate(rid, demand) is None:
             self.allocation_failures += 1
             self.lifetime_allocation_failures += 1
             self.outcomes["allocation_failed"] += 1
-            body_bytes = allocation_error_body(demand, alloc.free_tokens, alloc.largest_free_block_tokens, alloc.kind)
+            body_bytes = allocation_error_body(
+                demand, alloc.free_tokens, alloc.largest_free_block_tokens, alloc.kind
+            )
             return self._error(contract.ALLOCATION_ERROR_STATUS, body_bytes)
         live = _Live(rid)
         self._live[rid] = live
@@ -302,10 +321,18 @@ class Engine:
             if p.stream:
                 resp, outcome = await self._stream(request, live, p, prompt_tokens)
                 return resp
-            await self._sleep(live, self._prefill_s(prompt_tokens) + p.max_tokens * self._per_token_s)
+            await self._sleep(
+                live, self._prefill_s(prompt_tokens) + p.max_tokens * self._per_token_s
+            )
             outcome = "ok"
             return web.Response(
-                body=full_body(self._rid(p, rid), int(time.time()), p, self._text(rid, 0, p.max_tokens), prompt_tokens),
+                body=full_body(
+                    self._rid(p, rid),
+                    int(time.time()),
+                    p,
+                    self._text(rid, 0, p.max_tokens),
+                    prompt_tokens,
+                ),
                 content_type=JSON,
                 headers=self._headers,
             )
@@ -330,14 +357,21 @@ class Engine:
 
     def _restarted_body(self) -> bytes:
         return error_body(
-            "the engine restarted while the request was in flight", RESTARTED_TYPE, None, RESTARTED_TYPE
+            "the engine restarted while the request was in flight",
+            RESTARTED_TYPE,
+            None,
+            RESTARTED_TYPE,
         )
 
     async def _stream(
         self, request: web.Request, live: _Live, p: Parsed, prompt_tokens: int
     ) -> tuple[web.StreamResponse, str]:
         resp = web.StreamResponse(
-            headers={**self._headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={
+                **self._headers,
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+            }
         )
         await resp.prepare(request)
         rid_s = self._rid(p, live.rid)
@@ -356,7 +390,9 @@ class Engine:
                 await self._sleep(live, t0 + (sent + k) * per - loop.time())
                 text = self._text(live.rid, sent, k)
                 sent += k
-                await resp.write(chunk(rid_s, created, p, text, "length" if sent == total else None))
+                await resp.write(
+                    chunk(rid_s, created, p, text, "length" if sent == total else None)
+                )
             if p.include_usage:
                 await resp.write(usage_chunk(rid_s, created, p, prompt_tokens))
             await resp.write(SSE_DONE)
@@ -426,7 +462,9 @@ class Engine:
     async def admin_restart(self, request: web.Request) -> web.StreamResponse:
         failed = self.restart()
         log.info("engine %s restarted (%d in-flight requests failed)", self.config.name, failed)
-        return self._ok({"restarted": True, "failed_in_flight": failed, "started_at": self.started_at})
+        return self._ok(
+            {"restarted": True, "failed_in_flight": failed, "started_at": self.started_at}
+        )
 
     async def admin_fault(self, request: web.Request) -> web.StreamResponse:
         if request.method == "GET":
@@ -436,9 +474,13 @@ class Engine:
             mode = data.get("mode")
             scope = data.get("scope", "inference")
             if not isinstance(mode, str) or mode not in FAULT_MODES:
-                raise BadRequest(f"mode must be one of {list(FAULT_MODES)}", "mode", "invalid_value")
+                raise BadRequest(
+                    f"mode must be one of {list(FAULT_MODES)}", "mode", "invalid_value"
+                )
             if not isinstance(scope, str) or scope not in FAULT_SCOPES:
-                raise BadRequest(f"scope must be one of {list(FAULT_SCOPES)}", "scope", "invalid_value")
+                raise BadRequest(
+                    f"scope must be one of {list(FAULT_SCOPES)}", "scope", "invalid_value"
+                )
         except BadRequest as exc:
             return self._error(400, error_body(exc.message, exc.type, exc.param, exc.code))
         self.set_fault(mode, scope)
@@ -459,7 +501,9 @@ class Engine:
             if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
                 raise BadRequest("tokens must be a positive integer", "tokens", "invalid_value")
             if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= 100_000:
-                raise BadRequest("count must be an integer within 1..100000", "count", "invalid_value")
+                raise BadRequest(
+                    "count must be an integer within 1..100000", "count", "invalid_value"
+                )
         except BadRequest as exc:
             return self._error(400, error_body(exc.message, exc.type, exc.param, exc.code))
         held: list[dict[str, Any]] = []
@@ -482,7 +526,9 @@ class Engine:
             if data.get("all"):
                 ids = list(self._held)
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-                raise BadRequest("give ids (a list of hold ids) or all: true", "ids", "invalid_value")
+                raise BadRequest(
+                    "give ids (a list of hold ids) or all: true", "ids", "invalid_value"
+                )
         except BadRequest as exc:
             return self._error(400, error_body(exc.message, exc.type, exc.param, exc.code))
         released = 0
@@ -549,6 +595,8 @@ class EngineServer:
         return f"http://{self.config.host}:{self.port}"
 
     async def start(self) -> int:
+        # Load the tokenizer now (about a second), not on the first request.
+        await asyncio.to_thread(encoding)
         self.runner = web.AppRunner(
             self.app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0
         )
@@ -603,31 +651,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine's flags, for ``kvroute engine`` and ``python -m loadtest.engine``."""
     d = EngineConfig()
     parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
-    parser.add_argument("--port", type=int, default=d.port, help=f"listen port, 0 = any free (default {d.port})")
-    parser.add_argument("--name", default=d.name, help="engine name, sent as the x-engine-name header")
+    parser.add_argument(
+        "--port", type=int, default=d.port, help=f"listen port, 0 = any free (default {d.port})"
+    )
+    parser.add_argument(
+        "--name", default=d.name, help="engine name, sent as the x-engine-name header"
+    )
     parser.add_argument("--model", default=d.model, help=f"model id served (default {d.model})")
     parser.add_argument(
-        "--allocator", choices=("contiguous", "paged"), default=d.allocator, help="KV-cache allocator"
+        "--allocator",
+        choices=("contiguous", "paged"),
+        default=d.allocator,
+        help="KV-cache allocator",
     )
     parser.add_argument(
-        "--capacity-tokens", type=int, default=d.capacity_tokens, help=f"KV cache size (default {d.capacity_tokens})"
+        "--capacity-tokens",
+        type=int,
+        default=d.capacity_tokens,
+        help=f"KV cache size (default {d.capacity_tokens})",
     )
-    parser.add_argument("--block-size", type=int, default=d.block_size, help="paged allocator block size (default 16)")
     parser.add_argument(
-        "--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s, help="prompt processing rate"
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        help="paged allocator block size (default 16)",
     )
     parser.add_argument(
-        "--decode-tokens-per-s", type=float, default=d.decode_tokens_per_s, help="output rate per request"
+        "--prefill-tokens-per-s",
+        type=float,
+        default=d.prefill_tokens_per_s,
+        help="prompt processing rate",
     )
-    parser.add_argument("--speedup", type=float, default=d.speedup, help="divide all simulated times by this")
     parser.add_argument(
-        "--default-max-tokens", type=int, default=d.default_max_tokens, help="max_tokens when a request omits it"
+        "--decode-tokens-per-s",
+        type=float,
+        default=d.decode_tokens_per_s,
+        help="output rate per request",
+    )
+    parser.add_argument(
+        "--speedup", type=float, default=d.speedup, help="divide all simulated times by this"
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=d.default_max_tokens,
+        help="max_tokens when a request omits it",
     )
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for the generated text")
     parser.add_argument(
-        "--chunk-interval-s", type=float, default=d.chunk_interval_s, help="min seconds between stream chunks"
+        "--chunk-interval-s",
+        type=float,
+        default=d.chunk_interval_s,
+        help="min seconds between stream chunks",
     )
-    parser.add_argument("--strict-model", action="store_true", help="404 for a model other than --model")
+    parser.add_argument(
+        "--strict-model", action="store_true", help="404 for a model other than --model"
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -655,7 +734,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry for a CLI that built its parser with :func:`add_arguments`."""
     logging.basicConfig(
-        level=str(args.log_level).upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=str(args.log_level).upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     config = config_from_args(args)
     log.info("starting engine %s", asdict(config))

@@ -52,7 +52,9 @@ class EngineCollector(Collector):
             "Largest request the KV cache can place now, in tokens (largest contiguous gap)",
             a.largest_free_block_tokens,
         )
-        info = GaugeMetricFamily(c.ALLOCATOR_INFO, "KV cache allocator kind", labels=["allocator", "block_size"])
+        info = GaugeMetricFamily(
+            c.ALLOCATOR_INFO, "KV cache allocator kind", labels=["allocator", "block_size"]
+        )
         info.add_metric([a.kind, str(a.block_size)], 1)
         yield info
         yield gauge(c.START_TIME, "Unix time of the engine's last (re)start", e.started_at)
@@ -64,7 +66,9 @@ class EngineCollector(Collector):
             value=e.allocation_failures,
         )
         requests = CounterMetricFamily(
-            _counter_base(REQUESTS), "Inference requests by outcome (since the last restart)", labels=["outcome"]
+            _counter_base(REQUESTS),
+            "Inference requests by outcome (since the last restart)",
+            labels=["outcome"],
         )
         for outcome, n in e.outcomes.items():
             requests.add_metric([outcome], n)
@@ -73,7 +77,9 @@ class EngineCollector(Collector):
             yield gauge(FREE_GAPS, "Number of free gaps in the KV address space", a.num_gaps)
             return
         # A paged engine: vLLM's own names too.
-        usage = GaugeMetricFamily(c.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"])
+        usage = GaugeMetricFamily(
+            c.VLLM_KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"]
+        )
         usage.add_metric([model], a.used_tokens / a.capacity_tokens if a.capacity_tokens else 0.0)
         yield usage
         for name, doc, value in (
@@ -90,7 +96,11 @@ class EngineCollector(Collector):
         )
         cfg.add_metric([str(a.block_size), str(a.num_blocks), "auto", "False"], 1)
         yield cfg
-        yield gauge(c.VLLM_START_TIME, "Start time of the process since unix epoch in seconds.", e.started_at)
+        yield gauge(
+            c.VLLM_START_TIME,
+            "Start time of the process since unix epoch in seconds.",
+            e.started_at,
+        )
 
 
 def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:

@@ -35,8 +35,12 @@ class BadRequest(Exception):
         self.type = type_
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None, **extra: Any) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code, **extra}})
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None, **extra: Any
+) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code, **extra}}
+    )
 
 
 def allocation_error_body(demand: int, free: int, largest: int, allocator: str) -> bytes:
@@ -75,7 +79,9 @@ def _max_tokens(body: dict[str, Any], chat: bool, default: int) -> int:
         if v is None:
             continue
         if not _is_int(v):
-            raise BadRequest(f"{name} must be an integer, got {type(v).__name__}", name, "invalid_type")
+            raise BadRequest(
+                f"{name} must be an integer, got {type(v).__name__}", name, "invalid_type"
+            )
         if v < 1:
             raise BadRequest(f"{name} must be at least 1, got {v}", name, "invalid_value")
         return int(v)
@@ -95,20 +101,26 @@ def _check_prompt(prompt: Any) -> None:
         if all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt):
             return
     raise BadRequest(
-        "prompt must be a string, a non-empty list of strings, or token ids", "prompt", "invalid_type"
+        "prompt must be a string, a non-empty list of strings, or token ids",
+        "prompt",
+        "invalid_type",
     )
 
 
 def _check_messages(messages: Any) -> None:
     if messages is None:
-        raise BadRequest("'messages' is a required property", "messages", "missing_required_parameter")
+        raise BadRequest(
+            "'messages' is a required property", "messages", "missing_required_parameter"
+        )
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty array", "messages", "invalid_type")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise BadRequest(f"messages[{i}] must be an object", f"messages.[{i}]", "invalid_type")
         if not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}].role must be a string", f"messages.[{i}].role", "invalid_type")
+            raise BadRequest(
+                f"messages[{i}].role must be a string", f"messages.[{i}].role", "invalid_type"
+            )
         content = m.get("content")
         if content is not None and not isinstance(content, str | list):
             raise BadRequest(
@@ -118,7 +130,9 @@ def _check_messages(messages: Any) -> None:
             )
         if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
             raise BadRequest(
-                f"messages[{i}].content parts must be objects", f"messages.[{i}].content", "invalid_type"
+                f"messages[{i}].content parts must be objects",
+                f"messages.[{i}].content",
+                "invalid_type",
             )
 
 
@@ -213,7 +227,9 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def chunk(rid: str, created: int, p: Parsed, text: str | None, finish: str | None, role: bool = False) -> bytes:
+def chunk(
+    rid: str, created: int, p: Parsed, text: str | None, finish: str | None, role: bool = False
+) -> bytes:
     """One streamed chunk: a text delta (or the chat role opener) and maybe the finish reason."""
     if p.chat:
         delta: dict[str, Any] = {}
@@ -222,12 +238,23 @@ def chunk(rid: str, created: int, p: Parsed, text: str | None, finish: str | Non
             delta["content"] = ""
         elif text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
         obj = "chat.completion.chunk"
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
-    body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": p.model, "choices": [choice]}
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": p.model,
+        "choices": [choice],
+    }
     if p.include_usage:
         body["usage"] = None
     return sse(body)

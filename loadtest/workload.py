@@ -216,7 +216,12 @@ def _read_csv(p: Path) -> Iterator[_Row]:
             raise ValueError(f"{p}: expected CSV columns {sorted(need)}, got {reader.fieldnames}")
         for line, row in enumerate(reader, start=2):
             try:
-                yield _parse_ts(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"]), None
+                yield (
+                    _parse_ts(row["TIMESTAMP"]),
+                    int(row["ContextTokens"]),
+                    int(row["GeneratedTokens"]),
+                    None,
+                )
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{p}:{line}: bad row {row!r}: {exc}") from None
 
@@ -273,7 +278,9 @@ def make_prompt(tokens: int, rng: random.Random | None = None) -> str:
     return " ".join(words)
 
 
-def chat_overhead_tokens(tokens_per_message: int = 3, reply_priming: int = 3, role: str = "user") -> int:
+def chat_overhead_tokens(
+    tokens_per_message: int = 3, reply_priming: int = 3, role: str = "user"
+) -> int:
     """Tokens a one-message chat adds around its content (role, per-message, priming)."""
     del role  # "user", "system" and "assistant" are each one token
     return tokens_per_message + 1 + reply_priming
@@ -282,7 +289,13 @@ def chat_overhead_tokens(tokens_per_message: int = 3, reply_priming: int = 3, ro
 def summary(requests: Sequence[Request]) -> dict[str, float]:
     """Counts and means for reports: how many, share long, mean sizes, offered rate."""
     if not requests:
-        return {"n": 0, "long_share": 0.0, "mean_prompt": 0.0, "mean_output": 0.0, "rate_per_s": 0.0}
+        return {
+            "n": 0,
+            "long_share": 0.0,
+            "mean_prompt": 0.0,
+            "mean_output": 0.0,
+            "rate_per_s": 0.0,
+        }
     n = len(requests)
     span = requests[-1].arrival_s - requests[0].arrival_s
     return {

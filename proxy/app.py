@@ -245,7 +245,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
     @app.get("/fleet")
     async def fleet(request: Request) -> Response:
         r = rt(request)
-        snap = await r.fleet.snapshot()
+        snap = await r.fleet.snapshot(force=True)  # operators want the live state, not the router's cache
         now = time.time()
         return _json(
             {

@@ -57,6 +57,7 @@ class Outcome:
     attempts: int = 0
     outcome: str = "success"
     failed_on: list[str] = field(default_factory=list)
+    retry_key: str | None = None
 
 
 FailureHook = Callable[[str, str, int, float], None]  # (backend or "", cause, demand, fleet free fraction)
@@ -189,7 +190,7 @@ class Gateway:
                 exclude |= await self.store.failed_on(key)
             except StoreUnavailable:
                 self.metrics.store_errors.labels("failed_on").inc()
-        out = Outcome(request_id=rid, cls=cls, demand=demand)
+        out = Outcome(request_id=rid, cls=cls, demand=demand, retry_key=key)
         headers = forward_headers(request.headers)
         decided = False
         queue_deadline: float | None = None
@@ -216,10 +217,14 @@ class Gateway:
             if result is not None:
                 return result
             exclude.add(backend)
-            if key is not None:
-                self._spawn(self._remember_failure(key, backend))
             snap = await self.fleet.snapshot()
         return self._nothing_fits(out, snap, exclude, exhausted=True)
+
+    def _failed(self, out: Outcome, backend: str) -> None:
+        """This attempt failed on `backend`: the client's own retry (same key) must not go back there."""
+        out.failed_on.append(backend)
+        if out.retry_key is not None:
+            self._spawn(self._remember_failure(out.retry_key, backend))
 
     async def _remember_failure(self, key: str, backend: str) -> None:
         try:
@@ -313,7 +318,7 @@ class Gateway:
         except (UpstreamConnectError, UpstreamTimeout) as exc:
             self._spawn(self._release(backend, rid))
             self.metrics.attempts.labels(backend, "timeout" if isinstance(exc, UpstreamTimeout) else "connect_error").inc()
-            out.failed_on.append(backend)
+            self._failed(out, backend)
             log.warning("request %s: %s failed: %s", rid, backend, exc)
             if out.attempts >= self.cfg.retry.max_attempts:
                 self.metrics.requests.labels(out.cls, backend, "upstream_error").inc()
@@ -337,7 +342,7 @@ class Gateway:
                 h.update(self._kv_headers(out, backend))
                 return Response(body, status_code=resp.status, headers=h)
             await self._release(backend, rid)
-            out.failed_on.append(backend)
+            self._failed(out, backend)
             if verdict.verdict == "allocation":
                 cause = self._cause_at_backend(verdict, out.demand, backend, snap)
                 self._record_alloc_failure(backend, cause, out.demand, snap)

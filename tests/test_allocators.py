@@ -9,6 +9,7 @@ does not.
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -46,7 +47,7 @@ def _check_contiguous(a: ContiguousAllocator) -> None:
         pos = off + length
     assert pos == cap
     # Neighbouring gaps are always merged.
-    for (o1, n1), (o2, _) in zip(gaps, gaps[1:], strict=False):
+    for (o1, n1), (o2, _) in itertools.pairwise(gaps):
         assert o1 + n1 < o2
     assert a.free_tokens == sum(n for _, n in gaps)
     assert a.used_tokens == sum(n for _, n in regions)
@@ -92,7 +93,9 @@ def test_contiguous_invariants(capacity: int, ops: list[tuple[str, int]]) -> Non
     ops=ops_strategy,
 )
 def test_paged_invariants(blocks: int, block_size: int, ops: list[tuple[str, int]]) -> None:
-    a = PagedAllocator(blocks * block_size + block_size - 1, block_size)  # a partial block is dropped
+    a = PagedAllocator(
+        blocks * block_size + block_size - 1, block_size
+    )  # a partial block is dropped
     assert a.capacity_tokens == blocks * block_size
     live: list[int] = []
     next_id = 0

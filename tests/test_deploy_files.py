@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -834,55 +835,58 @@ def test_compose_commands_run_and_export_documented_metrics(
     """The engine and gateway commands in docker-compose.yml, run with the real CLI."""
     compose = _yaml(COMPOSE)
     engines = _engines(compose)
+    gw = compose["services"]["gateway"]
     allowed = allowed_series_names()
-    procs: list[subprocess.Popen[bytes]] = []
+    ports = {name: _free_port() for name in engines}
+    gw_port = _free_port()
+
+    # The compose gateway config, with 127.0.0.1 for the container hostnames.
+    data = _yaml(_host_path(_bind_mounts(gw), _flag(gw["command"], "--config")))
+    data["listen"] = {"host": "127.0.0.1", "port": gw_port}
+    # The session's Redis is shared with other tests: keep this gateway's keys apart.
+    data.setdefault("store", {})["key_prefix"] = f"kvroute-deploy-{uuid.uuid4().hex[:8]}"
+    for b in data["backends"]:
+        b["url"] = f"http://127.0.0.1:{ports[b['name']]}"
+    cfg_path = tmp_path / "kvroute.yaml"
+    cfg_path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    gw_env = {**os.environ, **{k: _interpolate(str(v)) for k, v in gw["environment"].items()}}
+    gw_env["KVROUTE_REDIS_URL"] = redis_server
+
     cli = [sys.executable, "-m", "proxy.cli"]
+    runs = [
+        (name, _with(svc["command"], port=str(ports[name]), host="127.0.0.1"), None)
+        for name, svc in engines.items()
+    ]
+    runs.append(("gateway", _with(gw["command"], config=str(cfg_path)), gw_env))
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        ports = {}
-        for name, svc in engines.items():
-            ports[name] = _free_port()
-            cmd = _with(svc["command"], port=str(ports[name]), host="127.0.0.1")
-            procs.append(
-                subprocess.Popen([*cli, *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            )
+        # All at once: the gateway copes with engines that are not up yet.
+        for name, cmd, env in runs:
+            with open(tmp_path / f"{name}.log", "wb") as log:
+                procs.append(subprocess.Popen([*cli, *cmd], env=env, stdout=log, stderr=log))
         for name, port in ports.items():
 
             def metrics_ok(p: int = port) -> str | None:
                 status, text = _get(f"http://127.0.0.1:{p}/metrics")
                 return text if status == 200 else None
 
-            body = _wait_for(metrics_ok, f"{name} /metrics", procs)
-            exported = _exposed_families(body)
+            exported = _exposed_families(
+                _wait_for(metrics_ok, f"{name} /metrics (logs in {tmp_path})", procs)
+            )
             assert ENGINE_METRICS <= exported, name
             assert exported - allowed == set(), name
 
-        gw = compose["services"]["gateway"]
-        cfg_host = _host_path(_bind_mounts(gw), _flag(gw["command"], "--config"))
-        data = _yaml(cfg_host)
-        gw_port = _free_port()
-        data["listen"] = {"host": "127.0.0.1", "port": gw_port}
-        for b in data["backends"]:
-            b["url"] = f"http://127.0.0.1:{ports[b['name']]}"
-        cfg_path = tmp_path / "kvroute.yaml"
-        cfg_path.write_text(yaml.safe_dump(data), encoding="utf-8")
-        env = {**os.environ, **{k: _interpolate(str(v)) for k, v in gw["environment"].items()}}
-        env["KVROUTE_REDIS_URL"] = redis_server
-        cmd = _with(gw["command"], config=str(cfg_path))
-        procs.append(
-            subprocess.Popen(
-                [*cli, *cmd], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
-        )
         base = f"http://127.0.0.1:{gw_port}"
-        _wait_for(lambda: _get(base + "/health")[0] == 200, "gateway /health", procs)
+        _wait_for(
+            lambda: _get(base + "/health")[0] == 200, f"gateway /health (logs in {tmp_path})", procs
+        )
 
         def ratio_for_all_backends() -> str | None:
             status, body = _get(base + "/metrics")
             ok = status == 200 and all(f'backend="{n}"' in body for n in engines)
             return body if ok and "largest_contiguous_free_block_ratio{" in body else None
 
-        body = _wait_for(ratio_for_all_backends, "per-backend gauges for every engine", procs)
-        exported = _exposed_families(body)
+        exported = _exposed_families(_wait_for(ratio_for_all_backends, "gateway gauges", procs))
         assert "largest_contiguous_free_block_ratio" in exported
         assert exported - allowed == set()
     finally:

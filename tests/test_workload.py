@@ -49,7 +49,10 @@ def test_bimodal_is_seeded_and_duration_bounded() -> None:
 
 
 def test_parametric_and_bad_arguments() -> None:
-    classes = [MixClass("short", 1.0, (10, 10), (5, 5)), MixClass("long", 3.0, (9_000, 9_000), (7, 7))]
+    classes = [
+        MixClass("short", 1.0, (10, 10), (5, 5)),
+        MixClass("long", 3.0, (9_000, 9_000), (7, 7)),
+    ]
     reqs = parametric(1.0, classes, n=4_000, seed=2)
     long_share = sum(r.kind == "long" for r in reqs) / len(reqs)
     assert 0.72 < long_share < 0.78
@@ -102,7 +105,9 @@ def test_bad_trace_files(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="columns"):
         load_trace(bad_csv)
     bad_row = tmp_path / "r.csv"
-    bad_row.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:17:03.9799600,x,1\r\n")
+    bad_row.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:17:03.9799600,x,1\r\n"
+    )
     with pytest.raises(ValueError, match=":2:"):
         load_trace(bad_row)
     bad_jsonl = tmp_path / "t.jsonl"

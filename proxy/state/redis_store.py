@@ -14,6 +14,8 @@ The read-modify-write operations (reserve, set_ceiling, lock take/extend, unlock
 scripts, so they are atomic across replicas; they mirror the pure rules in base.py
 (reservation_fits, pending_tokens, merge_ceiling) number for number. Times are passed in as
 arguments and stored exactly as Python's repr() writes them, never formatted by Lua.
+The request-path read() is one read-only script returning every backend's three hashes in
+one reply (one round trip, one consistent snapshot).
 
 Every call runs under a short deadline (StoreConfig.op_timeout_s) with at most one retry
 on connection errors and timeouts; anything else from Redis, or the retry failing too,

@@ -90,7 +90,10 @@ class _AdminMixin:
 
     def hold(self, tokens: int, count: int = 1) -> list[str]:
         """Pin ``count`` regions of ``tokens`` (in address order on a fresh contiguous engine)."""
-        return [h["id"] for h in _admin(self.url, "/admin/hold", {"tokens": tokens, "count": count})["held"]]
+        return [
+            h["id"]
+            for h in _admin(self.url, "/admin/hold", {"tokens": tokens, "count": count})["held"]
+        ]
 
     def release(self, ids: list[str]) -> dict[str, Any]:
         return _admin(self.url, "/admin/release", {"ids": ids})
@@ -194,7 +197,9 @@ class ProcessEngine(_AdminMixin):
         self.name = config.name
         self.popen: subprocess.Popen[str] | None = None
         self._port = 0
-        self.log_path = (log_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / f"kvroute-engine-{self.name}-{os.getpid()}-{id(self)}.log"
+        self.log_path = (
+            log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
+        ) / f"kvroute-engine-{self.name}-{os.getpid()}-{id(self)}.log"
 
     @property
     def port(self) -> int:
@@ -235,8 +240,9 @@ class ProcessEngine(_AdminMixin):
 
     def _read_ready_line(self) -> str:
         assert self.popen is not None and self.popen.stdout is not None
+        stdout = self.popen.stdout
         result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.popen.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(START_TIMEOUT_S)
         line = result[0].strip() if result else ""
