@@ -407,7 +407,7 @@ class Engine:
             return resp, "cancelled"  # the client went away mid-stream
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        if self.fault != "none" and (faulted := await self._faulted(request, inference=False)):
+        if self.fault != "none" and (faulted := await self._faulted(request, False)) is not None:
             return faulted
         cfg = self.config
         return web.Response(
@@ -431,12 +431,12 @@ class Engine:
         )
 
     async def health(self, request: web.Request) -> web.StreamResponse:
-        if self.fault != "none" and (faulted := await self._faulted(request, inference=False)):
+        if self.fault != "none" and (faulted := await self._faulted(request, False)) is not None:
             return faulted
         return web.Response(body=b'{"status":"ok"}', content_type=JSON, headers=self._headers)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
-        if self.fault != "none" and (faulted := await self._faulted(request, inference=False)):
+        if self.fault != "none" and (faulted := await self._faulted(request, False)) is not None:
             return faulted
         data, content_type = exposition(request.app[REGISTRY_KEY])
         resp = web.Response(body=data, headers=self._headers)

@@ -97,7 +97,15 @@ class Held:
     async def place(self, req: Req) -> bool:
         """Start a request and return once the engine has placed it (or refused it)."""
         request = self.client.build_request("POST", self.url + "/v1/completions", json=req.body())
-        resp = await self.client.send(request, stream=True)
+        import sys
+        t=time.monotonic()
+        try:
+            async with asyncio.timeout(5):
+                resp = await self.client.send(request, stream=True)
+        except TimeoutError:
+            print("DEBUG place hung", req, len(self.open), file=sys.stderr)
+            import faulthandler; faulthandler.dump_traceback(sys.stderr)
+            raise
         if resp.status_code == 200:  # headers go out only after the allocation succeeded
             self.open.append((req, resp))
             return True

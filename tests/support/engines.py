@@ -34,7 +34,7 @@ START_TIMEOUT_S = 20.0
 T = TypeVar("T")
 
 #: What tests get unless they say otherwise: fast simulated time, a modest cache.
-TEST_DEFAULTS: dict[str, Any] = {"speedup": 1000.0, "capacity_tokens": 100_000, "uvloop": False}
+TEST_DEFAULTS: dict[str, Any] = {"speedup": 1000.0, "capacity_tokens": 100_000}
 
 
 def free_port() -> int:
