@@ -117,6 +117,55 @@ class AdminConfig(_Strict):
     api_key: str | None = Field(default=None, description="absent: admin endpoints are disabled")
 
 
+HookType = Literal["http", "command", "none"]
+
+
+class RestartHookConfig(_Strict):
+    """How to restart one backend's inference process. ``{name}`` and ``{url}`` are filled in."""
+
+    type: HookType = "none"
+    method: str = Field(default="POST", pattern=r"^[A-Za-z]+$")
+    url: str | None = Field(default=None, description="http: e.g. '{url}/admin/restart'")
+    headers: dict[str, str] = Field(default_factory=dict)
+    argv: list[str] = Field(default_factory=list, description="command: run without a shell")
+    timeout_s: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _complete(self) -> RestartHookConfig:
+        if self.type == "http" and not self.url:
+            raise ValueError("hook.url is required when hook.type is 'http'")
+        if self.type == "command" and not self.argv:
+            raise ValueError("hook.argv is required when hook.type is 'command'")
+        return self
+
+
+class MaintenanceConfig(_Strict):
+    """Diagnosis, scaling advice and the drain + rolling restart loop (see docs/operations.md)."""
+
+    enabled: bool = Field(default=False, description="false: observe and advise only, never drain or restart by itself")
+    interval_s: float = Field(default=5.0, gt=0)
+    restart_below_ratio: float = Field(default=0.5, gt=0, le=1, description="largest free block / total free below this is fragmented")
+    restart_after_s: float = Field(default=300.0, ge=0, description="... for at least this long before a restart")
+    min_free_fraction: float = Field(default=0.1, ge=0, lt=1, description="nodes with less free memory are full, not fragmented")
+    restart_on_trend: bool = Field(default=False, description="also restart nodes whose fragmentation rises with uptime")
+    trend_window_s: float = Field(default=6 * 3600.0, gt=0, description="uptime window of the fragmentation trend")
+    trend_sample_interval_s: float = Field(default=60.0, ge=0)
+    trend_min_samples: int = Field(default=10, ge=3)
+    trend_slope_per_hour: float = Field(default=0.002, ge=0)
+    trend_min_correlation: float = Field(default=0.7, ge=-1, le=1)
+    trend_min_fragmentation: float = Field(default=0.3, ge=0, le=1)
+    failure_window_s: float = Field(default=300.0, gt=0, description="allocation failures this recent shape the advice")
+    max_concurrent_restarts: int = Field(default=1, ge=1)
+    min_healthy_capacity_fraction: float = Field(default=0.5, ge=0, le=1)
+    min_interval_per_node_s: float = Field(default=3600.0, ge=0)
+    drain_settle_s: float = Field(default=1.0, ge=0, description="after marking draining, before counting in-flight requests")
+    drain_timeout_s: float = Field(default=300.0, gt=0)
+    healthy_timeout_s: float = Field(default=300.0, gt=0)
+    fresh_ratio: float = Field(default=0.9, gt=0, le=1, description="a restarted node must report at least this ratio")
+    scheduled_restart_uptime_s: float | None = Field(default=None, gt=0, description="also restart any node up this long")
+    hook: RestartHookConfig = RestartHookConfig()
+
+
 class Config(_Strict):
     listen: ListenConfig = ListenConfig()
     backends: list[BackendConfig] = Field(min_length=1)
@@ -129,6 +178,7 @@ class Config(_Strict):
     upstream: UpstreamConfig = UpstreamConfig()
     limits: LimitsConfig = LimitsConfig()
     admin: AdminConfig = AdminConfig()
+    maintenance: MaintenanceConfig = MaintenanceConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

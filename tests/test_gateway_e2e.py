@@ -205,13 +205,15 @@ def test_oversized_body_and_impossible_demand(engine_factory: Callable[..., Any]
 def test_two_gateways_sharing_redis_never_overcommit(engine_factory: Callable[..., Any], redis_server: str) -> None:
     # One engine, 100k tokens; requests live ~1 s. Reports refresh rarely, so only the shared
     # reservations in Redis stop the two gateways from both filling the same free block.
-    e = engine_factory(name="shared", speedup=20.0, decode_tokens_per_s=50.0)
+    e = engine_factory(name="shared", speedup=5.0, decode_tokens_per_s=50.0)  # requests live ~4 s
     import asyncio
 
     asyncio.run(_flush(redis_server))
     cfg = gateway_cfg(
         [backend(e)],
-        store={"redis_url": redis_server},
+        # A long grace: every reservation counts until a report surely includes it, so only the
+        # atomic reserve in Redis (not report timing) decides what fits.
+        store={"redis_url": redis_server, "report_grace_s": 10.0},
         collector={"scrape_interval_s": 30, "stale_after_s": 60},
         queue={"max_wait_s": 0.0},
         retry={"max_attempts": 1},

@@ -20,7 +20,7 @@ from loadtest.workload import (
 )
 from proxy.tokens import count_text
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "AzureLLMInferenceTrace_code.csv"
+TRACE = Path(__file__).resolve().parents[1] / "loadtest" / "data" / "AzureLLMInferenceTrace_code.csv"
 
 
 def test_bimodal_mix_matches_problem_statement() -> None:
@@ -68,7 +68,6 @@ def test_parametric_and_bad_arguments() -> None:
         bimodal(1.0, n=1, short_share=1.5)
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="shared trace not present")
 def test_reads_the_azure_trace() -> None:
     reqs = load_trace(TRACE)
     assert len(reqs) == 8_819
