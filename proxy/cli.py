@@ -7,7 +7,6 @@ without loading the simulator or matplotlib.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -17,6 +16,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from proxy.app import create_app
     from proxy.config import ConfigError, load_config
+    from proxy.logs import setup_logging
 
     try:
         cfg = load_config(args.config)
@@ -25,8 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or cfg.listen.host
     port = args.port if args.port is not None else cfg.listen.port
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape is noise
+    setup_logging(args.log_level, args.log_format)
     uvicorn.run(
         create_app(cfg),
         host=host,
@@ -35,6 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
         http="httptools",
         access_log=False,
         log_level=args.log_level,
+        log_config=None,  # keep our handlers
         timeout_keep_alive=30,
         backlog=4096,
         timeout_graceful_shutdown=30,
@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("check-config", help="validate a config file and print what is wrong")

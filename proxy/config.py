@@ -65,6 +65,8 @@ class StoreConfig(_Strict):
     reservation_ttl_s: float = Field(default=900.0, gt=0)
     report_grace_s: float = Field(default=0.25, ge=0, description="reservations this close before a report still count as not yet visible in it")
     max_snapshot_age_s: float = Field(default=30.0, gt=0, description="with the store down, routing uses the last snapshot up to this age")
+    breaker_failures: int = Field(default=3, ge=1, description="consecutive store failures on the request path that open the circuit")
+    breaker_open_s: float = Field(default=1.0, gt=0, description="an open circuit fails store calls at once for this long, then lets one probe through")
 
 
 class CollectorConfig(_Strict):
@@ -87,6 +89,9 @@ class RetryConfig(_Strict):
     retry_key_ttl_s: float = Field(default=300.0, gt=0)
     ceiling_ttl_s: float = Field(default=30.0, gt=0, description="how long a node stays 'cannot fit N' after failing N")
     hash_body: bool = Field(default=False, description="treat identical bodies as the same client retry")
+    budget_percent: float = Field(default=20.0, ge=0, le=100, description="retries of failed attempts in flight, as a share of active requests")
+    budget_min_concurrency: int = Field(default=3, ge=0, description="retries always allowed in flight, whatever the share")
+    max_retry_after_s: float = Field(default=30.0, ge=0, description="a backend's Retry-After cools it down for at most this long")
 
 
 class QueueConfig(_Strict):
@@ -106,6 +111,38 @@ class UpstreamConfig(_Strict):
 class LimitsConfig(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     max_concurrent_requests: int = Field(default=4096, gt=0)
+    max_header_bytes: int = Field(default=32 * 1024, gt=0, description="all request header names and values together (431 above)")
+    retry_after_s: int = Field(default=1, ge=1, description="Retry-After sent with 429 when max_concurrent_requests is reached")
+
+
+class ActiveHealthConfig(_Strict):
+    """Probe each backend's health path; ``fall`` failures in a row mark it unhealthy, ``rise`` successes healthy again."""
+
+    enabled: bool = True
+    path: str = "/health"
+    interval_s: float = Field(default=5.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    rise: int = Field(default=2, ge=1)
+    fall: int = Field(default=3, ge=1)
+
+
+class OutlierConfig(_Strict):
+    """Passive ejection from real traffic, as Envoy's outlier detection does."""
+
+    consecutive_failures: int = Field(default=5, ge=1, description="connect failures, timeouts or non-allocation 5xx in a row")
+    base_ejection_s: float = Field(default=30.0, gt=0, description="ejected for this x the number of its ejections")
+    max_ejection_s: float = Field(default=300.0, gt=0)
+    max_ejection_percent: float = Field(default=50.0, ge=0, le=100, description="never eject more of the fleet than this")
+    panic_threshold_percent: float = Field(default=50.0, ge=0, le=100, description="below this share of healthy backends, route to all")
+
+
+class HealthConfig(_Strict):
+    active: ActiveHealthConfig = ActiveHealthConfig()
+    outlier: OutlierConfig = OutlierConfig()
+
+
+class AuthConfig(_Strict):
+    api_keys: list[str] = Field(default_factory=list, description="empty: /v1 needs no key; else a Bearer key from this list")
 
 
 class ListenConfig(_Strict):
@@ -177,6 +214,8 @@ class Config(_Strict):
     queue: QueueConfig = QueueConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     limits: LimitsConfig = LimitsConfig()
+    health: HealthConfig = HealthConfig()
+    auth: AuthConfig = AuthConfig()
     admin: AdminConfig = AdminConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
 
