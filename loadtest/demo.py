@@ -62,6 +62,11 @@ def fleet_table(fleet: dict[str, Any] | None, title: str) -> Table:
     return t
 
 
+def min_ratio(fleet: dict[str, Any]) -> float:
+    ratios = [b["report"]["largest_contiguous_free_block_ratio"] for b in fleet.get("backends", []) if b.get("report")]
+    return min(ratios, default=2.0)
+
+
 def outcome_line(results: list[Result], total: int) -> Text:
     c = Counter("ok" if r.status == 200 else (r.cause or r.error_code or str(r.status)) for r in results)
     parts = [f"sent {len(results)}/{total}", f"ok {c.pop('ok', 0)}"]
@@ -81,9 +86,13 @@ async def run_one(fleet: LocalFleet, policy: str, args: argparse.Namespace, cons
         async with httpx.AsyncClient(timeout=2.0) as c:
             while True:
                 try:
-                    state["fleet"] = (await c.get(fleet.gateway_url + "/fleet")).json()
+                    snap = (await c.get(fleet.gateway_url + "/fleet")).json()
                 except httpx.HTTPError:
-                    pass
+                    continue
+                state["fleet"] = snap
+                worst = min_ratio(snap)
+                if worst < state.get("worst_ratio", 2.0):
+                    state["worst_ratio"], state["worst"] = worst, snap
                 await asyncio.sleep(0.4)
 
     def view() -> Group:
@@ -99,8 +108,7 @@ async def run_one(fleet: LocalFleet, policy: str, args: argparse.Namespace, cons
         live.update(view())
     poller.cancel()
     engine_failures = await engine_allocation_failures(fleet)
-    if not console.is_terminal:
-        console.print(fleet_table(state.get("fleet"), f"policy: {policy} (end of run)"))
+    console.print(fleet_table(state.get("worst"), f"policy: {policy}: the fleet at its most fragmented moment"))
     return stats, engine_failures
 
 
@@ -142,8 +150,8 @@ def summary_table(rows: list[tuple[str, RunStats, dict[str, float]]]) -> Table:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--requests", type=int, default=600, help="requests per run (default 600)")
-    p.add_argument("--rate", type=float, default=25.0, help="arrivals per second (default 25)")
+    p.add_argument("--requests", type=int, default=400, help="requests per run (default 400)")
+    p.add_argument("--rate", type=float, default=20.0, help="arrivals per second (default 20)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--capacity-tokens", type=int, default=100_000)
     p.add_argument("--speedup", type=float, default=10.0, help="engine time acceleration (default 10)")
@@ -153,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console() if Console().is_terminal else Console(width=130)
     specs = [
         EngineSpec("long-0", "long", capacity_tokens=args.capacity_tokens, speedup=args.speedup),
         EngineSpec("long-1", "long", capacity_tokens=args.capacity_tokens, speedup=args.speedup),

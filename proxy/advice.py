@@ -142,7 +142,11 @@ def can_take_out(
             f"below min_healthy_capacity_fraction {cfg.min_healthy_capacity_fraction:.0%}"
         )
     traffic = node.overlay.reserved_tokens if node is not None else 0
-    spare = sum(max(0, n.report.free_tokens - n.overlay.pending_tokens) for n in others if n.report is not None)
+    spare = sum(
+        max(0, n.report.free_tokens - n.overlay.pending_tokens)
+        for n in others
+        if n.report is not None
+    )
     if spare < traffic:
         return False, f"the other nodes have {spare} tokens free for its {traffic} tokens in flight"
     return True, (
@@ -160,7 +164,10 @@ def update_below_since(
         r = n.report
         if r is None or not n.up:
             continue
-        if r.free_fraction > cfg.min_free_fraction and r.largest_block_ratio < cfg.restart_below_ratio:
+        if (
+            r.free_fraction > cfg.min_free_fraction
+            and r.largest_block_ratio < cfg.restart_below_ratio
+        ):
             out[n.name] = previous.get(n.name, now)
     return out
 
@@ -175,7 +182,9 @@ def effective_demand_tokens(snapshot: FleetSnapshot, capacity_failures: Iterable
     used = 0
     for n in snapshot.nodes:
         if n.up and n.report is not None:
-            used += max(0, n.report.capacity_tokens - n.report.free_tokens) + n.overlay.pending_tokens
+            used += (
+                max(0, n.report.capacity_tokens - n.report.free_tokens) + n.overlay.pending_tokens
+            )
     return used + sum(f.demand for f in capacity_failures if not f.fixable_by_restart)
 
 
@@ -201,7 +210,11 @@ def _assess(
         reasons.append("failures")  # it still has the memory for what failed, and still no block
     if cfg.restart_on_trend and trend is not None and trend.rising:
         reasons.append("trend")
-    if cfg.scheduled_restart_uptime_s is not None and uptime is not None and uptime >= cfg.scheduled_restart_uptime_s:
+    if (
+        cfg.scheduled_restart_uptime_s is not None
+        and uptime is not None
+        and uptime >= cfg.scheduled_restart_uptime_s
+    ):
         reasons.append("scheduled")
     why = ""
     if reasons and state != "up":
@@ -256,7 +269,15 @@ def advise(
             failed_here[name] = max(failed_here.get(name, 0), f.demand)
 
     assessed = [
-        _assess(n, now, cfg, stale_after_s, trends.get(n.name), below_since.get(n.name), failed_here.get(n.name, 0))
+        _assess(
+            n,
+            now,
+            cfg,
+            stale_after_s,
+            trends.get(n.name),
+            below_since.get(n.name),
+            failed_here.get(n.name, 0),
+        )
         for n in snapshot.nodes
     ]
     # Most fragmented first; each one ready only if the fleet can spare it on top of those before.
@@ -277,20 +298,27 @@ def advise(
             ok = False
         updated[a.name] = NodeAdvice(**{**asdict(a), "ready": ok, "why": why})
     nodes = tuple(updated.get(a.name, a) for a in assessed)
-    candidates = [a for a in ordered]
+    candidates = ordered
     watch = tuple(
         a.name
         for a in nodes
         if not a.candidate
         and a.state == "up"
-        and (a.level in ("high", "severe") or (trends.get(a.name) is not None and trends[a.name].rising))
+        and (
+            a.level in ("high", "severe")
+            or (trends.get(a.name) is not None and trends[a.name].rising)
+        )
     )
 
     reported = [n for n in snapshot.nodes if n.up and n.report is not None]
     cap_total = sum(n.report.capacity_tokens for n in reported if n.report is not None)
     free_total = sum(n.report.free_tokens for n in reported if n.report is not None)
-    largest = max((n.report.largest_free_block_tokens for n in reported if n.report is not None), default=0)
-    largest_node_free = max((n.report.free_tokens for n in reported if n.report is not None), default=0)
+    largest = max(
+        (n.report.largest_free_block_tokens for n in reported if n.report is not None), default=0
+    )
+    largest_node_free = max(
+        (n.report.free_tokens for n in reported if n.report is not None), default=0
+    )
     demand = effective_demand_tokens(snapshot, fails if rate_failures is None else rate_failures)
     window = cfg.failure_window_s
     max_cap_demand = max((f.demand for f in capacity), default=0)
@@ -326,8 +354,12 @@ def advise(
             f"(most free on one node now: {largest_node_free}; fleet free {free_total} of {cap_total})"
         )
         if fixable:
-            reasons.append(f"{len(fixable)} other failure(s) were fragmentation: restart those nodes as well")
-        reasons.append(f"effective demand {demand} tokens of {cap_total} ({fleet_out['effective_utilisation']:.0%})")
+            reasons.append(
+                f"{len(fixable)} other failure(s) were fragmentation: restart those nodes as well"
+            )
+        reasons.append(
+            f"effective demand {demand} tokens of {cap_total} ({fleet_out['effective_utilisation']:.0%})"
+        )
     elif candidates:
         action = "restart"
         for a in candidates:
@@ -357,6 +389,11 @@ def advise(
             )
         else:
             reasons.append("no allocation failures and no node past the fragmentation thresholds")
+    if busy_set and action == "none":
+        action = "restart"  # keep autoscalers from scaling up while a restart is under way
+        reasons.insert(0, "restarting now: " + ", ".join(sorted(busy_set)))
+    elif busy_set:
+        reasons.append("restarting now: " + ", ".join(sorted(busy_set)))
     if watch:
         reasons.append("watch (fragmenting): " + ", ".join(watch))
     return Advice(

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.admin import ops_router
 from proxy.collector import Collector
 from proxy.config import Config
 from proxy.errors import ApiError
@@ -32,7 +33,9 @@ from proxy.fleet import FleetSnapshot
 from proxy.fleet_cache import FleetCache
 from proxy.forward import Upstream
 from proxy.gateway import Gateway
+from proxy.maintenance import Maintenance
 from proxy.metrics import GatewayMetrics
+from proxy.ops_metrics import OpsCollector
 from proxy.policy import PolicySettings, make_policy
 from proxy.state import open_store
 from proxy.state.base import StateStore
@@ -160,12 +163,20 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             collector.on_report.append(lambda name, report: gateway.admission.notify())
             collector.start()
         app.state.rt = Runtime(cfg, st, fleet, gateway, collector, upstream, metrics, owner)
+        ops = Maintenance(cfg, st, fleet, owner)  # diagnosis, advice, drain + restart (proxy.maintenance)
+        gateway.on_allocation_failure.append(ops.on_allocation_failure)
+        if collector is not None:
+            collector.on_report.append(ops.on_report)
+        metrics.registry.register(OpsCollector(ops, time.time))
+        app.state.ops = ops
+        ops.start()
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)
         log.info("kvroute gateway ready: %d backends, policy %s", len(cfg.backends), cfg.routing.policy)
         try:
             yield
         finally:
+            await ops.stop()
             if collector is not None:
                 await collector.stop()
             await gateway.drain_background()
@@ -174,6 +185,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
                 await st.close()
 
     app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.include_router(ops_router())  # admin actions, /fleet/advice, /fleet/events, status page at /
 
     def rt(request: Request) -> Runtime:
         r: Runtime = request.app.state.rt

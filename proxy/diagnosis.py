@@ -77,13 +77,20 @@ def nodes_with_room(snapshot: FleetSnapshot | None, demand: int) -> tuple[str, .
         sorted(
             n.name
             for n in snapshot.nodes
-            if n.up and n.report is not None and n.report.free_tokens - n.overlay.pending_tokens >= demand
+            if n.up
+            and n.report is not None
+            and n.report.free_tokens - n.overlay.pending_tokens >= demand
         )
     )
 
 
 def failure_from_hook(
-    snapshot: FleetSnapshot | None, backend: str, cause: str, demand: int, fleet_free_fraction: float, now: float
+    snapshot: FleetSnapshot | None,
+    backend: str,
+    cause: str,
+    demand: int,
+    fleet_free_fraction: float,
+    now: float,
 ) -> Failure:
     """Turn the gateway's ``on_allocation_failure`` call into a ``Failure``.
 
@@ -201,7 +208,11 @@ class FragmentationTracker:
     def observe(self, name: str, report: MemoryReport) -> Restart | None:
         s = self._series.get(name)
         restart: Restart | None = None
-        started = report.started_at if report.started_at > 0 else (s.started_at if s else report.reported_at)
+        started = (
+            report.started_at
+            if report.started_at > 0
+            else (s.started_at if s else report.reported_at)
+        )
         if s is not None and started > s.started_at + 1e-6:
             restart = Restart(name, s.started_at, started)
             s = None
@@ -215,7 +226,8 @@ class FragmentationTracker:
         frag = report.fragmentation
         st = self.settings
         if s.points and uptime - s.points[-1][0] < st.sample_interval_s:
-            s.points[-1] = (s.points[-1][0], frag)  # too close: the latest value wins, the spacing stays
+            # Too close to the last sample: the latest value wins, the spacing stays.
+            s.points[-1] = (s.points[-1][0], frag)
         else:
             s.points.append((uptime, frag))
         while s.points and s.points[0][0] < uptime - st.window_s:
@@ -249,7 +261,9 @@ class FragmentationTracker:
         ys = [p[1] for p in s.points]
         slope, r = fit(xs, ys)
         latest_uptime, latest = s.points[-1]
-        rising = slope > st.slope_per_hour and r > st.min_correlation and latest > st.min_fragmentation
+        rising = (
+            slope > st.slope_per_hour and r > st.min_correlation and latest > st.min_fragmentation
+        )
         return Trend(len(xs), slope, r, latest, latest_uptime, rising)
 
     def trends(self) -> dict[str, Trend]:

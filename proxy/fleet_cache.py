@@ -7,7 +7,9 @@ in the store and checks the live figures.
 
 When the store is unreachable the gateway keeps routing on its last snapshot up to
 ``max_snapshot_age_s``, then by length only (pools, no memory figures), reports itself
-degraded, and recovers by itself on the next successful read.
+degraded, and recovers by itself on the next successful read. Reads go through the
+request path's circuit breaker (``self.breaker``, shared with the gateway), so a paused
+store costs one deadline per open interval rather than one per request.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from proxy.circuit import CircuitBreaker
 from proxy.config import Config
 from proxy.fleet import FleetSnapshot, MemoryReport, NodeView
 from proxy.state.base import BackendState, StateStore, StoreUnavailable
@@ -68,6 +71,7 @@ class FleetCache:
         self.degraded = False
         self.store_errors = 0
         self.on_degraded_change: list[Callable[[bool], None]] = []
+        self.breaker = CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
 
     @property
     def latest(self) -> FleetSnapshot | None:
@@ -87,7 +91,7 @@ class FleetCache:
     async def _read(self) -> FleetSnapshot:
         now = self.clock()
         try:
-            states = await self.store.read(self.names, now)
+            states = await self.breaker.call(lambda: self.store.read(self.names, now), "read")
         except StoreUnavailable:
             self.store_errors += 1
             self._set_degraded(True)

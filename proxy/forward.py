@@ -50,7 +50,19 @@ def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 class UpstreamTimeout(Exception):
-    """No response headers within the time-to-first-byte limit."""
+    """A timeout before anything reached the client: ``phase`` is "connect" or "ttfb"."""
+
+    def __init__(self, message: str, phase: str = "ttfb") -> None:
+        super().__init__(message)
+        self.phase = phase
+
+
+class BodyTimeout(Exception):
+    """The body stopped: ``phase`` is "idle" (gap between chunks) or "total" (whole request)."""
+
+    def __init__(self, message: str, phase: str) -> None:
+        super().__init__(message)
+        self.phase = phase
 
 
 class UpstreamConnectError(Exception):
@@ -69,8 +81,10 @@ class Upstream:
             ttl_dns_cache=60,
             keepalive_timeout=30,
         )
+        # Reads are bounded by the gateway itself (TTFB, idle gap, total: each answered
+        # differently), so aiohttp's own sock_read timeout stays off.
         timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.cfg.connect_timeout_s, sock_connect=self.cfg.connect_timeout_s, sock_read=self.cfg.idle_timeout_s
+            total=None, connect=self.cfg.connect_timeout_s, sock_connect=self.cfg.connect_timeout_s, sock_read=None
         )
         self.session = aiohttp.ClientSession(
             connector=connector,
@@ -85,14 +99,17 @@ class Upstream:
             await self.session.close()
             self.session = None
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> aiohttp.ClientResponse:
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], ttfb_s: float | None = None) -> aiohttp.ClientResponse:
         """Send the request; return once response headers arrived (the body is still to read)."""
         assert self.session is not None, "Upstream.start() was not called"
+        limit = self.cfg.ttfb_timeout_s if ttfb_s is None else max(0.001, ttfb_s)
         try:
-            async with asyncio.timeout(self.cfg.ttfb_timeout_s):
+            async with asyncio.timeout(limit):
                 return await self.session.post(url, data=body, headers=headers)
+        except aiohttp.ConnectionTimeoutError:
+            raise UpstreamTimeout(f"could not connect to {url} within {self.cfg.connect_timeout_s}s", "connect") from None
         except TimeoutError:
-            raise UpstreamTimeout(f"no response from {url} within {self.cfg.ttfb_timeout_s}s") from None
+            raise UpstreamTimeout(f"no response from {url} within {limit:g}s", "ttfb") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
             raise UpstreamConnectError(f"{url}: {exc.__class__.__name__}: {exc}") from None
 
@@ -119,3 +136,31 @@ async def iter_body(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     async for chunk in resp.content.iter_any():
         if chunk:
             yield chunk
+
+
+async def next_chunk(resp: aiohttp.ClientResponse, idle_s: float, deadline: float) -> bytes:
+    """The next piece of the body (b"" at its end) within the idle gap and the total deadline.
+
+    ``deadline`` is on the loop's clock. Raises BodyTimeout, or aiohttp's errors when the
+    connection breaks.
+    """
+    loop = asyncio.get_running_loop()
+    left = deadline - loop.time()
+    if left <= 0:
+        raise BodyTimeout("the request ran past its total time limit", "total")
+    phase = "idle" if idle_s < left else "total"
+    try:
+        async with asyncio.timeout(min(idle_s, left)):
+            return await resp.content.readany()
+    except TimeoutError:
+        if phase == "idle":
+            raise BodyTimeout(f"no data for {idle_s:g}s", "idle") from None
+        raise BodyTimeout("the request ran past its total time limit", "total") from None
+
+
+async def read_body(resp: aiohttp.ClientResponse, idle_s: float, deadline: float) -> bytes:
+    """The whole body, each read bounded by the idle gap and all of it by the deadline."""
+    chunks: list[bytes] = []
+    while chunk := await next_chunk(resp, idle_s, deadline):
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -2,6 +2,13 @@
 
 This module orchestrates; the decisions live in pure modules (``tokens``, ``policy``,
 ``upstream_errors``) and the I/O in ``forward`` and the state store.
+
+Fault handling (docs/reliability.md): an attempt that fails before anything reached the
+client (connect error, timeout, 5xx that is not an allocation failure, a garbage answer,
+a body that broke off) is retried on another backend, within the retry budget; after the
+first byte a failure ends the stream with a final SSE error event. Every failure feeds
+passive outlier ejection (``proxy.health``); store calls go through a circuit breaker and
+every reservation is released, or its release retried, whatever happens.
 """
 
 from __future__ import annotations
@@ -11,9 +18,9 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from starlette.requests import Request
@@ -25,25 +32,33 @@ from proxy.errors import ApiError, sse_error_event
 from proxy.fleet import FleetSnapshot
 from proxy.fleet_cache import FleetCache
 from proxy.forward import (
+    BodyTimeout,
     Upstream,
     UpstreamConnectError,
     UpstreamTimeout,
     forward_headers,
-    iter_body,
+    next_chunk,
+    read_body,
     read_limited,
     response_headers,
 )
+from proxy.health import ActiveChecker, BackendHealth
 from proxy.metrics import GatewayMetrics
 from proxy.policy import Policy, RequestClass, RouteRequest, classify, nothing_fits_reason
+from proxy.reservations import ReservationLedger
+from proxy.resilience_metrics import ResilienceCollector
+from proxy.retry_budget import RetryBudget
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.tokens import count_prompt_async
-from proxy.upstream_errors import UpstreamVerdict, classify_response
+from proxy.upstream_errors import UpstreamVerdict, classify_response, is_json_object, looks_like_sse
 from proxy.validation import Endpoint, ParsedRequest, parse_request
 
 log = logging.getLogger("kvroute.gateway")
 
 _PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 HIGH_FREE_FRACTION = 0.25
+T = TypeVar("T")
+_BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError)
 
 
 @dataclass(slots=True)
@@ -58,6 +73,7 @@ class Outcome:
     outcome: str = "success"
     failed_on: list[str] = field(default_factory=list)
     retry_key: str | None = None
+    failure: Response | None = None  # the answer if we stop now after an upstream failure
 
 
 FailureHook = Callable[[str, str, int, float], None]  # (backend or "", cause, demand, fleet free fraction)
@@ -86,6 +102,37 @@ class Gateway:
         self.on_allocation_failure: list[FailureHook] = []
         self._bg: set[asyncio.Task[None]] = set()
         self.active = 0
+        self.breaker = fleet.breaker
+        self.health = BackendHealth([b.name for b in cfg.backends], cfg.health)
+        self.budget = RetryBudget(cfg.retry.budget_percent, cfg.retry.budget_min_concurrency)
+        self.ledger = ReservationLedger(
+            store, self.breaker, cfg.store.reservation_ttl_s, on_error=lambda op: metrics.store_errors.labels(op).inc()
+        )
+        self.checker: ActiveChecker | None = None
+        self.health.register(metrics.registry)
+        metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Start the active health checks (needs the upstream session started)."""
+        ac = self.cfg.health.active
+        if ac.enabled and self.checker is None:
+            path = ac.path if ac.path.startswith("/") else "/" + ac.path
+            urls = {name: url + path for name, url in self.urls.items()}
+            self.checker = ActiveChecker(self.health, urls, self._probe, ac.interval_s)
+            self.checker.start()
+
+    async def _probe(self, url: str) -> bool:
+        status, _ = await self.upstream.get(url, self.cfg.health.active.timeout_s)
+        return 200 <= status < 300
+
+    async def close(self) -> None:
+        """Shutdown: stop probing, let background work finish, release every reservation still held."""
+        if self.checker is not None:
+            await self.checker.stop()
+            self.checker = None
+        await self.drain_background()
+        await self.ledger.close()
 
     # ---------------------------------------------------------------- helpers
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -97,11 +144,19 @@ class Gateway:
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
 
-    async def _release(self, backend: str, rid: str) -> None:
+    async def _store_call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """A store call on the request path: through the breaker; StoreUnavailable counted and re-raised."""
         try:
-            await self.store.release(backend, rid)
+            return await self.breaker.call(fn, op)
         except StoreUnavailable:
-            self.metrics.store_errors.labels("release").inc()  # the reservation expires on its own
+            self.metrics.store_errors.labels(op).inc()
+            raise
+
+    async def _store_quietly(self, op: str, fn: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await self._store_call(op, fn)
+        except StoreUnavailable:
+            pass
 
     def _retry_key(self, request: Request, raw: bytes) -> str | None:
         key = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
@@ -135,18 +190,19 @@ class Gateway:
     # ---------------------------------------------------------------- entry point
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         t0 = time.perf_counter()
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = uuid.uuid4().hex  # reservation id: ours, never a client-chosen string
+        client_rid = request.headers.get("x-request-id") or rid
         try:
             parsed = await self._read_and_parse(request, endpoint)
         except ApiError as err:
             self.metrics.rejected.labels(err.code or "invalid").inc()
-            return err.response({"x-request-id": rid})
+            return err.response({"x-request-id": client_rid})
         self.active += 1
         self.metrics.active.inc()
         try:
-            return await self._route(request, parsed, rid, t0)
+            return await self._route(request, parsed, rid, client_rid, t0)
         except ApiError as err:
-            return err.response({"x-request-id": rid})
+            return err.response({"x-request-id": client_rid})
         finally:
             self.active -= 1
             self.metrics.active.dec()
@@ -166,8 +222,9 @@ class Gateway:
         raw = b"".join(chunks)
         return parse_request(raw, endpoint, self.cfg.routing.max_tokens_limit, request.headers.get("content-type"))
 
-    async def _route(self, request: Request, parsed: ParsedRequest, rid: str, t0: float) -> Response:
+    async def _route(self, request: Request, parsed: ParsedRequest, rid: str, client_rid: str, t0: float) -> Response:
         rcfg = self.cfg.routing
+        deadline = asyncio.get_running_loop().time() + self.cfg.upstream.total_timeout_s
         prompt_tokens = await count_prompt_async(
             parsed.body, rcfg.tokenize_in_thread_chars, rcfg.chat_tokens_per_message, rcfg.chat_tokens_reply_priming
         )
@@ -175,7 +232,8 @@ class Gateway:
         cls = classify(demand, rcfg.long_threshold_tokens)
         snap = await self.fleet.snapshot()
         cap = self._max_capacity(snap)
-        if cap is not None and demand > cap:
+        need = demand * (1.0 + rcfg.safety_margin) if self.policy.checks_fit else float(demand)
+        if cap is not None and need > cap:
             raise ApiError(
                 400,
                 f"this request needs {demand} tokens of KV cache ({prompt_tokens} prompt + "
@@ -187,73 +245,85 @@ class Gateway:
         exclude: set[str] = set()
         if key is not None:
             try:
-                exclude |= await self.store.failed_on(key)
+                exclude |= await self._store_call("failed_on", lambda: self.store.failed_on(key))
             except StoreUnavailable:
-                self.metrics.store_errors.labels("failed_on").inc()
-        out = Outcome(request_id=rid, cls=cls, demand=demand, retry_key=key)
+                pass
+        out = Outcome(request_id=client_rid, cls=cls, demand=demand, retry_key=key)
         headers = forward_headers(request.headers)
         decided = False
         queue_deadline: float | None = None
-        budget = self.cfg.retry.max_attempts
-        while out.attempts < budget:
-            now = self.clock()
-            ranked = self.policy.rank(snap, RouteRequest(demand, cls, frozenset(exclude)), now)
-            if not decided:
-                self.metrics.decision.observe(time.perf_counter() - t0)
-                decided = True
-            backend = await self._reserve_first(ranked, rid, demand, now)
-            if backend is None:
-                if queue_deadline is None:
-                    queue_deadline = time.monotonic() + self.cfg.queue.max_wait_s
-                waited = await self._wait_for_fit(demand, cls, exclude, queue_deadline)
-                if waited is None:
-                    return self._nothing_fits(out, snap, exclude, exhausted=out.attempts > 0)
-                snap = waited
-                continue
-            out.attempts += 1
-            if out.attempts > 1:
-                self.metrics.retries.labels("diverted").inc()
-            result = await self._attempt(request, parsed, backend, rid, headers, out, snap)
-            if result is not None:
-                return result
-            exclude.add(backend)
-            snap = await self.fleet.snapshot()
-        return self._nothing_fits(out, snap, exclude, exhausted=True)
+        retries = 0
+        try:
+            while out.attempts < self.cfg.retry.max_attempts:
+                avoid = frozenset(exclude) | self.health.avoid()
+                now = self.clock()
+                ranked = self.policy.rank(snap, RouteRequest(demand, cls, avoid), now)
+                if not decided:
+                    self.metrics.decision.observe(time.perf_counter() - t0)
+                    decided = True
+                if ranked and out.failure is not None:
+                    # A retry of a failed attempt: only within the budget.
+                    if not self.budget.try_acquire(self.active):
+                        self.metrics.retries.labels("budget_exhausted").inc()
+                        return out.failure
+                    retries += 1
+                backend = await self._reserve_first(ranked, rid, demand, now)
+                if backend is None:
+                    if out.failure is not None:
+                        return out.failure  # no other backend can serve: the last failure is the answer
+                    if queue_deadline is None:
+                        queue_deadline = time.monotonic() + self.cfg.queue.max_wait_s
+                    waited = await self._wait_for_fit(demand, cls, avoid, queue_deadline)
+                    if waited is None:
+                        return self._nothing_fits(out, snap, exclude, exhausted=out.attempts > 0)
+                    snap = waited
+                    continue
+                out.attempts += 1
+                if out.attempts > 1:
+                    self.metrics.retries.labels("upstream_failure" if out.failure is not None else "diverted").inc()
+                out.failure = None
+                result = await self._attempt(request, parsed, backend, rid, headers, out, snap, deadline)
+                if result is not None:
+                    return result
+                exclude.add(backend)
+                snap = await self.fleet.snapshot()
+            return out.failure if out.failure is not None else self._nothing_fits(out, snap, exclude, exhausted=True)
+        finally:
+            self.budget.release(retries)
 
     def _failed(self, out: Outcome, backend: str) -> None:
         """This attempt failed on `backend`: the client's own retry (same key) must not go back there."""
         out.failed_on.append(backend)
         if out.retry_key is not None:
-            self._spawn(self._remember_failure(out.retry_key, backend))
-
-    async def _remember_failure(self, key: str, backend: str) -> None:
-        try:
-            await self.store.add_failed(key, backend, self.cfg.retry.retry_key_ttl_s)
-        except StoreUnavailable:
-            self.metrics.store_errors.labels("add_failed").inc()
+            key = out.retry_key
+            self._spawn(self._store_quietly("add_failed", lambda: self.store.add_failed(key, backend, self.cfg.retry.retry_key_ttl_s)))
 
     async def _reserve_first(self, ranked: list[str], rid: str, demand: int, now: float) -> str | None:
         """Reserve on the best candidate that accepts; a lost race moves on to the next."""
         for name in ranked:
             try:
-                ok = await self.store.reserve(
-                    name,
-                    rid,
-                    demand,
-                    now,
-                    self.cfg.store.reservation_ttl_s,
-                    check_fit=self.policy.checks_fit,
-                    headroom=self.cfg.routing.safety_margin,
-                    grace_s=self.cfg.store.report_grace_s,
+                ok = await self._store_call(
+                    "reserve",
+                    lambda n=name: self.store.reserve(  # type: ignore[misc]
+                        n,
+                        rid,
+                        demand,
+                        now,
+                        self.cfg.store.reservation_ttl_s,
+                        check_fit=self.policy.checks_fit,
+                        headroom=self.cfg.routing.safety_margin,
+                        grace_s=self.cfg.store.report_grace_s,
+                    ),
                 )
             except StoreUnavailable:
-                self.metrics.store_errors.labels("reserve").inc()
+                self.ledger.hold(name, rid)  # the reserve may still land (a paused store): release it later
                 return name  # degraded: route without a shared reservation rather than fail
             if ok:
+                self.ledger.hold(name, rid)
                 return name
         return None
 
-    async def _wait_for_fit(self, demand: int, cls: RequestClass, exclude: set[str], deadline: float) -> FleetSnapshot | None:
+    async def _wait_for_fit(self, demand: int, cls: RequestClass, exclude: frozenset[str], deadline: float) -> FleetSnapshot | None:
         """The admission queue: wait (bounded) for a report that shows a big enough block."""
         if time.monotonic() >= deadline or not self.admission.try_enter():
             return None
@@ -266,7 +336,7 @@ class Gateway:
                     return None
                 await self.admission.wait(min(remaining, 0.05))
                 snap = await self.fleet.snapshot(force=True)
-                if self.policy.rank(snap, RouteRequest(demand, cls, frozenset(exclude)), self.clock()):
+                if self.policy.rank(snap, RouteRequest(demand, cls, exclude | self.health.avoid()), self.clock()):
                     return snap
         finally:
             self.admission.leave()
@@ -300,6 +370,21 @@ class Gateway:
         }
 
     # ---------------------------------------------------------------- one attempt
+    def _upstream_failed(self, out: Outcome, backend: str, rid: str, answer: Response, result: str, why: str) -> None:
+        """An attempt failed before any byte reached the client: eject-count it, remember the answer, divert."""
+        self._spawn(self.ledger.release(backend, rid))
+        self.metrics.attempts.labels(backend, result).inc()
+        self.health.failure(backend)
+        self._failed(out, backend)
+        log.warning("request %s: %s failed (%s): %s", out.request_id, backend, result, why)
+        answer.headers.update(self._kv_headers(out, backend))
+        out.failure = answer
+        self.metrics.requests.labels(out.cls, backend, "upstream_error").inc()
+
+    @staticmethod
+    def _gateway_error(status: int, message: str, code: str) -> Response:
+        return ApiError(status, message, type="upstream_error", code=code).response()
+
     async def _attempt(
         self,
         request: Request,
@@ -309,94 +394,192 @@ class Gateway:
         headers: dict[str, str],
         out: Outcome,
         snap: FleetSnapshot,
+        deadline: float,
     ) -> Response | None:
         """Forward to `backend`. A Response ends the request; None means divert to another node."""
         url = self.urls[backend] + _PATHS[parsed.endpoint]
+        loop = asyncio.get_running_loop()
         t_start = time.perf_counter()
+        ttfb_deadline = min(loop.time() + self.cfg.upstream.ttfb_timeout_s, deadline)
         try:
-            resp = await self.upstream.post(url, parsed.raw, headers)
-        except (UpstreamConnectError, UpstreamTimeout) as exc:
-            self._spawn(self._release(backend, rid))
-            self.metrics.attempts.labels(backend, "timeout" if isinstance(exc, UpstreamTimeout) else "connect_error").inc()
-            self._failed(out, backend)
-            log.warning("request %s: %s failed: %s", rid, backend, exc)
-            if out.attempts >= self.cfg.retry.max_attempts:
-                self.metrics.requests.labels(out.cls, backend, "upstream_error").inc()
-                status = 504 if isinstance(exc, UpstreamTimeout) else 502
-                raise ApiError(status, f"backend {backend} did not answer: {exc}", type="upstream_error", code="upstream_unavailable") from None
+            resp = await self.upstream.post(url, parsed.raw, headers, ttfb_deadline - loop.time())
+        except UpstreamTimeout as exc:
+            code = "upstream_connect_timeout" if exc.phase == "connect" else "upstream_timeout"
+            self._upstream_failed(out, backend, rid, self._gateway_error(504, f"backend {backend} did not answer: {exc}", code), "timeout", str(exc))
             return None
+        except UpstreamConnectError as exc:
+            msg = f"backend {backend} could not be reached: {exc}"
+            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_unavailable"), "connect_error", str(exc))
+            return None
+        except BaseException:
+            self._spawn(self.ledger.release(backend, rid))
+            raise
+        try:
+            if resp.status >= 400:
+                return await self._error_answer(resp, backend, rid, out, snap)
+            if parsed.stream and resp.headers.get("content-type", "").lower().startswith("text/event-stream"):
+                return await self._start_stream(resp, backend, rid, out, t_start, ttfb_deadline, deadline)
+            return await self._whole_answer(resp, backend, rid, out, t_start, deadline)
+        except BaseException:
+            resp.close()
+            self._spawn(self.ledger.release(backend, rid))
+            raise
 
-        if resp.status >= 400:
-            try:
+    async def _error_answer(self, resp: aiohttp.ClientResponse, backend: str, rid: str, out: Outcome, snap: FleetSnapshot) -> Response | None:
+        try:
+            async with asyncio.timeout(self.cfg.upstream.idle_timeout_s):
                 body = await read_limited(resp)
-            except (aiohttp.ClientError, TimeoutError):
-                body = b""
-            finally:
-                resp.release()
-            verdict = classify_response(resp.status, body, resp.headers.get("retry-after"))
+        except (*_BROKEN, TimeoutError):
+            body = b""
+        finally:
+            resp.close()
+        verdict = classify_response(resp.status, body, resp.headers.get("retry-after"))
+        if verdict.verdict == "client_error":
             self.metrics.attempts.labels(backend, verdict.verdict).inc()
-            if verdict.verdict == "client_error":
-                await self._release(backend, rid)
-                self.metrics.requests.labels(out.cls, backend, "rejected").inc()
-                h = response_headers(resp.headers)
-                h.update(self._kv_headers(out, backend))
-                return Response(body, status_code=resp.status, headers=h)
-            await self._release(backend, rid)
+            self.health.success(backend)
+            await self.ledger.release(backend, rid)
+            self.metrics.requests.labels(out.cls, backend, "rejected").inc()
+            h = response_headers(resp.headers)
+            h.update(self._kv_headers(out, backend))
+            return Response(body, status_code=resp.status, headers=h)
+        if verdict.retry_after_s is not None and verdict.retry_after_s > 0:
+            self._cool_down(backend, verdict.retry_after_s)
+        relay_body = body if is_json_object(body) else None
+        if verdict.verdict == "allocation":
+            self.metrics.attempts.labels(backend, verdict.verdict).inc()
+            self.health.success(backend)  # alive and answering: not a fault, just full
+            self._spawn(self.ledger.release(backend, rid))
             self._failed(out, backend)
-            if verdict.verdict == "allocation":
-                cause = self._cause_at_backend(verdict, out.demand, backend, snap)
-                self._record_alloc_failure(backend, cause, out.demand, snap)
-                now = self.clock()
-                self._spawn(self._learn_ceiling(backend, out.demand, now))
-                log.info("request %s: %s could not allocate %d tokens (%s); diverting", rid, backend, out.demand, cause)
+            cause = self._cause_at_backend(verdict, out.demand, backend, snap)
+            self._record_alloc_failure(backend, cause, out.demand, snap)
+            self._spawn(self._learn_ceiling(backend, out.demand, self.clock()))
+            log.info("request %s: %s could not allocate %d tokens (%s); diverting", rid, backend, out.demand, cause)
             if out.attempts >= self.cfg.retry.max_attempts:
-                outcome = "allocation_failure" if verdict.verdict == "allocation" else "upstream_error"
-                self.metrics.requests.labels(out.cls, backend, outcome).inc()
+                self.metrics.requests.labels(out.cls, backend, "allocation_failure").inc()
                 h = {k: v for k, v in response_headers(resp.headers).items() if k.lower() == "retry-after"}
                 h.update(self._kv_headers(out, backend))
                 return Response(body, status_code=resp.status, headers=h, media_type="application/json")
             return None
+        # overload (429/503) or another 5xx: a failure of this backend; another may serve.
+        h = {k: v for k, v in response_headers(resp.headers).items() if k.lower() == "retry-after"}
+        if relay_body is not None:
+            answer = Response(relay_body, status_code=resp.status, headers=h, media_type="application/json")
+        else:
+            status = resp.status if resp.status in (429, 503) else 502
+            err = ApiError(status, f"backend {backend} answered HTTP {resp.status}", type="upstream_error", code="upstream_server_error", headers=h)
+            answer = err.response()
+        if resp.status >= 500:
+            self._upstream_failed(out, backend, rid, answer, verdict.verdict, f"HTTP {resp.status}")
+        else:  # 429: busy, not broken; no ejection, but still try another
+            self._spawn(self.ledger.release(backend, rid))
+            self.metrics.attempts.labels(backend, verdict.verdict).inc()
+            self._failed(out, backend)
+            answer.headers.update(self._kv_headers(out, backend))
+            out.failure = answer
+        return None
 
+    def _cool_down(self, backend: str, retry_after_s: float) -> None:
+        """Honour a backend's Retry-After: no traffic from this replica (and, via the store, any) for a while."""
+        seconds = min(retry_after_s, self.cfg.retry.max_retry_after_s)
+        if seconds <= 0:
+            return
+        self.health.cooldown(backend, seconds)
+        until = self.clock() + seconds
+        self._spawn(self._store_quietly("set_cooldown", lambda: self.store.set_cooldown(backend, until)))
+
+    async def _whole_answer(
+        self, resp: aiohttp.ClientResponse, backend: str, rid: str, out: Outcome, t_start: float, deadline: float
+    ) -> Response | None:
+        """A non-streamed 2xx: read it all (nothing reached the client yet, so a failure may still divert)."""
+        try:
+            body = await read_body(resp, self.cfg.upstream.idle_timeout_s, deadline)
+        except BodyTimeout as exc:
+            resp.close()
+            msg = f"backend {backend} stopped answering: {exc}"
+            self._upstream_failed(out, backend, rid, self._gateway_error(504, msg, f"upstream_{exc.phase}_timeout"), "timeout", str(exc))
+            return None
+        except _BROKEN as exc:
+            resp.close()
+            msg = f"backend {backend} broke off its answer: {exc.__class__.__name__}"
+            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_broken"), "broken", msg)
+            return None
+        resp.release()
+        if not is_json_object(body):
+            msg = f"backend {backend} sent an answer that is not a JSON object"
+            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_bad_response"), "garbage", msg)
+            return None
+        self.metrics.attempts.labels(backend, "ok").inc()
+        self.health.success(backend)
+        out.backend = backend
+        await self.ledger.release(backend, rid)
+        self.metrics.requests.labels(out.cls, backend, "success").inc()
+        self.metrics.duration.labels(out.cls).observe(time.perf_counter() - t_start)
+        h = response_headers(resp.headers)
+        h.update(self._kv_headers(out, backend))
+        return Response(body, status_code=resp.status, headers=h)
+
+    async def _start_stream(
+        self, resp: aiohttp.ClientResponse, backend: str, rid: str, out: Outcome, t_start: float, ttfb_deadline: float, deadline: float
+    ) -> Response | None:
+        """Wait for the first event before answering: until then a failure can still go to another backend."""
+        loop = asyncio.get_running_loop()
+        try:
+            first = await next_chunk(resp, max(0.001, ttfb_deadline - loop.time()), deadline)
+        except BodyTimeout as exc:
+            resp.close()
+            msg = f"backend {backend} sent no first event in time: {exc}"
+            self._upstream_failed(out, backend, rid, self._gateway_error(504, msg, "upstream_timeout"), "timeout", msg)
+            return None
+        except _BROKEN as exc:
+            resp.close()
+            msg = f"backend {backend} broke off before its first event: {exc.__class__.__name__}"
+            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_broken"), "broken", msg)
+            return None
+        if not looks_like_sse(first):
+            resp.close()
+            msg = f"backend {backend} sent a stream that is not server-sent events"
+            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_bad_response"), "garbage", msg)
+            return None
         self.metrics.attempts.labels(backend, "ok").inc()
         out.backend = backend
         h = response_headers(resp.headers)
         h.update(self._kv_headers(out, backend))
-        if parsed.stream:
-            return StreamingResponse(
-                self._relay(resp, backend, rid, out, t_start),
-                status_code=resp.status,
-                headers=h,
-                media_type=resp.headers.get("content-type", "text/event-stream"),
-            )
-        try:
-            async with asyncio.timeout(self.cfg.upstream.total_timeout_s):
-                body = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            resp.close()
-            await self._release(backend, rid)
-            self.metrics.requests.labels(out.cls, backend, "upstream_error").inc()
-            raise ApiError(502, f"backend {backend} broke off its answer: {exc.__class__.__name__}", type="upstream_error", code="upstream_broken") from None
-        await self._release(backend, rid)
-        self.metrics.requests.labels(out.cls, backend, "success").inc()
-        self.metrics.duration.labels(out.cls).observe(time.perf_counter() - t_start)
-        return Response(body, status_code=resp.status, headers=h)
+        return StreamingResponse(
+            self._relay(resp, first, backend, rid, out, t_start, deadline),
+            status_code=resp.status,
+            headers=h,
+            media_type=resp.headers.get("content-type", "text/event-stream"),
+        )
 
     async def _learn_ceiling(self, backend: str, demand: int, now: float) -> None:
-        try:
-            await self.store.set_ceiling(backend, demand, now, now + self.cfg.retry.ceiling_ttl_s)
-        except StoreUnavailable:
-            self.metrics.store_errors.labels("set_ceiling").inc()
+        until = now + self.cfg.retry.ceiling_ttl_s
+        await self._store_quietly("set_ceiling", lambda: self.store.set_ceiling(backend, demand, now, until))
 
-    async def _relay(self, resp: aiohttp.ClientResponse, backend: str, rid: str, out: Outcome, t_start: float) -> AsyncIterator[bytes]:
-        """Relay a stream; always release the reservation, and cancel upstream on client disconnect."""
+    async def _relay(
+        self, resp: aiohttp.ClientResponse, first: bytes, backend: str, rid: str, out: Outcome, t_start: float, deadline: float
+    ) -> AsyncIterator[bytes]:
+        """Relay a stream; always release the reservation, and cancel upstream on client disconnect.
+
+        Bytes already reached the client, so a failure here cannot be retried: the stream ends
+        with a final SSE error event that names the cause (idle gap, total time, broken off).
+        """
         outcome = "client_disconnect"
+        idle = self.cfg.upstream.idle_timeout_s
         try:
-            async with asyncio.timeout(self.cfg.upstream.total_timeout_s):
-                async for chunk in iter_body(resp):
-                    yield chunk
+            yield first
+            while chunk := await next_chunk(resp, idle, deadline):
+                yield chunk
             outcome = "success"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.health.success(backend)
+        except BodyTimeout as exc:
+            outcome = "upstream_timeout"
+            if exc.phase == "idle":
+                self.health.failure(backend)
+            log.warning("request %s: stream from %s timed out (%s)", rid, backend, exc.phase)
+            yield sse_error_event(f"backend {backend}: {exc}", code=f"upstream_{exc.phase}_timeout")
+        except _BROKEN as exc:
             outcome = "upstream_error"
+            self.health.failure(backend)
             log.warning("request %s: stream from %s broke off: %s", rid, backend, exc.__class__.__name__)
             yield sse_error_event(f"backend {backend} stopped streaming ({exc.__class__.__name__})", code="upstream_stream_broken")
         finally:
@@ -406,6 +589,4 @@ class Gateway:
                 resp.release()
             self.metrics.requests.labels(out.cls, backend, outcome).inc()
             self.metrics.duration.labels(out.cls).observe(time.perf_counter() - t_start)
-            task = asyncio.ensure_future(self._release(backend, rid))
-            self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
+            self._spawn(self.ledger.release(backend, rid))

@@ -64,7 +64,9 @@ class HttpHook(RestartHook):
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             # trust_env=False: the hook goes where the config says, not through an environment proxy.
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), trust_env=False, follow_redirects=False)
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout_s), trust_env=False, follow_redirects=False
+            )
         return self._client
 
     async def restart(self, name: str, url: str) -> HookResult:
@@ -75,12 +77,22 @@ class HttpHook(RestartHook):
             async with asyncio.timeout(self.timeout_s):
                 resp = await self._http().request(self.method, target, headers=headers)
         except (TimeoutError, httpx.TimeoutException):
-            return HookResult(False, f"{self.method} {target}: timeout after {self.timeout_s:g}s", time.monotonic() - t0)
+            return HookResult(
+                False,
+                f"{self.method} {target}: timeout after {self.timeout_s:g}s",
+                time.monotonic() - t0,
+            )
         except httpx.HTTPError as exc:
-            return HookResult(False, f"{self.method} {target}: {type(exc).__name__}: {exc}", time.monotonic() - t0)
+            return HookResult(
+                False, f"{self.method} {target}: {type(exc).__name__}: {exc}", time.monotonic() - t0
+            )
         body = resp.text[:OUTPUT_LIMIT]
         ok = 200 <= resp.status_code < 300
-        return HookResult(ok, f"{self.method} {target}: HTTP {resp.status_code} {body}".strip(), time.monotonic() - t0)
+        return HookResult(
+            ok,
+            f"{self.method} {target}: HTTP {resp.status_code} {body}".strip(),
+            time.monotonic() - t0,
+        )
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -109,7 +121,9 @@ class CommandHook(RestartHook):
                 start_new_session=True,
             )
         except OSError as exc:
-            return HookResult(False, f"cannot run {argv[0]!r}: {exc.strerror or exc}", time.monotonic() - t0)
+            return HookResult(
+                False, f"cannot run {argv[0]!r}: {exc.strerror or exc}", time.monotonic() - t0
+            )
         try:
             async with asyncio.timeout(self.timeout_s):
                 out, _ = await proc.communicate()
@@ -117,7 +131,11 @@ class CommandHook(RestartHook):
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-            return HookResult(False, f"{argv[0]}: timeout after {self.timeout_s:g}s (killed)", time.monotonic() - t0)
+            return HookResult(
+                False,
+                f"{argv[0]}: timeout after {self.timeout_s:g}s (killed)",
+                time.monotonic() - t0,
+            )
         except asyncio.CancelledError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

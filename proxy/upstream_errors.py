@@ -72,3 +72,20 @@ def classify_response(status: int, body: bytes, retry_after: str | None = None) 
     if status >= 500:
         return UpstreamVerdict("server_error", None, None, ra, message)
     return UpstreamVerdict("client_error", None, None, ra, message)
+
+
+# Lines an SSE stream may begin with (WHATWG HTML, server-sent events): a field or a comment.
+_SSE_STARTS = (b"data:", b"event:", b"id:", b"retry:", b":", b"\n", b"\r")
+
+
+def is_json_object(body: bytes) -> bool:
+    """A 2xx answer to an OpenAI endpoint is a JSON object; anything else is garbage to divert."""
+    try:
+        return isinstance(orjson.loads(body), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def looks_like_sse(first_chunk: bytes) -> bool:
+    """Does the first piece of a streamed 2xx body look like server-sent events?"""
+    return first_chunk.lstrip(b"\xef\xbb\xbf").startswith(_SSE_STARTS)
