@@ -26,7 +26,7 @@ POLICY_NAMES = ("kvroute", "round_robin", "least_loaded", "most_free", "oracle")
 RESTART_MODES = ("none", "uptime", "frag")
 HIGH_FREE = 0.25  # the problem statement's "failure while > 25% free" line
 
-_COMPLETE, _SAMPLE, _RESTART_UP, _RETRY, _SCRAPE = 0, 1, 2, 3, 4
+_COMPLETE, _SAMPLE, _RESTART_UP, _RETRY, _SCRAPE, _EXPIRE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,8 @@ class SimConfig:
     client_retry_delay_s: float = 2.0
     report_lag_s: float = 0.0  # 0: every decision sees fresh reports; else scraped every lag s
     ceiling_ttl_s: float = 30.0
+    queue_wait_s: float = 5.0  # queue.max_wait_s: a request nothing fits waits this long for room
+    queue_max: int = 256  # queue.max_size
     settings: PolicySettings = field(default_factory=PolicySettings)
     hold: HoldModel = field(default_factory=HoldModel)
     restart: str = "none"
@@ -143,6 +145,21 @@ class _Node:
         )
 
 
+class _Pending:
+    """A request between arrival and placement (or giving up): what the gateway tracks."""
+
+    __slots__ = ("attempts", "deadline", "demand", "exclude", "failed", "req", "retries_left")
+
+    def __init__(self, demand: int, req: ReqLike, exclude: frozenset[str], retries_left: int) -> None:
+        self.demand = demand
+        self.req = req
+        self.exclude = exclude
+        self.retries_left = retries_left
+        self.attempts = 0
+        self.failed: set[str] = set()
+        self.deadline: float | None = None
+
+
 @dataclass
 class SimResult:
     """Counters, time averages and time series of one run (``to_dict`` is the JSON form)."""
@@ -160,6 +177,7 @@ class SimResult:
     attempts_high_free: int = 0  # ... while that node was > 25% free
     busy_attempts: int = 0  # rejected by the concurrency limit
     client_retries: int = 0
+    queued: int = 0  # requests that waited in the admission queue
     restarts: int = 0
     evicted: int = 0  # retained KV dropped by a drain timeout
     frag_sum: float = 0.0
@@ -209,6 +227,7 @@ class SimResult:
             "long_failures": self.long_failures,
             "long_failure_rate": self.long_failure_rate,
             "client_retries": self.client_retries,
+            "queued": self.queued,
             "mean_fragmentation": self.mean_fragmentation,
             "utilisation": self.utilisation,
             "restarts": self.restarts,
@@ -268,6 +287,8 @@ class Simulation:
         self.bucket_fail = 0
         self.bucket_req = 0
         self.lag = cfg.report_lag_s > 0
+        self.waiting: dict[int, _Pending] = {}
+        self.qid = 0
         self.snap_at = -1.0
         self.refresh_s = max(1e-3, cfg.settings.stale_after_s / 2)
 
@@ -313,6 +334,8 @@ class Simulation:
                     demand, req, exclude, left = payload
                     self.res.client_retries += 1
                     self._arrive(demand, req, now, exclude, left, False)
+                elif kind == _EXPIRE:
+                    self._expire(payload, now)
                 elif kind == _RESTART_UP:
                     self._restart_done(payload, now)
                 elif kind == _SCRAPE:
@@ -369,7 +392,7 @@ class Simulation:
     # --- requests ---------------------------------------------------------------------------
     def _candidates(self, demand: int, now: float, exclude: frozenset[str]) -> list[str]:
         if self.oracle:
-            ok = [n for n in self.nodes if not n.down and not n.draining and n.alloc.free_tokens >= demand]
+            ok = [n for n in self.nodes if not n.down and not n.draining and n.name not in exclude and n.alloc.free_tokens >= demand]
             ok.sort(key=lambda n: (-n.alloc.free_tokens, n.name))
             return [n.name for n in ok[:1]]
         assert self.policy is not None
@@ -377,47 +400,85 @@ class Simulation:
         return self.policy.rank(self._snapshot(now), RouteRequest(demand, cls, exclude), now)
 
     def _arrive(self, demand: int, req: ReqLike, now: float, exclude: frozenset[str], retries_left: int, first: bool) -> None:
-        cfg, res = self.cfg, self.res
-        is_long = req.kind == "long"
+        res = self.res
         if first:
             res.requests += 1
             self.bucket_req += 1
-            if is_long:
+            if req.kind == "long":
                 res.long_requests += 1
-        tried = 0
-        failed: set[str] = set()
-        for name in self._candidates(demand, now, exclude):
-            if tried >= cfg.max_attempts:
-                break
-            tried += 1
+        self._dispatch(_Pending(demand, req, exclude, retries_left), now)
+
+    def _dispatch(self, w: _Pending, now: float) -> None:
+        """The gateway's loop: rank, attempt the best, on failure exclude it and rank again;
+        with nothing ranked, wait in the admission queue (bounded) for memory to free up."""
+        cfg, res = self.cfg, self.res
+        demand = w.demand
+        while w.attempts < cfg.max_attempts:
+            cands = self._candidates(demand, now, w.exclude | w.failed if w.failed else w.exclude)
+            if not cands:
+                self._queue(w, now)
+                return
+            name = cands[0]
             n = self.by_name[name]
+            w.attempts += 1
             if cfg.max_concurrency and n.inflight >= cfg.max_concurrency:
                 res.busy_attempts += 1
+                w.failed.add(name)
                 continue
             rid = self.rid
             self.rid += 1
-            if n.alloc.allocate(rid, demand) is None:
-                res.failed_attempts += 1
-                if n.alloc.free_tokens > HIGH_FREE * n.alloc.capacity_tokens:
-                    res.attempts_high_free += 1
-                if n.ceiling is None or now >= n.ceiling_until or demand < n.ceiling:
-                    n.ceiling = demand
-                n.ceiling_set = now
-                n.ceiling_until = now + cfg.ceiling_ttl_s
-                n.view = None
-                failed.add(name)
-                continue
-            self._placed(n, rid, demand, req, now)
+            if n.alloc.allocate(rid, demand) is not None:
+                self._placed(n, rid, demand, w.req, now)
+                return
+            res.failed_attempts += 1
+            if n.alloc.free_tokens > HIGH_FREE * n.alloc.capacity_tokens:
+                res.attempts_high_free += 1
+            if n.ceiling is None or now >= n.ceiling_until or demand < n.ceiling:
+                n.ceiling = demand
+            n.ceiling_set = now
+            n.ceiling_until = now + cfg.ceiling_ttl_s
+            n.view = None
+            w.failed.add(name)
+        self._give_up(w, now)
+
+    def _queue(self, w: _Pending, now: float) -> None:
+        cfg = self.cfg
+        if w.deadline is None:
+            w.deadline = now + cfg.queue_wait_s
+        if now >= w.deadline or len(self.waiting) >= cfg.queue_max:
+            self._give_up(w, now)
             return
+        self.qid += 1
+        self.waiting[self.qid] = w
+        self.res.queued += 1
+        self._push(w.deadline, _EXPIRE, self.qid)
+
+    def _expire(self, qid: int, now: float) -> None:
+        w = self.waiting.pop(qid, None)
+        if w is not None:
+            self._give_up(w, now)
+
+    def _wake(self, n: _Node, now: float) -> None:
+        """Memory freed on ``n``: waiting requests it might now hold get another go (FIFO)."""
+        if not self.waiting or n.down or n.draining:
+            return
+        room = n.alloc.largest_free_block_tokens
+        for qid in [q for q, w in self.waiting.items() if w.demand <= room]:
+            w = self.waiting.pop(qid, None)
+            if w is not None:
+                self._dispatch(w, now)
+
+    def _give_up(self, w: _Pending, now: float) -> None:
+        cfg, res = self.cfg, self.res
         res.gateway_failures += 1
-        if retries_left > 0:
+        if w.retries_left > 0:
             # The client resends; kvroute's retry key keeps the nodes that failed it excluded.
-            carry = exclude | failed if self.policy is not None and self.policy.name == "kvroute" else frozenset()
-            self._push(now + cfg.client_retry_delay_s, _RETRY, (demand, req, carry, retries_left - 1))
+            carry = w.exclude | w.failed if self.policy is not None and self.policy.name == "kvroute" else frozenset()
+            self._push(now + cfg.client_retry_delay_s, _RETRY, (w.demand, w.req, frozenset(carry), w.retries_left - 1))
             return
         res.failures += 1
         self.bucket_fail += 1
-        if is_long:
+        if w.req.kind == "long":
             res.long_failures += 1
         if self._fleet_free_fraction() > HIGH_FREE:
             res.false_capacity_failures += 1
@@ -447,6 +508,8 @@ class Simulation:
         n.view = None
         if n.draining and not n.live:
             self._go_down(n, now)
+        else:
+            self._wake(n, now)
 
     # --- sampling and restarts -----------------------------------------------------------------
     def _sample(self, now: float) -> None:
@@ -516,6 +579,7 @@ class Simulation:
             n.report = n.memory_report(now)
         if self.restarting is n:
             self.restarting = None
+        self._wake(n, now)
 
     def _series(self, now: float) -> None:
         res = self.res

@@ -51,11 +51,10 @@ class WorkloadSpec:
 
 
 def kv_load_per_request(spec: WorkloadSpec, cfg: SimConfig, sample: int = 20_000) -> tuple[float, float]:
-    """(mean token-seconds of KV one request holds, arrival rate at scale 1), by sampling.
-
-    ``--load`` uses it: offered KV load = rate x token-seconds / fleet capacity.
+    """(mean token-seconds of KV one request holds while it runs, arrival rate at scale 1),
+    by sampling. ``--load`` uses it: offered KV load = rate x token-seconds / fleet capacity
+    (retained session KV is left out: it is a property of the stack, not of the traffic).
     """
-    hold = cfg.hold.sampler(cfg.seed)
     if spec.kind == "trace":
         reqs = list(replace(spec, rate_scale=1.0).stream(float("inf"), cfg.settings.long_threshold_tokens))
         reqs = reqs[: max(2, min(len(reqs), 100_000))]
@@ -77,7 +76,7 @@ def kv_load_per_request(spec: WorkloadSpec, cfg: SimConfig, sample: int = 20_000
         rate = 1.0
     ts = 0.0
     for r in reqs:
-        life = r.prompt_tokens / cfg.prefill_tps + r.output_tokens / cfg.decode_tps + hold.extra(r.kind)
+        life = r.prompt_tokens / cfg.prefill_tps + r.output_tokens / cfg.decode_tps
         ts += (r.prompt_tokens + r.output_tokens) * life
     return ts / len(reqs), rate
 

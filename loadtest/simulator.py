@@ -79,7 +79,7 @@ def add_fleet_options(ap: argparse.ArgumentParser) -> None:
     w.add_argument("--length-scale", type=_positive, default=1.0, help="trace prompt lengths x this")
     w.add_argument("--rate-scale", type=_positive, default=None, help="trace arrivals x this faster (default: from --load)")
     w.add_argument("--rate", type=_positive, default=None, help="arrivals per second (default: from --load)")
-    w.add_argument("--load", type=_positive, default=0.62, help="offered KV load as a fraction of fleet capacity (default 0.62)")
+    w.add_argument("--load", type=_positive, default=0.55, help="offered KV load (requests only, not retained sessions) as a fraction of fleet capacity (default 0.55)")
     w.add_argument("--hold-fraction", type=_fraction, default=0.002, help="share of short requests whose KV stays resident after they finish (sessions)")
     w.add_argument("--hold-alpha", type=_positive, default=0.5, help="Pareto shape of that extra holding time")
     w.add_argument("--hold-min", type=duration, default=3_600.0, help="Pareto scale (shortest hold)")
@@ -96,6 +96,8 @@ def add_gateway_options(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--client-retry-delay", type=duration, default=2.0)
     g.add_argument("--report-lag", type=duration, default=None, help="scrape interval: decisions see reports this old (default: fresh)")
     g.add_argument("--ceiling-ttl", type=duration, default=30.0, help="retry.ceiling_ttl_s")
+    g.add_argument("--queue-wait", type=float, default=5.0, help="queue.max_wait_s: seconds a request nothing fits may wait (0: fail at once)")
+    g.add_argument("--queue-max", type=int, default=256, help="queue.max_size")
     r = ap.add_argument_group("restarts")
     r.add_argument("--restart", choices=RESTART_MODES, default="none", help="none | uptime (scheduled) | frag (fragmentation-triggered)")
     r.add_argument("--restart-uptime", type=duration, default=6 * 86_400.0, help="uptime that triggers a scheduled restart")
@@ -126,6 +128,8 @@ def build_config(a: argparse.Namespace) -> SimConfig:
         client_retry_delay_s=a.client_retry_delay,
         report_lag_s=lag,
         ceiling_ttl_s=a.ceiling_ttl,
+        queue_wait_s=a.queue_wait,
+        queue_max=a.queue_max,
         settings=PolicySettings(
             safety_margin=a.safety_margin,
             stale_after_s=max(5.0, 2.5 * lag),

@@ -33,6 +33,7 @@ from proxy.fleet import FleetSnapshot
 from proxy.fleet_cache import FleetCache
 from proxy.forward import Upstream
 from proxy.gateway import Gateway
+from proxy.limits import RequestGuard
 from proxy.maintenance import Maintenance
 from proxy.metrics import GatewayMetrics
 from proxy.ops_metrics import OpsCollector
@@ -156,6 +157,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             long_threshold_tokens=cfg.routing.long_threshold_tokens,
         )
         gateway = Gateway(cfg, st, fleet, make_policy(cfg.routing.policy, settings), upstream, metrics)
+        await gateway.start()  # active health checks (proxy.health)
         collector = Collector(cfg, st, owner) if run_collector else None
         metrics.attach_fleet(lambda: fleet.latest, time.time)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
@@ -179,12 +181,13 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             await ops.stop()
             if collector is not None:
                 await collector.stop()
-            await gateway.drain_background()
+            await gateway.close()  # stops health checks, releases every reservation still held
             await upstream.close()
             if store is None:
                 await st.close()
 
     app = FastAPI(title="kvroute", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(RequestGuard, cfg=cfg)  # header size, client API keys, concurrency limit (proxy.limits)
     app.include_router(ops_router())  # admin actions, /fleet/advice, /fleet/events, status page at /
 
     def rt(request: Request) -> Runtime:

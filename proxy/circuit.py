@@ -21,7 +21,9 @@ State = Literal["closed", "open", "half_open"]
 
 
 class CircuitBreaker:
-    def __init__(self, failures: int, open_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, failures: int, open_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.threshold = failures
         self.open_s = open_s
         self.clock = clock
@@ -70,14 +72,18 @@ class CircuitBreaker:
         """Run one store call through the breaker; StoreUnavailable at once while open."""
         if not self.allow():
             self.rejected_total += 1
-            raise StoreUnavailable(f"{what}: circuit open (store failed {self.failures} times in a row)")
+            raise StoreUnavailable(
+                f"{what}: circuit open (store failed {self.failures} times in a row)"
+            )
         try:
             result = await fn()
         except StoreUnavailable:
             self.failure()
             raise
         except (asyncio.CancelledError, Exception):
-            self._probing = False  # a cancelled or broken probe must not wedge the breaker half-open
+            self._probing = (
+                False  # a cancelled or broken probe must not wedge the breaker half-open
+            )
             raise
         self.success()
         return result

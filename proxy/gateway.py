@@ -14,6 +14,7 @@ every reservation is released, or its release retried, whatever happens.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -76,7 +77,9 @@ class Outcome:
     failure: Response | None = None  # the answer if we stop now after an upstream failure
 
 
-FailureHook = Callable[[str, str, int, float], None]  # (backend or "", cause, demand, fleet free fraction)
+FailureHook = Callable[
+    [str, str, int, float], None
+]  # (backend or "", cause, demand, fleet free fraction)
 
 
 class Gateway:
@@ -106,7 +109,10 @@ class Gateway:
         self.health = BackendHealth([b.name for b in cfg.backends], cfg.health)
         self.budget = RetryBudget(cfg.retry.budget_percent, cfg.retry.budget_min_concurrency)
         self.ledger = ReservationLedger(
-            store, self.breaker, cfg.store.reservation_ttl_s, on_error=lambda op: metrics.store_errors.labels(op).inc()
+            store,
+            self.breaker,
+            cfg.store.reservation_ttl_s,
+            on_error=lambda op: metrics.store_errors.labels(op).inc(),
         )
         self.checker: ActiveChecker | None = None
         self.health.register(metrics.registry)
@@ -171,7 +177,9 @@ class Gateway:
         caps += [n.report.capacity_tokens for n in snap.nodes if n.report is not None]
         return max(caps) if caps else None
 
-    def _record_alloc_failure(self, backend: str, cause: str, demand: int, snap: FleetSnapshot) -> None:
+    def _record_alloc_failure(
+        self, backend: str, cause: str, demand: int, snap: FleetSnapshot
+    ) -> None:
         cap = snap.total_capacity()
         free_frac = snap.total_free() / cap if cap else 0.0
         self.metrics.allocation_failures.labels(cause, backend or "none").inc()
@@ -180,7 +188,9 @@ class Gateway:
         for hook in self.on_allocation_failure:
             hook(backend, cause, demand, free_frac)
 
-    def _cause_at_backend(self, verdict: UpstreamVerdict, demand: int, backend: str, snap: FleetSnapshot) -> str:
+    def _cause_at_backend(
+        self, verdict: UpstreamVerdict, demand: int, backend: str, snap: FleetSnapshot
+    ) -> str:
         free = verdict.free_tokens
         if free is None:
             node = snap.by_name().get(backend)
@@ -211,22 +221,37 @@ class Gateway:
         limit = self.cfg.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body is {declared} bytes, above the limit of {limit}", code="request_too_large")
+            raise ApiError(
+                413,
+                f"request body is {declared} bytes, above the limit of {limit}",
+                code="request_too_large",
+            )
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ApiError(413, f"request body is above the limit of {limit} bytes", code="request_too_large")
+                raise ApiError(
+                    413,
+                    f"request body is above the limit of {limit} bytes",
+                    code="request_too_large",
+                )
             chunks.append(chunk)
         raw = b"".join(chunks)
-        return parse_request(raw, endpoint, self.cfg.routing.max_tokens_limit, request.headers.get("content-type"))
+        return parse_request(
+            raw, endpoint, self.cfg.routing.max_tokens_limit, request.headers.get("content-type")
+        )
 
-    async def _route(self, request: Request, parsed: ParsedRequest, rid: str, client_rid: str, t0: float) -> Response:
+    async def _route(
+        self, request: Request, parsed: ParsedRequest, rid: str, client_rid: str, t0: float
+    ) -> Response:
         rcfg = self.cfg.routing
         deadline = asyncio.get_running_loop().time() + self.cfg.upstream.total_timeout_s
         prompt_tokens = await count_prompt_async(
-            parsed.body, rcfg.tokenize_in_thread_chars, rcfg.chat_tokens_per_message, rcfg.chat_tokens_reply_priming
+            parsed.body,
+            rcfg.tokenize_in_thread_chars,
+            rcfg.chat_tokens_per_message,
+            rcfg.chat_tokens_reply_priming,
         )
         demand = prompt_tokens + (parsed.max_new_tokens or rcfg.default_max_tokens)
         cls = classify(demand, rcfg.long_threshold_tokens)
@@ -270,7 +295,9 @@ class Gateway:
                 backend = await self._reserve_first(ranked, rid, demand, now)
                 if backend is None:
                     if out.failure is not None:
-                        return out.failure  # no other backend can serve: the last failure is the answer
+                        return (
+                            out.failure
+                        )  # no other backend can serve: the last failure is the answer
                     if queue_deadline is None:
                         queue_deadline = time.monotonic() + self.cfg.queue.max_wait_s
                     waited = await self._wait_for_fit(demand, cls, avoid, queue_deadline)
@@ -280,14 +307,22 @@ class Gateway:
                     continue
                 out.attempts += 1
                 if out.attempts > 1:
-                    self.metrics.retries.labels("upstream_failure" if out.failure is not None else "diverted").inc()
+                    self.metrics.retries.labels(
+                        "upstream_failure" if out.failure is not None else "diverted"
+                    ).inc()
                 out.failure = None
-                result = await self._attempt(request, parsed, backend, rid, headers, out, snap, deadline)
+                result = await self._attempt(
+                    request, parsed, backend, rid, headers, out, snap, deadline
+                )
                 if result is not None:
                     return result
                 exclude.add(backend)
                 snap = await self.fleet.snapshot()
-            return out.failure if out.failure is not None else self._nothing_fits(out, snap, exclude, exhausted=True)
+            return (
+                out.failure
+                if out.failure is not None
+                else self._nothing_fits(out, snap, exclude, exhausted=True)
+            )
         finally:
             self.budget.release(retries)
 
@@ -296,34 +331,44 @@ class Gateway:
         out.failed_on.append(backend)
         if out.retry_key is not None:
             key = out.retry_key
-            self._spawn(self._store_quietly("add_failed", lambda: self.store.add_failed(key, backend, self.cfg.retry.retry_key_ttl_s)))
+            self._spawn(
+                self._store_quietly(
+                    "add_failed",
+                    lambda: self.store.add_failed(key, backend, self.cfg.retry.retry_key_ttl_s),
+                )
+            )
 
-    async def _reserve_first(self, ranked: list[str], rid: str, demand: int, now: float) -> str | None:
+    async def _reserve_first(
+        self, ranked: list[str], rid: str, demand: int, now: float
+    ) -> str | None:
         """Reserve on the best candidate that accepts; a lost race moves on to the next."""
         for name in ranked:
             try:
-                ok = await self._store_call(
-                    "reserve",
-                    lambda n=name: self.store.reserve(  # type: ignore[misc]
-                        n,
-                        rid,
-                        demand,
-                        now,
-                        self.cfg.store.reservation_ttl_s,
-                        check_fit=self.policy.checks_fit,
-                        headroom=self.cfg.routing.safety_margin,
-                        grace_s=self.cfg.store.report_grace_s,
-                    ),
+                reserve = functools.partial(
+                    self.store.reserve,
+                    name,
+                    rid,
+                    demand,
+                    now,
+                    self.cfg.store.reservation_ttl_s,
+                    check_fit=self.policy.checks_fit,
+                    headroom=self.cfg.routing.safety_margin,
+                    grace_s=self.cfg.store.report_grace_s,
                 )
+                ok = await self._store_call("reserve", reserve)
             except StoreUnavailable:
-                self.ledger.hold(name, rid)  # the reserve may still land (a paused store): release it later
+                self.ledger.hold(
+                    name, rid
+                )  # the reserve may still land (a paused store): release it later
                 return name  # degraded: route without a shared reservation rather than fail
             if ok:
                 self.ledger.hold(name, rid)
                 return name
         return None
 
-    async def _wait_for_fit(self, demand: int, cls: RequestClass, exclude: frozenset[str], deadline: float) -> FleetSnapshot | None:
+    async def _wait_for_fit(
+        self, demand: int, cls: RequestClass, exclude: frozenset[str], deadline: float
+    ) -> FleetSnapshot | None:
         """The admission queue: wait (bounded) for a report that shows a big enough block."""
         if time.monotonic() >= deadline or not self.admission.try_enter():
             return None
@@ -336,14 +381,18 @@ class Gateway:
                     return None
                 await self.admission.wait(min(remaining, 0.05))
                 snap = await self.fleet.snapshot(force=True)
-                if self.policy.rank(snap, RouteRequest(demand, cls, exclude | self.health.avoid()), self.clock()):
+                if self.policy.rank(
+                    snap, RouteRequest(demand, cls, exclude | self.health.avoid()), self.clock()
+                ):
                     return snap
         finally:
             self.admission.leave()
             self.metrics.queue_depth.set(self.admission.depth)
             self.metrics.queue_wait.observe(time.monotonic() - start)
 
-    def _nothing_fits(self, out: Outcome, snap: FleetSnapshot, exclude: set[str], exhausted: bool = False) -> Response:
+    def _nothing_fits(
+        self, out: Outcome, snap: FleetSnapshot, exclude: set[str], exhausted: bool = False
+    ) -> Response:
         cause, why = nothing_fits_reason(snap, out.demand, self.clock())
         if exhausted and out.failed_on:
             why = f"tried {', '.join(out.failed_on)}: all failed to allocate; " + why
@@ -370,7 +419,9 @@ class Gateway:
         }
 
     # ---------------------------------------------------------------- one attempt
-    def _upstream_failed(self, out: Outcome, backend: str, rid: str, answer: Response, result: str, why: str) -> None:
+    def _upstream_failed(
+        self, out: Outcome, backend: str, rid: str, answer: Response, result: str, why: str
+    ) -> None:
         """An attempt failed before any byte reached the client: eject-count it, remember the answer, divert."""
         self._spawn(self.ledger.release(backend, rid))
         self.metrics.attempts.labels(backend, result).inc()
@@ -405,11 +456,25 @@ class Gateway:
             resp = await self.upstream.post(url, parsed.raw, headers, ttfb_deadline - loop.time())
         except UpstreamTimeout as exc:
             code = "upstream_connect_timeout" if exc.phase == "connect" else "upstream_timeout"
-            self._upstream_failed(out, backend, rid, self._gateway_error(504, f"backend {backend} did not answer: {exc}", code), "timeout", str(exc))
+            self._upstream_failed(
+                out,
+                backend,
+                rid,
+                self._gateway_error(504, f"backend {backend} did not answer: {exc}", code),
+                "timeout",
+                str(exc),
+            )
             return None
         except UpstreamConnectError as exc:
             msg = f"backend {backend} could not be reached: {exc}"
-            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_unavailable"), "connect_error", str(exc))
+            self._upstream_failed(
+                out,
+                backend,
+                rid,
+                self._gateway_error(502, msg, "upstream_unavailable"),
+                "connect_error",
+                str(exc),
+            )
             return None
         except BaseException:
             self._spawn(self.ledger.release(backend, rid))
@@ -417,15 +482,26 @@ class Gateway:
         try:
             if resp.status >= 400:
                 return await self._error_answer(resp, backend, rid, out, snap)
-            if parsed.stream and resp.headers.get("content-type", "").lower().startswith("text/event-stream"):
-                return await self._start_stream(resp, backend, rid, out, t_start, ttfb_deadline, deadline)
+            if parsed.stream and resp.headers.get("content-type", "").lower().startswith(
+                "text/event-stream"
+            ):
+                return await self._start_stream(
+                    resp, backend, rid, out, t_start, ttfb_deadline, deadline
+                )
             return await self._whole_answer(resp, backend, rid, out, t_start, deadline)
         except BaseException:
             resp.close()
             self._spawn(self.ledger.release(backend, rid))
             raise
 
-    async def _error_answer(self, resp: aiohttp.ClientResponse, backend: str, rid: str, out: Outcome, snap: FleetSnapshot) -> Response | None:
+    async def _error_answer(
+        self,
+        resp: aiohttp.ClientResponse,
+        backend: str,
+        rid: str,
+        out: Outcome,
+        snap: FleetSnapshot,
+    ) -> Response | None:
         try:
             async with asyncio.timeout(self.cfg.upstream.idle_timeout_s):
                 body = await read_limited(resp)
@@ -453,20 +529,40 @@ class Gateway:
             cause = self._cause_at_backend(verdict, out.demand, backend, snap)
             self._record_alloc_failure(backend, cause, out.demand, snap)
             self._spawn(self._learn_ceiling(backend, out.demand, self.clock()))
-            log.info("request %s: %s could not allocate %d tokens (%s); diverting", rid, backend, out.demand, cause)
+            log.info(
+                "request %s: %s could not allocate %d tokens (%s); diverting",
+                rid,
+                backend,
+                out.demand,
+                cause,
+            )
             if out.attempts >= self.cfg.retry.max_attempts:
                 self.metrics.requests.labels(out.cls, backend, "allocation_failure").inc()
-                h = {k: v for k, v in response_headers(resp.headers).items() if k.lower() == "retry-after"}
+                h = {
+                    k: v
+                    for k, v in response_headers(resp.headers).items()
+                    if k.lower() == "retry-after"
+                }
                 h.update(self._kv_headers(out, backend))
-                return Response(body, status_code=resp.status, headers=h, media_type="application/json")
+                return Response(
+                    body, status_code=resp.status, headers=h, media_type="application/json"
+                )
             return None
         # overload (429/503) or another 5xx: a failure of this backend; another may serve.
         h = {k: v for k, v in response_headers(resp.headers).items() if k.lower() == "retry-after"}
         if relay_body is not None:
-            answer = Response(relay_body, status_code=resp.status, headers=h, media_type="application/json")
+            answer = Response(
+                relay_body, status_code=resp.status, headers=h, media_type="application/json"
+            )
         else:
             status = resp.status if resp.status in (429, 503) else 502
-            err = ApiError(status, f"backend {backend} answered HTTP {resp.status}", type="upstream_error", code="upstream_server_error", headers=h)
+            err = ApiError(
+                status,
+                f"backend {backend} answered HTTP {resp.status}",
+                type="upstream_error",
+                code="upstream_server_error",
+                headers=h,
+            )
             answer = err.response()
         if resp.status >= 500:
             self._upstream_failed(out, backend, rid, answer, verdict.verdict, f"HTTP {resp.status}")
@@ -485,10 +581,18 @@ class Gateway:
             return
         self.health.cooldown(backend, seconds)
         until = self.clock() + seconds
-        self._spawn(self._store_quietly("set_cooldown", lambda: self.store.set_cooldown(backend, until)))
+        self._spawn(
+            self._store_quietly("set_cooldown", lambda: self.store.set_cooldown(backend, until))
+        )
 
     async def _whole_answer(
-        self, resp: aiohttp.ClientResponse, backend: str, rid: str, out: Outcome, t_start: float, deadline: float
+        self,
+        resp: aiohttp.ClientResponse,
+        backend: str,
+        rid: str,
+        out: Outcome,
+        t_start: float,
+        deadline: float,
     ) -> Response | None:
         """A non-streamed 2xx: read it all (nothing reached the client yet, so a failure may still divert)."""
         try:
@@ -496,17 +600,33 @@ class Gateway:
         except BodyTimeout as exc:
             resp.close()
             msg = f"backend {backend} stopped answering: {exc}"
-            self._upstream_failed(out, backend, rid, self._gateway_error(504, msg, f"upstream_{exc.phase}_timeout"), "timeout", str(exc))
+            self._upstream_failed(
+                out,
+                backend,
+                rid,
+                self._gateway_error(504, msg, f"upstream_{exc.phase}_timeout"),
+                "timeout",
+                str(exc),
+            )
             return None
         except _BROKEN as exc:
             resp.close()
             msg = f"backend {backend} broke off its answer: {exc.__class__.__name__}"
-            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_broken"), "broken", msg)
+            self._upstream_failed(
+                out, backend, rid, self._gateway_error(502, msg, "upstream_broken"), "broken", msg
+            )
             return None
         resp.release()
         if not is_json_object(body):
             msg = f"backend {backend} sent an answer that is not a JSON object"
-            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_bad_response"), "garbage", msg)
+            self._upstream_failed(
+                out,
+                backend,
+                rid,
+                self._gateway_error(502, msg, "upstream_bad_response"),
+                "garbage",
+                msg,
+            )
             return None
         self.metrics.attempts.labels(backend, "ok").inc()
         self.health.success(backend)
@@ -519,7 +639,14 @@ class Gateway:
         return Response(body, status_code=resp.status, headers=h)
 
     async def _start_stream(
-        self, resp: aiohttp.ClientResponse, backend: str, rid: str, out: Outcome, t_start: float, ttfb_deadline: float, deadline: float
+        self,
+        resp: aiohttp.ClientResponse,
+        backend: str,
+        rid: str,
+        out: Outcome,
+        t_start: float,
+        ttfb_deadline: float,
+        deadline: float,
     ) -> Response | None:
         """Wait for the first event before answering: until then a failure can still go to another backend."""
         loop = asyncio.get_running_loop()
@@ -528,17 +655,28 @@ class Gateway:
         except BodyTimeout as exc:
             resp.close()
             msg = f"backend {backend} sent no first event in time: {exc}"
-            self._upstream_failed(out, backend, rid, self._gateway_error(504, msg, "upstream_timeout"), "timeout", msg)
+            self._upstream_failed(
+                out, backend, rid, self._gateway_error(504, msg, "upstream_timeout"), "timeout", msg
+            )
             return None
         except _BROKEN as exc:
             resp.close()
             msg = f"backend {backend} broke off before its first event: {exc.__class__.__name__}"
-            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_broken"), "broken", msg)
+            self._upstream_failed(
+                out, backend, rid, self._gateway_error(502, msg, "upstream_broken"), "broken", msg
+            )
             return None
         if not looks_like_sse(first):
             resp.close()
             msg = f"backend {backend} sent a stream that is not server-sent events"
-            self._upstream_failed(out, backend, rid, self._gateway_error(502, msg, "upstream_bad_response"), "garbage", msg)
+            self._upstream_failed(
+                out,
+                backend,
+                rid,
+                self._gateway_error(502, msg, "upstream_bad_response"),
+                "garbage",
+                msg,
+            )
             return None
         self.metrics.attempts.labels(backend, "ok").inc()
         out.backend = backend
@@ -553,10 +691,19 @@ class Gateway:
 
     async def _learn_ceiling(self, backend: str, demand: int, now: float) -> None:
         until = now + self.cfg.retry.ceiling_ttl_s
-        await self._store_quietly("set_ceiling", lambda: self.store.set_ceiling(backend, demand, now, until))
+        await self._store_quietly(
+            "set_ceiling", lambda: self.store.set_ceiling(backend, demand, now, until)
+        )
 
     async def _relay(
-        self, resp: aiohttp.ClientResponse, first: bytes, backend: str, rid: str, out: Outcome, t_start: float, deadline: float
+        self,
+        resp: aiohttp.ClientResponse,
+        first: bytes,
+        backend: str,
+        rid: str,
+        out: Outcome,
+        t_start: float,
+        deadline: float,
     ) -> AsyncIterator[bytes]:
         """Relay a stream; always release the reservation, and cancel upstream on client disconnect.
 
@@ -580,8 +727,13 @@ class Gateway:
         except _BROKEN as exc:
             outcome = "upstream_error"
             self.health.failure(backend)
-            log.warning("request %s: stream from %s broke off: %s", rid, backend, exc.__class__.__name__)
-            yield sse_error_event(f"backend {backend} stopped streaming ({exc.__class__.__name__})", code="upstream_stream_broken")
+            log.warning(
+                "request %s: stream from %s broke off: %s", rid, backend, exc.__class__.__name__
+            )
+            yield sse_error_event(
+                f"backend {backend} stopped streaming ({exc.__class__.__name__})",
+                code="upstream_stream_broken",
+            )
         finally:
             if outcome != "success":
                 resp.close()  # drops the upstream connection: the backend sees the cancel

@@ -51,7 +51,9 @@ class _State:
 class BackendHealth:
     """Health and ejection state of every backend, as this replica sees it."""
 
-    def __init__(self, names: list[str], cfg: HealthConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, names: list[str], cfg: HealthConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.cfg = cfg
         self.clock = clock
         self._s: dict[str, _State] = {n: _State() for n in names}
@@ -90,7 +92,12 @@ class BackendHealth:
         st.ejections_total += 1
         st.ejected_until = now + min(oc.base_ejection_s * st.ejections, oc.max_ejection_s)
         st.consecutive_failures = 0
-        log.warning("backend %s ejected for %.1fs (%d failures in a row)", name, st.ejected_until - now, oc.consecutive_failures)
+        log.warning(
+            "backend %s ejected for %.1fs (%d failures in a row)",
+            name,
+            st.ejected_until - now,
+            oc.consecutive_failures,
+        )
         return True
 
     def cooldown(self, name: str, seconds: float) -> None:
@@ -157,14 +164,24 @@ class _HealthCollector(Collector):
         self._h = health
 
     def collect(self) -> Iterator[Metric]:
-        healthy = GaugeMetricFamily("kvroute_backend_healthy", "1 while the active health checks pass", labels=["backend"])
-        ejected = GaugeMetricFamily("kvroute_backend_ejected", "1 while passive outlier detection ejects the backend", labels=["backend"])
-        ejections = CounterMetricFamily("kvroute_outlier_ejections", "Outlier ejections by backend", labels=["backend"])
+        healthy = GaugeMetricFamily(
+            "kvroute_backend_healthy", "1 while the active health checks pass", labels=["backend"]
+        )
+        ejected = GaugeMetricFamily(
+            "kvroute_backend_ejected",
+            "1 while passive outlier detection ejects the backend",
+            labels=["backend"],
+        )
+        ejections = CounterMetricFamily(
+            "kvroute_outlier_ejections", "Outlier ejections by backend", labels=["backend"]
+        )
         for name, s in self._h.snapshot().items():
             healthy.add_metric([name], 1.0 if s["healthy"] else 0.0)
             ejected.add_metric([name], 1.0 if s["ejected"] else 0.0)
             ejections.add_metric([name], float(s["ejections_total"]))  # type: ignore[arg-type]
-        panics = CounterMetricFamily("kvroute_health_panics", "Times routing fell back to every backend (panic threshold)")
+        panics = CounterMetricFamily(
+            "kvroute_health_panics", "Times routing fell back to every backend (panic threshold)"
+        )
         panics.add_metric([], float(self._h.panics_total))
         yield from (healthy, ejected, ejections, panics)
 
@@ -172,7 +189,9 @@ class _HealthCollector(Collector):
 class ActiveChecker:
     """The probe loop: one task per gateway, all backends probed concurrently each round."""
 
-    def __init__(self, health: BackendHealth, urls: dict[str, str], probe: Probe, interval_s: float) -> None:
+    def __init__(
+        self, health: BackendHealth, urls: dict[str, str], probe: Probe, interval_s: float
+    ) -> None:
         self.health = health
         self.urls = urls
         self.probe = probe

@@ -53,7 +53,9 @@ class RequestGuard:
         self.inflight = 0
         self.refused: dict[str, int] = {"headers": 0, "auth": 0, "concurrency": 0}
 
-    async def _refuse(self, err: ApiError, why: str, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(
+        self, err: ApiError, why: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         self.refused[why] += 1
         await err.response()(scope, receive, send)
 
@@ -63,7 +65,11 @@ class RequestGuard:
             return
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         if header_bytes(headers) > self.max_header_bytes:
-            err = ApiError(431, f"request headers are larger than {self.max_header_bytes} bytes", code="request_header_fields_too_large")
+            err = ApiError(
+                431,
+                f"request headers are larger than {self.max_header_bytes} bytes",
+                code="request_header_fields_too_large",
+            )
             await self._refuse(err, "headers", scope, receive, send)
             return
         path: str = scope.get("path", "")

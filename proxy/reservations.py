@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -55,7 +56,9 @@ class ReservationLedger:
 
     def _ensure_flusher(self) -> None:
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="kvroute-release-retry")
+            self._flusher = asyncio.get_running_loop().create_task(
+                self._flush_loop(), name="kvroute-release-retry"
+            )
 
     async def flush(self) -> None:
         """Retry every queued release once."""
@@ -65,7 +68,9 @@ class ReservationLedger:
                 self.pending.pop(rid, None)  # expired in the store by now
                 continue
             try:
-                await self.breaker.call(lambda b=backend, r=rid: self.store.release(b, r), "release")  # type: ignore[misc]
+                await self.breaker.call(
+                    functools.partial(self.store.release, backend, rid), "release"
+                )
             except StoreUnavailable:
                 return  # still down: the next round tries again
             self.pending.pop(rid, None)
@@ -94,4 +99,7 @@ class ReservationLedger:
                 await self._flusher
             self._flusher = None
         if self.pending:
-            log.warning("%d reservation releases could not be sent; they expire on their own", len(self.pending))
+            log.warning(
+                "%d reservation releases could not be sent; they expire on their own",
+                len(self.pending),
+            )

@@ -215,12 +215,12 @@ async def test_fragmentation_is_visible_in_the_store_and_restart_clears_it(
     collector.on_report.append(reports)
     held = Held(http, frag.url)
     import sys
+    sys.path.insert(0, "/tmp/stress")
+    import walk
     async def dump_after(t):
         await asyncio.sleep(t)
         print("DEBUG HANG; tasks:", file=sys.stderr)
-        for task in asyncio.all_tasks():
-            print("TASK", task.get_name(), file=sys.stderr)
-            task.print_stack(file=sys.stderr)
+        walk.dump()
     dumper = asyncio.get_running_loop().create_task(dump_after(25))
     async with AsyncExitStack() as stack:
         stack.callback(dumper.cancel)
