@@ -628,6 +628,97 @@ def serve_variant(argv: Sequence[str]) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ in-process ASGI layer cost
+
+
+def _asgi_scope(body: bytes) -> dict[str, Any]:
+    headers = [
+        (b"host", b"127.0.0.1"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": CHAT_PATH,
+        "raw_path": CHAT_PATH.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+
+
+async def _asgi_cpu_per_request(app: Any, n: int, concurrency: int = 16) -> float:
+    """CPU microseconds per request of `app` called directly (no HTTP server), backend over the network."""
+    body = request_body(False)
+
+    async def one() -> None:
+        statuses: list[int] = []
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        await app(_asgi_scope(body), receive, send)
+        if statuses != [200]:
+            raise RuntimeError(f"in-process request answered {statuses}")
+
+    sem = asyncio.Semaphore(concurrency)
+
+    async def guarded() -> None:
+        async with sem:
+            await one()
+
+    async with app.router.lifespan_context(app):
+        await asyncio.gather(
+            *(guarded() for _ in range(min(200, n)))
+        )  # warm: tokenizer, pools, snapshot
+        t0 = time.process_time()
+        await asyncio.gather(*(guarded() for _ in range(n)))
+        return (time.process_time() - t0) / n * 1e6
+
+
+def asgi_layer_cost(cfg_path: Path, n: int, rounds: int) -> dict[str, Any]:
+    """The same Gateway behind FastAPI's route vs a plain Starlette route, called in-process, alternating."""
+    from proxy.app import create_app
+    from proxy.config import load_config
+
+    runs: dict[str, list[float]] = {"fastapi": [], "starlette": []}
+    for _ in range(rounds):
+        for kind in runs:
+            app = (
+                create_app(load_config(cfg_path))
+                if kind == "fastapi"
+                else _gateway_starlette(str(cfg_path))
+            )
+            runs[kind].append(asyncio.run(_asgi_cpu_per_request(app, n)))
+    fa, st = statistics.median(runs["fastapi"]), statistics.median(runs["starlette"])
+    return {
+        "requests_per_round": n,
+        "rounds": rounds,
+        "fastapi_cpu_us_per_req": round(fa, 1),
+        "starlette_cpu_us_per_req": round(st, 1),
+        "fastapi_extra_us_per_req": round(fa - st, 1),
+        "fastapi_over_starlette": round(fa / st, 3) if st > 0 else None,
+        "all_rounds": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+    }
+
+
 # ------------------------------------------------------------------ measuring
 
 
@@ -845,6 +936,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure wrk and the python generator against direct first",
     )
     p.add_argument(
+        "--asgi-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N in-process requests through FastAPI vs Starlette routes",
+    )
+    p.add_argument(
         "--json", dest="json_out", default=None, help="write all results as JSON to this file"
     )
     return p
@@ -879,6 +977,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 targets.append(vr)
         extra = [bench.variant(v) for v in variants]
         cal = calibrate(bench, wrk) if args.calibrate else None
+        layers = (
+            asgi_layer_cost(bench.gateway_config_path("asgi-layers", False), args.asgi_layers, 3)
+            if args.asgi_layers > 0
+            else None
+        )
         events = (
             {t.name: count_sse_events(t.url) for t in targets + extra} if "sse" in modes else {}
         )
@@ -909,6 +1012,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "backends": args.backends,
         "stream_chunks": args.stream_chunks,
         "calibration": cal,
+        "asgi_layers": layers,
         "points": [asdict(p) for p in points],
         "skipped": bench.skipped,
         "notes": notes,
@@ -921,6 +1025,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"calibration against direct at c={cal['concurrency']}: "
             + "; ".join(f"{k}: {v}" for k, v in cal.items() if k != "concurrency")
+        )
+    if layers:
+        print(
+            f"in-process, same gateway: FastAPI route {layers['fastapi_cpu_us_per_req']} us CPU/request, "
+            f"Starlette route {layers['starlette_cpu_us_per_req']} us ({layers['fastapi_over_starlette']}x)"
         )
     print_table(points, bench.skipped, notes)
     if args.json_out:

@@ -52,11 +52,15 @@ class SimConfig:
     hold: HoldModel = field(default_factory=HoldModel)
     restart: str = "none"
     restart_uptime_s: float = 6 * 86_400.0
-    restart_frag: float = 0.5  # fragmentation ratio (1 - largest/free) that triggers a restart ...
-    restart_frag_for_s: float = 1_800.0  # ... when sustained this long
-    restart_min_free: float = 0.2  # ... while at least this fraction is free (fragmentation, not load)
-    restart_downtime_s: float = 120.0
-    drain_timeout_s: float = 900.0  # then remaining (retained session) KV is dropped
+    # The gateway's maintenance loop (maintenance.* in the config, same defaults):
+    restart_frag: float = 0.5  # 1 - restart_below_ratio: fragmentation that triggers a restart ...
+    restart_frag_for_s: float = 300.0  # ... restart_after_s: when sustained this long
+    restart_min_free: float = (
+        0.1  # ... min_free_fraction: while this much is free (fragmented, not full)
+    )
+    restart_min_interval_s: float = 3_600.0  # min_interval_per_node_s
+    restart_downtime_s: float = 120.0  # process restart until it serves again
+    drain_timeout_s: float = 300.0  # then what is left (retained session KV) is dropped
     sample_s: float = 60.0
     series_s: float = 900.0
     seed: int = 1
@@ -148,9 +152,20 @@ class _Node:
 class _Pending:
     """A request between arrival and placement (or giving up): what the gateway tracks."""
 
-    __slots__ = ("attempts", "deadline", "demand", "exclude", "failed", "req", "retries_left")
+    __slots__ = (
+        "attempts",
+        "deadline",
+        "demand",
+        "exclude",
+        "failed",
+        "queued_at",
+        "req",
+        "retries_left",
+    )
 
-    def __init__(self, demand: int, req: ReqLike, exclude: frozenset[str], retries_left: int) -> None:
+    def __init__(
+        self, demand: int, req: ReqLike, exclude: frozenset[str], retries_left: int
+    ) -> None:
         self.demand = demand
         self.req = req
         self.exclude = exclude
@@ -158,6 +173,7 @@ class _Pending:
         self.attempts = 0
         self.failed: set[str] = set()
         self.deadline: float | None = None
+        self.queued_at: float | None = None
 
 
 @dataclass
@@ -178,6 +194,8 @@ class SimResult:
     busy_attempts: int = 0  # rejected by the concurrency limit
     client_retries: int = 0
     queued: int = 0  # requests that waited in the admission queue
+    queue_served: int = 0  # ... and then got a node in time
+    queue_wait_s: float = 0.0  # total wait of those
     restarts: int = 0
     evicted: int = 0  # retained KV dropped by a drain timeout
     frag_sum: float = 0.0
@@ -228,6 +246,10 @@ class SimResult:
             "long_failure_rate": self.long_failure_rate,
             "client_retries": self.client_retries,
             "queued": self.queued,
+            "queue_served": self.queue_served,
+            "mean_queue_wait_s": self.queue_wait_s / self.queue_served
+            if self.queue_served
+            else 0.0,
             "mean_fragmentation": self.mean_fragmentation,
             "utilisation": self.utilisation,
             "restarts": self.restarts,
@@ -259,9 +281,13 @@ class Simulation:
         if policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {list(POLICY_NAMES)}")
         if cfg.restart not in RESTART_MODES:
-            raise ValueError(f"unknown restart mode {cfg.restart!r}; choose one of {list(RESTART_MODES)}")
+            raise ValueError(
+                f"unknown restart mode {cfg.restart!r}; choose one of {list(RESTART_MODES)}"
+            )
         if not 0 <= cfg.long_pool <= cfg.nodes:
-            raise ValueError(f"long_pool ({cfg.long_pool}) must be between 0 and nodes ({cfg.nodes})")
+            raise ValueError(
+                f"long_pool ({cfg.long_pool}) must be between 0 and nodes ({cfg.nodes})"
+            )
         self.cfg = cfg
         self.oracle = policy == "oracle"
         self.policy: Policy | None = None if self.oracle else make_policy(policy, cfg.settings)
@@ -269,7 +295,11 @@ class Simulation:
         self.nodes: list[_Node] = []
         for i, name in enumerate(cfg.node_names()):
             role = "long" if pools and i >= cfg.nodes - cfg.long_pool else "general"
-            alloc: Any = _Compact(cfg.capacity_tokens) if self.oracle else make_allocator(cfg.allocator, cfg.capacity_tokens, cfg.block_size)
+            alloc: Any = (
+                _Compact(cfg.capacity_tokens)
+                if self.oracle
+                else make_allocator(cfg.allocator, cfg.capacity_tokens, cfg.block_size)
+            )
             self.nodes.append(_Node(name, role, alloc))
         self.by_name = {n.name: n for n in self.nodes}
         self.res = SimResult(policy=policy, config=cfg)
@@ -297,7 +327,9 @@ class Simulation:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, payload))
 
-    def run(self, requests: Iterable[ReqLike], duration_s: float, progress: ProgressFn | None = None) -> SimResult:
+    def run(
+        self, requests: Iterable[ReqLike], duration_s: float, progress: ProgressFn | None = None
+    ) -> SimResult:
         cfg = self.cfg
         self._push(cfg.sample_s, _SAMPLE, None)
         if self.lag:
@@ -316,7 +348,14 @@ class Simulation:
             if now > duration_s:
                 break
             if t_arr <= t_evt and nxt is not None:
-                self._arrive(nxt.prompt_tokens + nxt.output_tokens, nxt, now, frozenset(), cfg.client_retries, True)
+                self._arrive(
+                    nxt.prompt_tokens + nxt.output_tokens,
+                    nxt,
+                    now,
+                    frozenset(),
+                    cfg.client_retries,
+                    True,
+                )
                 nxt = next(arrivals, None)
             else:
                 _, _, kind, payload = heapq.heappop(heap)
@@ -359,7 +398,12 @@ class Simulation:
         else:
             report = n.memory_report(now)
             pending = 0
-        if ceiling is not None and report is not None and report.reported_at > n.ceiling_set and report.largest_free_block_tokens >= ceiling:
+        if (
+            ceiling is not None
+            and report is not None
+            and report.reported_at > n.ceiling_set
+            and report.largest_free_block_tokens >= ceiling
+        ):
             ceiling = None  # a newer report shows a big enough block again (as the store does)
         ov = Overlay(
             pending_tokens=pending,
@@ -368,7 +412,13 @@ class Simulation:
             ceiling_tokens=ceiling,
             ceiling_until=n.ceiling_until if ceiling is not None else 0.0,
         )
-        view = NodeView(name=n.name, role="long" if n.role == "long" else "general", up=not n.down, report=report, overlay=ov)
+        view = NodeView(
+            name=n.name,
+            role="long" if n.role == "long" else "general",
+            up=not n.down,
+            report=report,
+            overlay=ov,
+        )
         n.view = view
         return view
 
@@ -379,7 +429,9 @@ class Simulation:
             for n in self.nodes:
                 n.view = None
             self.snap_at = now
-        return FleetSnapshot(nodes=tuple([n.view or self._view(n, now) for n in self.nodes]), taken_at=now)
+        return FleetSnapshot(
+            nodes=tuple([n.view or self._view(n, now) for n in self.nodes]), taken_at=now
+        )
 
     def _fleet_free_fraction(self) -> float:
         cap = free = 0
@@ -392,14 +444,29 @@ class Simulation:
     # --- requests ---------------------------------------------------------------------------
     def _candidates(self, demand: int, now: float, exclude: frozenset[str]) -> list[str]:
         if self.oracle:
-            ok = [n for n in self.nodes if not n.down and not n.draining and n.name not in exclude and n.alloc.free_tokens >= demand]
+            ok = [
+                n
+                for n in self.nodes
+                if not n.down
+                and not n.draining
+                and n.name not in exclude
+                and n.alloc.free_tokens >= demand
+            ]
             ok.sort(key=lambda n: (-n.alloc.free_tokens, n.name))
             return [n.name for n in ok[:1]]
         assert self.policy is not None
         cls = classify(demand, self.cfg.settings.long_threshold_tokens)
         return self.policy.rank(self._snapshot(now), RouteRequest(demand, cls, exclude), now)
 
-    def _arrive(self, demand: int, req: ReqLike, now: float, exclude: frozenset[str], retries_left: int, first: bool) -> None:
+    def _arrive(
+        self,
+        demand: int,
+        req: ReqLike,
+        now: float,
+        exclude: frozenset[str],
+        retries_left: int,
+        first: bool,
+    ) -> None:
         res = self.res
         if first:
             res.requests += 1
@@ -429,6 +496,9 @@ class Simulation:
             self.rid += 1
             if n.alloc.allocate(rid, demand) is not None:
                 self._placed(n, rid, demand, w.req, now)
+                if w.queued_at is not None:
+                    res.queue_wait_s += now - w.queued_at
+                    res.queue_served += 1
                 return
             res.failed_attempts += 1
             if n.alloc.free_tokens > HIGH_FREE * n.alloc.capacity_tokens:
@@ -445,12 +515,14 @@ class Simulation:
         cfg = self.cfg
         if w.deadline is None:
             w.deadline = now + cfg.queue_wait_s
+            w.queued_at = now
         if now >= w.deadline or len(self.waiting) >= cfg.queue_max:
             self._give_up(w, now)
             return
         self.qid += 1
         self.waiting[self.qid] = w
-        self.res.queued += 1
+        if w.queued_at == now:
+            self.res.queued += 1
         self._push(w.deadline, _EXPIRE, self.qid)
 
     def _expire(self, qid: int, now: float) -> None:
@@ -473,8 +545,16 @@ class Simulation:
         res.gateway_failures += 1
         if w.retries_left > 0:
             # The client resends; kvroute's retry key keeps the nodes that failed it excluded.
-            carry = w.exclude | w.failed if self.policy is not None and self.policy.name == "kvroute" else frozenset()
-            self._push(now + cfg.client_retry_delay_s, _RETRY, (w.demand, w.req, frozenset(carry), w.retries_left - 1))
+            carry = (
+                w.exclude | w.failed
+                if self.policy is not None and self.policy.name == "kvroute"
+                else frozenset()
+            )
+            self._push(
+                now + cfg.client_retry_delay_s,
+                _RETRY,
+                (w.demand, w.req, frozenset(carry), w.retries_left - 1),
+            )
             return
         res.failures += 1
         self.bucket_fail += 1
@@ -523,7 +603,10 @@ class Simulation:
             res.util_sum += 1.0 - a.free_tokens / a.capacity_tokens
             res.samples += 1
             if cfg.restart == "frag":
-                hot = frag >= cfg.restart_frag and a.free_tokens >= cfg.restart_min_free * a.capacity_tokens
+                hot = (
+                    frag >= cfg.restart_frag
+                    and a.free_tokens >= cfg.restart_min_free * a.capacity_tokens
+                )
                 if not hot:
                     n.frag_since = None
                 elif n.frag_since is None:
@@ -539,10 +622,18 @@ class Simulation:
             return
         pick: _Node | None = None
         if cfg.restart == "uptime":
-            due = [n for n in self.nodes if not n.down and now - n.started_at >= cfg.restart_uptime_s]
+            due = [
+                n for n in self.nodes if not n.down and now - n.started_at >= cfg.restart_uptime_s
+            ]
             pick = min(due, key=lambda n: n.started_at, default=None)
         elif cfg.restart == "frag":
-            due = [n for n in self.nodes if n.frag_since is not None and now - n.frag_since >= cfg.restart_frag_for_s]
+            due = [
+                n
+                for n in self.nodes
+                if n.frag_since is not None
+                and now - n.frag_since >= cfg.restart_frag_for_s
+                and now - n.started_at >= cfg.restart_min_interval_s
+            ]
             pick = max(due, key=lambda n: n.fragmentation(), default=None)
         if pick is None:
             return

@@ -19,7 +19,13 @@ from loadtest.sim_engine import SimResult
 from loadtest.sim_replicas import ReplicaSearch
 
 DPI = 90
-COLOURS = {"kvroute": "#1b7837", "round_robin": "#c51b7d", "least_loaded": "#e08214", "most_free": "#2166ac", "oracle": "#555555"}
+COLOURS = {
+    "kvroute": "#1b7837",
+    "round_robin": "#c51b7d",
+    "least_loaded": "#e08214",
+    "most_free": "#2166ac",
+    "oracle": "#555555",
+}
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:
@@ -45,16 +51,28 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def fragmentation_vs_uptime(results: Mapping[str, SimResult], path: Path, policies: Sequence[str] = ("round_robin", "kvroute")) -> Path:
+def fragmentation_vs_uptime(
+    results: Mapping[str, SimResult],
+    path: Path,
+    policies: Sequence[str] = ("round_robin", "kvroute"),
+) -> Path:
     shown = [p for p in policies if p in results] or list(results)[:2]
-    fig, axes = plt.subplots(1, len(shown), figsize=(5.2 * len(shown), 3.6), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(shown), figsize=(5.2 * len(shown), 3.6), sharey=True, squeeze=False
+    )
     for ax, p in zip(axes[0], shown, strict=True):
         r = results[p]
         w = _window(r, 3 * 3600)
         for node, frag in r.series_frag.items():
             up = r.series_uptime[node]
             role = "long pool" if p == "kvroute" and node in _long_nodes(r) else "general"
-            ax.plot([u / 86_400 for u in up], _smooth(frag, w), lw=0.8, alpha=0.8, color="#2166ac" if role == "long pool" else "#c51b7d")
+            ax.plot(
+                [u / 86_400 for u in up],
+                _smooth(frag, w),
+                lw=0.8,
+                alpha=0.8,
+                color="#2166ac" if role == "long pool" else "#c51b7d",
+            )
         ax.set_title(f"{p}: per node (3 h mean)")
         ax.set_xlabel("node uptime since (re)start, days")
         ax.grid(alpha=0.3)
@@ -76,7 +94,9 @@ def largest_vs_free(results: Mapping[str, SimResult], path: Path) -> Path:
         n = len(r.series_free)
         w = _window(r, 3 * 3600)
         free = _smooth([sum(v[i] for v in r.series_free.values()) / n for i in range(len(t))], w)
-        largest = _smooth([sum(v[i] for v in r.series_largest.values()) / n for i in range(len(t))], w)
+        largest = _smooth(
+            [sum(v[i] for v in r.series_largest.values()) / n for i in range(len(t))], w
+        )
         c = COLOURS.get(p, None)
         ax.plot(t, free, color=c, lw=1.2, ls="--", label=f"{p}: total free")
         ax.plot(t, largest, color=c, lw=1.6, label=f"{p}: largest free block")
@@ -104,14 +124,29 @@ def failures_over_time(results: Mapping[str, SimResult], path: Path) -> Path:
     return _save(fig, path)
 
 
-def replicas_bar(replicas: Mapping[str, ReplicaSearch], path: Path, target: float, baseline_nodes: int | None = None) -> Path:
+def replicas_bar(
+    replicas: Mapping[str, ReplicaSearch],
+    path: Path,
+    target: float,
+    baseline_nodes: int | None = None,
+) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.4))
     names = list(replicas)
     vals = [replicas[p].needed or replicas[p].max_nodes + 1 for p in names]
     bars = ax.bar(names, vals, color=[COLOURS.get(p, "#777777") for p in names])
     for b, p in zip(bars, names, strict=True):
-        label = str(replicas[p].needed) if replicas[p].needed is not None else f">{replicas[p].max_nodes}"
-        ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=9)
+        label = (
+            str(replicas[p].needed)
+            if replicas[p].needed is not None
+            else f">{replicas[p].max_nodes}"
+        )
+        ax.annotate(
+            label,
+            (b.get_x() + b.get_width() / 2, b.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
     if baseline_nodes:
         ax.axhline(baseline_nodes, color="#999999", lw=0.8, ls=":")
     ax.set_ylabel("nodes")

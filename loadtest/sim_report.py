@@ -17,14 +17,15 @@ from loadtest.sim_runner import WorkloadSpec
 
 COLUMNS = {
     "requests": "requests offered",
-    "failures": "requests that failed for good (every attempt, and any client retry, found no room)",
-    "fail %": "failures / requests",
-    "failed attempts": "node attempts rejected by the allocator (wasted work; a request may make several)",
-    "fail @>25% free": "final failures while the fleet was more than 25% free: false capacity exhaustion",
+    "failed": "requests that failed for good: every attempt (and any client retry) found no room",
+    "fail %": "failed / requests",
+    "failed attempts": "node attempts the allocator rejected (wasted work: a request may make several)",
+    "fail >25% free": "failed while the fleet was more than 25% free: false capacity exhaustion",
     "long fail %": "failure rate of long requests",
+    "queued": "requests that waited in the gateway's admission queue (queue.max_wait_s) for room",
     "frag": "mean fragmentation ratio, 1 - largest free block / total free, over nodes and time",
-    "restarts": "node restarts (drained, then down for the downtime)",
     "util": "mean KV utilisation (used / capacity) over nodes and time",
+    "restarts": "node restarts (drained, then down for the downtime)",
     "replicas": "smallest fleet keeping failures under the target at this arrival rate",
 }
 
@@ -33,7 +34,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.3f}%"
 
 
-def table(results: Mapping[str, SimResult], replicas: Mapping[str, ReplicaSearch] | None = None, target: float = 0.001) -> Table:
+def table(
+    results: Mapping[str, SimResult],
+    replicas: Mapping[str, ReplicaSearch] | None = None,
+    target: float = 0.001,
+) -> Table:
     t = Table(title="kvroute simulate", title_justify="left")
     t.add_column("policy", style="bold")
     for c in COLUMNS:
@@ -49,13 +54,16 @@ def table(results: Mapping[str, SimResult], replicas: Mapping[str, ReplicaSearch
             f"{r.failed_attempts:,}",
             f"{r.false_capacity_failures:,}",
             _pct(r.long_failure_rate),
+            f"{r.queued:,}",
             f"{r.mean_fragmentation:.3f}",
-            str(r.restarts),
             f"{r.utilisation:.3f}",
+            str(r.restarts),
         ]
         if replicas:
             s = replicas.get(name)
-            row.append("-" if s is None else (str(s.needed) if s.needed is not None else f">{s.max_nodes}"))
+            row.append(
+                "-" if s is None else (str(s.needed) if s.needed is not None else f">{s.max_nodes}")
+            )
         t.add_row(*row)
     return t
 
@@ -70,11 +78,15 @@ def headline(results: Mapping[str, SimResult]) -> list[str]:
         if name in ("kvroute", "oracle") or r.failures == 0:
             continue
         cut = 1.0 - kv.failures / r.failures
-        out.append(f"kvroute vs {name}: {100 * cut:.1f}% fewer failed requests ({kv.failures:,} vs {r.failures:,})")
+        out.append(
+            f"kvroute vs {name}: {100 * cut:.1f}% fewer failed requests ({kv.failures:,} vs {r.failures:,})"
+        )
     o = results.get("oracle")
     if o is not None:
         gap = kv.failure_rate - o.failure_rate
-        out.append(f"kvroute vs oracle (perfect compaction): failure rate {_pct(kv.failure_rate)} vs {_pct(o.failure_rate)} (+{100 * gap:.3f} points)")
+        out.append(
+            f"kvroute vs oracle (perfect compaction): failure rate {_pct(kv.failure_rate)} vs {_pct(o.failure_rate)} (+{100 * gap:.3f} points)"
+        )
     return out
 
 
@@ -116,7 +128,12 @@ def document(
         "results": {name: r.to_dict(series=series) for name, r in results.items()},
         "headline": headline(results),
         "replicas": {
-            name: {"needed": s.needed, "max_nodes": s.max_nodes, "target": target, "probes": {str(n): v for n, v in sorted(s.probes.items())}}
+            name: {
+                "needed": s.needed,
+                "max_nodes": s.max_nodes,
+                "target": target,
+                "probes": {str(n): v for n, v in sorted(s.probes.items())},
+            }
             for name, s in (replicas or {}).items()
         },
     }

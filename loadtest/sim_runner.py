@@ -17,7 +17,7 @@ from typing import Any
 
 from loadtest.sim_engine import SimConfig, SimResult, simulate
 from loadtest.sim_workload import mix_stream, problem_mix, trace_stream
-from loadtest.workload import MixClass, Request
+from loadtest.workload import MixClass, Request, load_trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,28 +36,50 @@ class WorkloadSpec:
         if self.kind == "trace":
             if not self.trace:
                 raise ValueError("trace workload needs a trace file")
-            return trace_stream(self.trace, duration_s, self.length_scale, self.rate_scale, long_threshold)
+            return trace_stream(
+                self.trace, duration_s, self.length_scale, self.rate_scale, long_threshold
+            )
         return mix_stream(self.mix, self.rate_per_s, duration_s, self.seed)
 
     def describe(self) -> dict[str, Any]:
         if self.kind == "trace":
-            return {"kind": "trace", "trace": self.trace, "length_scale": self.length_scale, "rate_scale": self.rate_scale}
+            return {
+                "kind": "trace",
+                "trace": self.trace,
+                "length_scale": self.length_scale,
+                "rate_scale": self.rate_scale,
+            }
         return {
             "kind": "mix",
             "rate_per_s": self.rate_per_s,
-            "mix": [{"kind": c.kind, "share": c.share, "prompt": list(c.prompt), "output": list(c.output)} for c in self.mix],
+            "mix": [
+                {
+                    "kind": c.kind,
+                    "share": c.share,
+                    "prompt": list(c.prompt),
+                    "output": list(c.output),
+                }
+                for c in self.mix
+            ],
             "seed": self.seed,
         }
 
 
-def kv_load_per_request(spec: WorkloadSpec, cfg: SimConfig, sample: int = 20_000) -> tuple[float, float]:
+def kv_load_per_request(
+    spec: WorkloadSpec, cfg: SimConfig, sample: int = 20_000
+) -> tuple[float, float]:
     """(mean token-seconds of KV one request holds while it runs, arrival rate at scale 1),
     by sampling. ``--load`` uses it: offered KV load = rate x token-seconds / fleet capacity
     (retained session KV is left out: it is a property of the stack, not of the traffic).
     """
     if spec.kind == "trace":
-        reqs = list(replace(spec, rate_scale=1.0).stream(float("inf"), cfg.settings.long_threshold_tokens))
-        reqs = reqs[: max(2, min(len(reqs), 100_000))]
+        if not spec.trace:
+            raise ValueError("trace workload needs a trace file")
+        reqs = load_trace(
+            spec.trace, spec.length_scale, 1.0, long_threshold=cfg.settings.long_threshold_tokens
+        )
+        if len(reqs) < 2:
+            raise ValueError(f"{spec.trace}: a trace needs at least 2 requests")
         span = max(1e-9, reqs[-1].arrival_s - reqs[0].arrival_s)
         rate = (len(reqs) - 1) / span
     else:
@@ -135,7 +157,12 @@ def run_jobs(
         return {}
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, disable=not show_progress, transient=True) as bar:
         tasks = {j.key: bar.add_task(f"{title} {j.key}", total=j.duration_s) for j in jobs}
         if workers <= 1:
@@ -143,7 +170,13 @@ def run_jobs(
             for j in jobs:
                 stream = j.workload.stream(j.duration_s, j.cfg.settings.long_threshold_tokens)
                 tid = tasks[j.key]
-                out[j.key] = simulate(j.cfg, j.policy, stream, j.duration_s, lambda t, tid=tid: bar.update(tid, completed=t))
+                out[j.key] = simulate(
+                    j.cfg,
+                    j.policy,
+                    stream,
+                    j.duration_s,
+                    lambda t, tid=tid: bar.update(tid, completed=t),
+                )
             return out
         with Manager() as mgr:
             shared = mgr.dict()
@@ -154,4 +187,3 @@ def run_jobs(
                         bar.update(tasks[key], completed=t)
                     time.sleep(0.2)
                 return {k: f.result() for k, f in futures.items()}
-

@@ -61,7 +61,9 @@ def parse_mix(text: str) -> list[MixClass]:
             olo, ohi = (int(x) for x in o.split("-"))
             sh = float(share)
         except ValueError:
-            raise ValueError(f"mix component {part!r}: share must be a number, ranges lo-hi integers") from None
+            raise ValueError(
+                f"mix component {part!r}: share must be a number, ranges lo-hi integers"
+            ) from None
         if sh <= 0 or not 0 < plo <= phi or not 0 < olo <= ohi:
             raise ValueError(f"mix component {part!r}: share must be > 0 and ranges 0 < lo <= hi")
         out.append(MixClass("long" if kind == "long" else "short", sh, (plo, phi), (olo, ohi)))
@@ -74,7 +76,9 @@ def mean_demand(mix: Sequence[MixClass]) -> float:
     return sum(c.share / total * (sum(c.prompt) + sum(c.output)) / 2 for c in mix)
 
 
-def mix_stream(mix: Sequence[MixClass], rate_per_s: float, duration_s: float, seed: int) -> Iterator[Request]:
+def mix_stream(
+    mix: Sequence[MixClass], rate_per_s: float, duration_s: float, seed: int
+) -> Iterator[Request]:
     """Poisson arrivals at ``rate_per_s`` for ``duration_s`` (lazy: six days never sit in memory)."""
     return iter_parametric(rate_per_s, mix, duration_s=duration_s, seed=seed)
 
@@ -104,7 +108,9 @@ def trace_stream(
         loop += 1
 
 
-def trace_stats(path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0) -> tuple[float, float]:
+def trace_stats(
+    path: str | Path, length_scale: float = 1.0, rate_scale: float = 1.0
+) -> tuple[float, float]:
     """(requests per second, mean demand in tokens) of the trace at these scales."""
     rows = load_trace(path, length_scale, rate_scale)
     span = max(1e-9, rows[-1].arrival_s - rows[0].arrival_s)

@@ -43,7 +43,9 @@ def _policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICY_NAMES]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown policy {bad or text!r}; choose from {','.join(POLICY_NAMES)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {bad or text!r}; choose from {','.join(POLICY_NAMES)}"
+        )
     return names
 
 
@@ -62,49 +64,159 @@ def _positive(text: str) -> float:
 
 
 def add_fleet_options(ap: argparse.ArgumentParser) -> None:
-    """Options shared with ``kvroute tune``: the fleet, the service model, the workload."""
+    """The fleet's shape (``kvroute tune`` reads it from the config file instead)."""
     f = ap.add_argument_group("fleet")
     f.add_argument("--nodes", type=int, default=8, help="fleet size (default 8)")
-    f.add_argument("--long-pool", type=int, default=None, help="nodes in the long pool (kvroute only; default nodes-1)")
-    f.add_argument("--capacity", type=int, default=131_072, help="KV capacity per node, tokens (default 131072)")
+    f.add_argument(
+        "--long-pool",
+        type=int,
+        default=None,
+        help="nodes in the long pool (kvroute only; default nodes-1)",
+    )
     f.add_argument("--allocator", choices=("contiguous", "paged"), default="contiguous")
+    add_service_options(ap)
+    add_workload_options(ap)
+
+
+def add_service_options(ap: argparse.ArgumentParser) -> None:
+    """Options shared with ``kvroute tune``: node memory and the service-time model."""
+    f = ap.add_argument_group("nodes")
+    f.add_argument(
+        "--capacity",
+        type=int,
+        default=131_072,
+        help="KV capacity per node, tokens (default 131072)",
+    )
     f.add_argument("--block-size", type=int, default=16, help="paged block size, tokens")
-    f.add_argument("--prefill-tps", type=_positive, default=10_000.0, help="prompt tokens/s per request")
-    f.add_argument("--decode-tps", type=_positive, default=30.0, help="output tokens/s per sequence")
-    f.add_argument("--max-concurrency", type=int, default=0, help="sequences per node, 0 = unlimited")
+    f.add_argument(
+        "--prefill-tps", type=_positive, default=10_000.0, help="prompt tokens/s per request"
+    )
+    f.add_argument(
+        "--decode-tps", type=_positive, default=30.0, help="output tokens/s per sequence"
+    )
+    f.add_argument(
+        "--max-concurrency", type=int, default=0, help="sequences per node, 0 = unlimited"
+    )
+
+
+def add_workload_options(ap: argparse.ArgumentParser) -> None:
+    """Options shared with ``kvroute tune``: the request stream."""
     w = ap.add_argument_group("workload")
-    w.add_argument("--workload", choices=("problem", "mix", "trace"), default="problem", help="problem: the 70/30 short/long mix")
-    w.add_argument("--mix", default=None, help="kind:share:plo-phi:olo-ohi,... (with --workload mix)")
+    w.add_argument(
+        "--workload",
+        choices=("problem", "mix", "trace"),
+        default="problem",
+        help="problem: the 70/30 short/long mix",
+    )
+    w.add_argument(
+        "--mix", default=None, help="kind:share:plo-phi:olo-ohi,... (with --workload mix)"
+    )
     w.add_argument("--trace", default=DEFAULT_TRACE, help="CSV/JSONL trace (with --workload trace)")
-    w.add_argument("--length-scale", type=_positive, default=1.0, help="trace prompt lengths x this")
-    w.add_argument("--rate-scale", type=_positive, default=None, help="trace arrivals x this faster (default: from --load)")
-    w.add_argument("--rate", type=_positive, default=None, help="arrivals per second (default: from --load)")
-    w.add_argument("--load", type=_positive, default=0.55, help="offered KV load (requests only, not retained sessions) as a fraction of fleet capacity (default 0.55)")
-    w.add_argument("--hold-fraction", type=_fraction, default=0.002, help="share of short requests whose KV stays resident after they finish (sessions)")
-    w.add_argument("--hold-alpha", type=_positive, default=0.5, help="Pareto shape of that extra holding time")
-    w.add_argument("--hold-min", type=duration, default=3_600.0, help="Pareto scale (shortest hold)")
+    w.add_argument(
+        "--length-scale", type=_positive, default=1.0, help="trace prompt lengths x this"
+    )
+    w.add_argument(
+        "--rate-scale",
+        type=_positive,
+        default=None,
+        help="trace arrivals x this faster (default: from --load)",
+    )
+    w.add_argument(
+        "--rate", type=_positive, default=None, help="arrivals per second (default: from --load)"
+    )
+    w.add_argument(
+        "--load",
+        type=_positive,
+        default=0.55,
+        help="offered KV load (requests only, not retained sessions) as a fraction of fleet capacity (default 0.55)",
+    )
+    w.add_argument(
+        "--hold-fraction",
+        type=_fraction,
+        default=0.002,
+        help="share of short requests whose KV stays resident after they finish (sessions)",
+    )
+    w.add_argument(
+        "--hold-alpha", type=_positive, default=0.5, help="Pareto shape of that extra holding time"
+    )
+    w.add_argument(
+        "--hold-min", type=duration, default=3_600.0, help="Pareto scale (shortest hold)"
+    )
     w.add_argument("--hold-max", type=duration, default=7 * 86_400.0, help="longest hold")
     w.add_argument("--seed", type=int, default=1)
 
 
 def add_gateway_options(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("gateway")
-    g.add_argument("--long-threshold", type=int, default=8_000, help="routing.long_threshold_tokens")
+    g.add_argument(
+        "--long-threshold", type=int, default=8_000, help="routing.long_threshold_tokens"
+    )
     g.add_argument("--safety-margin", type=_fraction, default=0.02, help="routing.safety_margin")
     g.add_argument("--max-attempts", type=int, default=3, help="retry.max_attempts")
-    g.add_argument("--client-retries", type=int, default=0, help="blind client retries after a failure")
+    g.add_argument(
+        "--client-retries", type=int, default=0, help="blind client retries after a failure"
+    )
     g.add_argument("--client-retry-delay", type=duration, default=2.0)
-    g.add_argument("--report-lag", type=duration, default=None, help="scrape interval: decisions see reports this old (default: fresh)")
+    g.add_argument(
+        "--report-lag",
+        type=duration,
+        default=None,
+        help="scrape interval: decisions see reports this old (default: fresh)",
+    )
     g.add_argument("--ceiling-ttl", type=duration, default=30.0, help="retry.ceiling_ttl_s")
-    g.add_argument("--queue-wait", type=float, default=5.0, help="queue.max_wait_s: seconds a request nothing fits may wait (0: fail at once)")
+    g.add_argument(
+        "--queue-wait",
+        type=float,
+        default=5.0,
+        help="queue.max_wait_s: seconds a request nothing fits may wait (0: fail at once)",
+    )
     g.add_argument("--queue-max", type=int, default=256, help="queue.max_size")
     r = ap.add_argument_group("restarts")
-    r.add_argument("--restart", choices=RESTART_MODES, default="none", help="none | uptime (scheduled) | frag (fragmentation-triggered)")
-    r.add_argument("--restart-uptime", type=duration, default=6 * 86_400.0, help="uptime that triggers a scheduled restart")
-    r.add_argument("--restart-frag", type=_fraction, default=0.5, help="fragmentation ratio that triggers a restart ...")
-    r.add_argument("--restart-frag-for", type=duration, default=1_800.0, help="... when sustained this long")
-    r.add_argument("--restart-min-free", type=_fraction, default=0.2, help="... while at least this fraction is free")
-    r.add_argument("--restart-downtime", type=duration, default=120.0)
+    r.add_argument(
+        "--restart",
+        choices=RESTART_MODES,
+        default="none",
+        help="none | uptime (scheduled) | frag (fragmentation-triggered)",
+    )
+    r.add_argument(
+        "--restart-uptime",
+        type=duration,
+        default=6 * 86_400.0,
+        help="maintenance.scheduled_restart_uptime_s (with --restart uptime)",
+    )
+    r.add_argument(
+        "--restart-frag",
+        type=_fraction,
+        default=0.5,
+        help="1 - maintenance.restart_below_ratio: fragmentation that triggers a restart ...",
+    )
+    r.add_argument(
+        "--restart-frag-for",
+        type=duration,
+        default=300.0,
+        help="... maintenance.restart_after_s: sustained this long",
+    )
+    r.add_argument(
+        "--restart-min-free",
+        type=_fraction,
+        default=0.1,
+        help="... maintenance.min_free_fraction: while this much is free",
+    )
+    r.add_argument(
+        "--restart-min-interval",
+        type=duration,
+        default=3_600.0,
+        help="maintenance.min_interval_per_node_s",
+    )
+    r.add_argument(
+        "--restart-downtime",
+        type=duration,
+        default=120.0,
+        help="a restart takes the node out this long",
+    )
+    r.add_argument(
+        "--drain-timeout", type=duration, default=300.0, help="maintenance.drain_timeout_s"
+    )
 
 
 def build_config(a: argparse.Namespace) -> SimConfig:
@@ -141,7 +253,9 @@ def build_config(a: argparse.Namespace) -> SimConfig:
         restart_frag=a.restart_frag,
         restart_frag_for_s=a.restart_frag_for,
         restart_min_free=a.restart_min_free,
+        restart_min_interval_s=a.restart_min_interval,
         restart_downtime_s=a.restart_downtime,
+        drain_timeout_s=a.drain_timeout,
         series_s=a.series,
         seed=a.seed,
     )
@@ -150,7 +264,9 @@ def build_config(a: argparse.Namespace) -> SimConfig:
 def build_workload(a: argparse.Namespace, cfg: SimConfig) -> WorkloadSpec:
     if a.workload == "trace":
         spec = WorkloadSpec(kind="trace", trace=a.trace, length_scale=a.length_scale, seed=a.seed)
-        return replace(spec, rate_scale=a.rate_scale) if a.rate_scale else at_load(spec, cfg, a.load)
+        return (
+            replace(spec, rate_scale=a.rate_scale) if a.rate_scale else at_load(spec, cfg, a.load)
+        )
     mix = problem_mix() if a.workload == "problem" else parse_mix(a.mix or "")
     spec = WorkloadSpec(kind="mix", mix=tuple(mix), seed=a.seed)
     return replace(spec, rate_per_s=a.rate) if a.rate else at_load(spec, cfg, a.load)
@@ -170,21 +286,49 @@ def parser() -> argparse.ArgumentParser:
         prog="kvroute simulate",
         description="Offline fleet simulator: routing policies against fragmenting KV allocators over simulated days.",
     )
-    ap.add_argument("--policies", type=_policies, default=list(POLICY_NAMES), help=f"comma list (default {','.join(POLICY_NAMES)})")
-    ap.add_argument("--duration", type=duration, default=86_400.0, help="simulated time, e.g. 6d, 12h (default 1d)")
-    ap.add_argument("--quick", action="store_true", help="CI-sized preset: 6 nodes, 3h, replicas over 1h")
+    ap.add_argument(
+        "--policies",
+        type=_policies,
+        default=list(POLICY_NAMES),
+        help=f"comma list (default {','.join(POLICY_NAMES)})",
+    )
+    ap.add_argument(
+        "--duration",
+        type=duration,
+        default=86_400.0,
+        help="simulated time, e.g. 6d, 12h (default 1d)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="CI-sized preset: 6 nodes, 3h, replicas over 1h"
+    )
     add_fleet_options(ap)
     add_gateway_options(ap)
     o = ap.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write results as JSON")
     o.add_argument("--json-series", action="store_true", help="include the time series in the JSON")
     o.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
-    o.add_argument("--series", type=duration, default=900.0, help="time-series resolution (default 15m)")
-    o.add_argument("--replicas", action="store_true", help="also search the fleet size each policy needs")
-    o.add_argument("--target", type=_fraction, default=0.001, help="failure-rate target for --replicas (default 0.001 = 0.1%%)")
-    o.add_argument("--replicas-duration", type=duration, default=None, help="simulated time per replicas probe (default min(duration, 12h))")
+    o.add_argument(
+        "--series", type=duration, default=900.0, help="time-series resolution (default 15m)"
+    )
+    o.add_argument(
+        "--replicas", action="store_true", help="also search the fleet size each policy needs"
+    )
+    o.add_argument(
+        "--target",
+        type=_fraction,
+        default=0.001,
+        help="failure-rate target for --replicas (default 0.001 = 0.1%%)",
+    )
+    o.add_argument(
+        "--replicas-duration",
+        type=duration,
+        default=None,
+        help="simulated time per replicas probe (default min(duration, 12h))",
+    )
     o.add_argument("--max-nodes", type=int, default=64)
-    o.add_argument("--jobs", type=int, default=default_jobs(), help="worker processes (default: up to 2)")
+    o.add_argument(
+        "--jobs", type=int, default=default_jobs(), help="worker processes (default: up to 2)"
+    )
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--legend", action="store_true", help="explain the columns under the table")
     return ap
@@ -217,12 +361,19 @@ def execute(a: argparse.Namespace, console: Console | None = None) -> Outcome:
     return Outcome(cfg, spec, a.duration, {p: results[p] for p in a.policies}, reps)
 
 
+def _human(seconds: float) -> str:
+    for unit, size in (("d", 86_400.0), ("h", 3_600.0), ("m", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.3g}{unit}"
+    return f"{seconds:.3g}s"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(args)
     if a.quick:
         apply_quick(a, args)
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 150)
     started = time.monotonic()
     try:
         out = execute(a, con)
@@ -233,13 +384,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     rate = out.workload.describe().get("rate_per_s")
     con.print(
         f"{out.cfg.nodes} nodes x {out.cfg.capacity_tokens:,} tokens ({out.cfg.allocator}), long pool {out.cfg.long_pool}, "
-        f"{out.duration_s / 86_400:g} days, offered KV load {load:.2f}"
+        f"{_human(out.duration_s)} simulated, offered KV load {load:.2f}"
         + (f", {rate:.2f} req/s" if rate else "")
         + f"; {time.monotonic() - started:.0f} s wall"
     )
     print_report(out.results, out.replicas, a.target, con, legend=a.legend)
     if a.json:
-        write_json(a.json, document(out.cfg, out.workload, out.duration_s, out.results, out.replicas, a.target, a.json_series))
+        write_json(
+            a.json,
+            document(
+                out.cfg,
+                out.workload,
+                out.duration_s,
+                out.results,
+                out.replicas,
+                a.target,
+                a.json_series,
+            ),
+        )
         con.print(f"wrote {a.json}")
     if a.plots:
         from loadtest.sim_plots import write_plots

@@ -317,8 +317,26 @@ def advise(
         (n.report.largest_free_block_tokens for n in reported if n.report is not None), default=0
     )
     largest_node_free = max(
-        (n.report.free_tokens for n in reported if n.report is not None), default=0
+        (n.report.free_tokens - n.overlay.pending_tokens for n in reported if n.report is not None),
+        default=0,
     )
+    # A capacity failure still stands while no node has that much free memory; once one has
+    # (requests finished), it was a peak, and adding replicas for it would be premature.
+    current = [f for f in capacity if f.demand > largest_node_free]
+    transient = len(capacity) - len(current)
+    # Likewise a fragmentation failure stands while a node it names still has the memory for
+    # it and no block (not once that node restarted, or filled up).
+    by_name = snapshot.by_name()
+
+    def still_fragmented(f: Failure) -> bool:
+        for name in f.room_on:
+            n = by_name.get(name)
+            r = n.report if n is not None else None
+            if r is not None and r.largest_free_block_tokens < f.demand <= r.free_tokens:
+                return True
+        return False
+
+    current_fixable = [f for f in fixable if still_fragmented(f)]
     demand = effective_demand_tokens(snapshot, fails if rate_failures is None else rate_failures)
     window = cfg.failure_window_s
     max_cap_demand = max((f.demand for f in capacity), default=0)
@@ -328,6 +346,8 @@ def advise(
         "total": len(fails),
         "fragmentation": len(fixable),
         "capacity": len(capacity),
+        "capacity_still_short": len(current),
+        "fragmentation_still_fragmented": len(current_fixable),
         "at_high_free_memory": sum(1 for f in fails if f.at_high_free),
         "max_fragmentation_demand_tokens": max_frag_demand,
         "max_capacity_demand_tokens": max_cap_demand,
@@ -346,11 +366,11 @@ def advise(
 
     reasons: list[str] = []
     action: Action
-    if capacity and len(capacity) >= len(fixable):
+    if current and len(current) >= len(current_fixable):
         action = "scale_up"
         reasons.append(
-            f"{len(capacity)} allocation failure(s) in the last {window:.0f}s were capacity: demand up to "
-            f"{max_cap_demand} tokens exceeded the total free memory of every node "
+            f"{len(current)} allocation failure(s) in the last {window:.0f}s were capacity: demand up to "
+            f"{max_cap_demand} tokens exceeds the total free memory of every node "
             f"(most free on one node now: {largest_node_free}; fleet free {free_total} of {cap_total})"
         )
         if fixable:
@@ -389,9 +409,14 @@ def advise(
             )
         else:
             reasons.append("no allocation failures and no node past the fragmentation thresholds")
+    if transient and action != "scale_up":
+        reasons.append(
+            f"{transient} capacity failure(s) in the last {window:.0f}s, but a node now has "
+            f"{largest_node_free} tokens free: a passing peak, not a reason to scale up"
+        )
     if busy_set and action == "none":
         action = "restart"  # keep autoscalers from scaling up while a restart is under way
-        reasons.insert(0, "restarting now: " + ", ".join(sorted(busy_set)))
+        reasons = ["restarting now: " + ", ".join(sorted(busy_set)) + "; do not scale up meanwhile"]
     elif busy_set:
         reasons.append("restarting now: " + ", ".join(sorted(busy_set)))
     if watch:

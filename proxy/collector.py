@@ -106,6 +106,7 @@ class Collector:
         self._client: httpx.AsyncClient | None = None
         self._client_slots = 0
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._c = _Counters()
         self.on_report: list[ReportHook] = []
 
@@ -133,6 +134,7 @@ class Collector:
     def start(self) -> None:
         if self._task is not None and not self._task.done():
             return
+        self._stopping = False
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"kvroute-collector-{self._owner}"
         )
@@ -141,11 +143,7 @@ class Collector:
         """Stop the loop, hand the lock back (so another replica takes over at once), close the client."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            await self._finish(task)
         if self._c.leader:
             self._c.leader = False
             try:
@@ -159,6 +157,27 @@ class Collector:
             client, self._client = self._client, None
             await client.aclose()
 
+    async def _finish(self, task: asyncio.Task[None]) -> None:
+        """Cancel the loop and wait for it, bounded.
+
+        Why not a bare ``await task``: timeout helpers in libraries below us (HTTP, Redis)
+        can turn a cancellation that races their own deadline into their timeout error and
+        swallow it; the loop then runs on and a bare await would never return. The
+        ``_stopping`` flag ends the loop at its next turn whatever happened to the
+        cancellation, and the cancellation is repeated until the task is done.
+        """
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + max(5.0, 3.0 * self._config.collector.timeout_s)
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.2)
+            if not task.done() and loop.time() > give_up_at:
+                log.error("collector: the scrape loop did not stop; leaving it behind")
+                return
+        if not task.cancelled() and task.exception() is not None:
+            log.error("collector: the scrape loop had failed", exc_info=task.exception())
+
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -166,7 +185,7 @@ class Collector:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
-        while True:
+        while not self._stopping:
             try:
                 await self.scrape_once()
             except asyncio.CancelledError:
@@ -243,21 +262,26 @@ class Collector:
         timeout_s = self._config.collector.timeout_s
         client = self._http()
         started = time.perf_counter()
+        deadline = started + timeout_s
         try:
-            async with asyncio.timeout(timeout_s):  # the whole scrape, not per read
-                async with client.stream("GET", url) as resp:
-                    if resp.status_code != 200:
-                        raise ScrapeError(f"HTTP {resp.status_code} from {path}")
-                    body = bytearray()
-                    async for chunk in resp.aiter_bytes():
-                        body += chunk
-                        if len(body) > MAX_BODY_BYTES:
-                            raise ScrapeError(f"metrics body larger than {MAX_BODY_BYTES} bytes")
+            # Bounded by httpx's own per-phase timeouts (connect, send, each read) plus the
+            # deadline checked per chunk, which stops a server that drips its body. Not by
+            # asyncio.timeout: a native cancellation racing httpx's timeouts can be lost.
+            async with client.stream("GET", url) as resp:
+                if resp.status_code != 200:
+                    raise ScrapeError(f"HTTP {resp.status_code} from {path}")
+                body = bytearray()
+                async for chunk in resp.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_BODY_BYTES:
+                        raise ScrapeError(f"metrics body larger than {MAX_BODY_BYTES} bytes")
+                    if time.perf_counter() > deadline:
+                        raise ScrapeError(f"timeout after {timeout_s:g}s (body still arriving)")
             text = body.decode("utf-8", errors="replace")  # the text format is UTF-8 by definition
             report = parse_report(backend.kind, text, self._clock(), backend.capacity_tokens)
         except ScrapeError as exc:
             return self._failed(backend, exc.reason, started)
-        except (TimeoutError, httpx.TimeoutException):
+        except httpx.TimeoutException:
             return self._failed(backend, f"timeout after {timeout_s:g}s", started)
         except httpx.ConnectError as exc:
             return self._failed(backend, f"connect error: {exc or type(exc).__name__}", started)

@@ -55,10 +55,14 @@ def eligible(snapshot: FleetSnapshot, req: RouteRequest, now: float, settings: P
     report at all (e.g. a vLLM server whose metrics are not scraped) stays routable as "unknown".
     """
     out: list[NodeView] = []
+    exclude = req.exclude
+    stale_after = settings.stale_after_s
     for n in snapshot.nodes:
-        if not n.up or n.name in req.exclude or n.overlay.draining or now < n.overlay.cooldown_until:
+        ov = n.overlay
+        if not n.up or ov.draining or now < ov.cooldown_until or (exclude and n.name in exclude):
             continue
-        if n.report is not None and n.stale(now, settings.stale_after_s):
+        r = n.report
+        if r is not None and now - r.reported_at > stale_after:  # NodeView.stale, inlined: hot path
             continue
         out.append(n)
     return out
@@ -112,9 +116,16 @@ class KvroutePolicy(Policy):
 
     def rank(self, snapshot: FleetSnapshot, req: RouteRequest, now: float) -> list[str]:
         margin = self.settings.safety_margin
-        nodes = eligible(snapshot, req, now, self.settings)
-        fit = [n for n in nodes if n.report is not None and n.fits(req.demand, now, margin)]
-        unknown = [n for n in nodes if n.report is None]
+        demand = req.demand
+        fit: list[NodeView] = []
+        unknown: list[NodeView] = []
+        for n in eligible(snapshot, req, now, self.settings):
+            r = n.report
+            if r is None:
+                unknown.append(n)
+            # usable block < demand can never fit (margin and block rounding only add): skip fits()
+            elif r.largest_free_block_tokens - n.overlay.pending_tokens >= demand and n.fits(demand, now, margin):
+                fit.append(n)
 
         if req.cls == "long":
             # The tightest block that holds it: leaves the largest blocks for the largest requests.

@@ -221,6 +221,8 @@ async def test_fragmentation_is_visible_in_the_store_and_restart_clears_it(
         await asyncio.sleep(t)
         print("DEBUG HANG; tasks:", file=sys.stderr)
         walk.dump()
+        import faulthandler
+        faulthandler.dump_traceback_later(1.5, repeat=True, file=sys.stderr)
     dumper = asyncio.get_running_loop().create_task(dump_after(25))
     async with AsyncExitStack() as stack:
         stack.callback(dumper.cancel)

@@ -64,9 +64,17 @@ def fleet(*nodes: NodeView) -> FleetSnapshot:
     return FleetSnapshot(nodes=tuple(nodes), taken_at=NOW)
 
 
-def route(policy: str, snap: FleetSnapshot, demand: int, exclude: frozenset[str] = frozenset(), s: PolicySettings = S) -> list[str]:
+def route(
+    policy: str,
+    snap: FleetSnapshot,
+    demand: int,
+    exclude: frozenset[str] = frozenset(),
+    s: PolicySettings = S,
+) -> list[str]:
     p = make_policy(policy, s)
-    return p.rank(snap, RouteRequest(demand, classify(demand, s.long_threshold_tokens), exclude), NOW)
+    return p.rank(
+        snap, RouteRequest(demand, classify(demand, s.long_threshold_tokens), exclude), NOW
+    )
 
 
 # --- classify --------------------------------------------------------------------------------
@@ -93,7 +101,10 @@ def test_long_goes_to_long_pool_best_fit() -> None:
 
 
 def test_long_prefers_the_long_pool_on_a_tie() -> None:
-    snap = fleet(node("g0", free=50_000, largest=30_000), node("L0", free=40_000, largest=30_000, role="long"))
+    snap = fleet(
+        node("g0", free=50_000, largest=30_000),
+        node("L0", free=40_000, largest=30_000, role="long"),
+    )
     assert route("kvroute", snap, 22_000) == ["L0", "g0"]
 
 
@@ -148,9 +159,13 @@ def test_short_spills_to_long_pool_when_no_general_node_fits() -> None:
 
 # --- fit check -------------------------------------------------------------------------------
 def test_fit_check_honours_pending_reservations() -> None:
-    snap = fleet(node("a", free=30_000, largest=30_000, pending_tokens=10_000), node("b", free=25_000))
+    snap = fleet(
+        node("a", free=30_000, largest=30_000, pending_tokens=10_000), node("b", free=25_000)
+    )
     assert route("kvroute", snap, 22_000) == ["b"]
-    assert route("kvroute", snap, 20_000)[0] in {"a", "b"} and set(route("kvroute", snap, 20_000)) == {"a", "b"}
+    assert route("kvroute", snap, 20_000)[0] in {"a", "b"} and set(
+        route("kvroute", snap, 20_000)
+    ) == {"a", "b"}
 
 
 def test_fit_check_honours_safety_margin() -> None:
@@ -162,7 +177,9 @@ def test_fit_check_honours_safety_margin() -> None:
 def test_fit_check_rounds_to_whole_paged_blocks() -> None:
     exact = fleet(node("p", free=22_000, largest=22_000, allocator="paged", block_size=16))
     assert route("kvroute", exact, 21_990) == ["p"]  # 1375 blocks = 22,000 tokens
-    short_by_a_block = fleet(node("p", free=21_984, largest=21_984, allocator="paged", block_size=16))
+    short_by_a_block = fleet(
+        node("p", free=21_984, largest=21_984, allocator="paged", block_size=16)
+    )
     assert route("kvroute", short_by_a_block, 21_985) == []  # needs 1375 blocks, 1374 free
     assert route("kvroute", short_by_a_block, 21_984) == ["p"]
 
@@ -264,7 +281,10 @@ def test_nothing_fits_reason_tells_fragmentation_from_capacity() -> None:
 
 
 def test_nothing_fits_reason_counts_pending_and_respects_names() -> None:
-    snap = fleet(node("a", free=30_000, largest=30_000, pending_tokens=25_000), node("b", free=100_000, largest=2_000))
+    snap = fleet(
+        node("a", free=30_000, largest=30_000, pending_tokens=25_000),
+        node("b", free=100_000, largest=2_000),
+    )
     assert nothing_fits_reason(snap, 22_000, NOW, names=["a"])[0] == "capacity"
     assert nothing_fits_reason(snap, 22_000, NOW, names=["b"])[0] == "fragmentation"
 
@@ -325,6 +345,8 @@ def test_every_ranked_node_is_eligible_and_kvroute_ranks_only_fitting_nodes(
             assert n.report is None or n.fits(demand, NOW, margin)
         known = [n for n in ranked if ok[n].report is not None]
         assert ranked[: len(known)] == known  # unknown nodes come last
-        assert set(known) == {n.name for n in ok.values() if n.report is not None and n.fits(demand, NOW, margin)}
+        assert set(known) == {
+            n.name for n in ok.values() if n.report is not None and n.fits(demand, NOW, margin)
+        }
     else:
         assert set(ranked) == set(ok)

@@ -1,0 +1,1 @@
+"""Fault injection against real processes (see docs/reliability.md)."""
