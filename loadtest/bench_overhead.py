@@ -50,6 +50,7 @@ CHAT_PATH = "/v1/chat/completions"
 MODEL = "trivial"
 VLLM_ROUTER_CANDIDATES = ("/tmp/vllm-router-venv/bin/vllm-router",)
 VARIANTS = (
+    "redis-bg-release",
     "starlette",
     "h11",
     "asyncio-loop",
@@ -384,7 +385,7 @@ class Bench:
 
     def variant(self, kind: str) -> Target:
         port = free_port()
-        redis = kind == "workers2-redis"
+        redis = kind in ("workers2-redis", "redis-bg-release")
         cfg = self.gateway_config_path(kind, redis)
         backends = ",".join(p.url for p in self.backends)
         argv = [
@@ -441,6 +442,7 @@ VARIANT_NOTES = {
     "h11": "same gateway, uvicorn --http h11 instead of httptools",
     "asyncio-loop": "same gateway, asyncio's default loop instead of uvloop",
     "workers2-redis": "same gateway, 2 uvicorn workers sharing the Redis store",
+    "redis-bg-release": "same gateway on Redis, reservation release run in the background, not awaited before answering",
     "passthrough-starlette": "do-nothing relay: Starlette on uvicorn + aiohttp client (no routing)",
     "passthrough-aiohttp": "do-nothing relay: aiohttp.web server + aiohttp client (no routing)",
 }
@@ -565,6 +567,25 @@ def _passthrough_aiohttp(backends: list[str], port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, backlog=4096)
 
 
+def _release_in_background() -> None:
+    """Experiment: the store's release call runs as a task; callers' awaits return at once."""
+    from proxy.reservations import ReservationLedger
+
+    original = ReservationLedger.release
+    tasks: set[asyncio.Task[None]] = set()
+
+    def release(self: ReservationLedger, backend: str, rid: str) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(original(self, backend, rid))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        done: asyncio.Future[None] = loop.create_future()
+        done.set_result(None)
+        return done
+
+    ReservationLedger.release = release  # type: ignore[assignment,method-assign]
+
+
 def variant_app_factory() -> Any:
     """uvicorn factory for multi-worker variants (each worker builds its own app)."""
     from proxy.app import create_app
@@ -606,6 +627,8 @@ def serve_variant(argv: Sequence[str]) -> int:
     if a.kind == "starlette":
         uvicorn.run(_gateway_starlette(a.config), loop="uvloop", http="httptools", **common)
         return 0
+    if a.kind == "redis-bg-release":
+        _release_in_background()
     if a.kind == "workers2-redis":
         os.environ["KVBENCH_CONFIG"] = a.config
         uvicorn.run(
@@ -623,8 +646,10 @@ def serve_variant(argv: Sequence[str]) -> int:
     app = create_app(load_config(a.config))
     if a.kind == "h11":
         uvicorn.run(app, loop="uvloop", http="h11", **common)
-    else:  # asyncio-loop
+    elif a.kind == "asyncio-loop":
         uvicorn.run(app, loop="asyncio", http="httptools", **common)
+    else:  # redis-bg-release: as shipped, with the patch above
+        uvicorn.run(app, loop="uvloop", http="httptools", **common)
     return 0
 
 

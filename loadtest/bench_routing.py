@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,11 @@ def fleet_snapshot(now: float, n: int = 16, seed: int = 0) -> FleetSnapshot:
             NodeView(
                 name=f"node-{i:02d}",
                 pool="long" if role == "long" else "general",
-                role=role,
+                role="long" if role == "long" else "general",
                 report=report,
                 overlay=overlay,
             )
-        )  # type: ignore[arg-type]
+        )
     return FleetSnapshot(tuple(nodes), taken_at=now)
 
 
@@ -154,18 +155,16 @@ def decision_costs(min_time_s: float) -> list[dict[str, Any]]:
             "counted_tokens": counted,
             "body_bytes": len(raw),
             "class": cls,
-            "parse_orjson_us": time_us(lambda raw=raw: orjson.loads(raw), min_time_s),  # type: ignore[misc]
-            "parse_json_us": time_us(lambda raw=raw: json.loads(raw), min_time_s),  # type: ignore[misc]
-            "tokenize_inline_us": time_us(lambda body=body: tokens.count_prompt(body), min_time_s),  # type: ignore[misc]
+            "parse_orjson_us": time_us(partial(orjson.loads, raw), min_time_s),
+            "parse_json_us": time_us(partial(json.loads, raw), min_time_s),
+            "tokenize_inline_us": time_us(partial(tokens.count_prompt, body), min_time_s),
             "tokenize_async_us": atime_us(
-                lambda body=body: tokens.count_prompt_async(body, DEFAULT_THREAD_CHARS), min_time_s
-            ),  # type: ignore[misc]
+                partial(tokens.count_prompt_async, body, DEFAULT_THREAD_CHARS), min_time_s
+            ),
             "off_loop": len(body["messages"][0]["content"]) > DEFAULT_THREAD_CHARS,
         }
         for name, pol in policies.items():
-            row[f"rank_{name}_us"] = time_us(
-                lambda pol=pol, req=req: pol.rank(snap, req, now), min_time_s
-            )  # type: ignore[misc]
+            row[f"rank_{name}_us"] = time_us(partial(pol.rank, snap, req, now), min_time_s)
         row["decision_us"] = (
             row["parse_orjson_us"] + row["tokenize_async_us"] + row["rank_kvroute_us"]
         )

@@ -168,9 +168,9 @@ def yaml_snippet(conf: Config, rec: SimConfig) -> str:
     general_name = next((p for p, pc in conf.pools.items() if pc.role == "general"), "general")
     backends = []
     for b in conf.backends:
-        d = b.model_dump(mode="json", exclude_defaults=True)
-        d["pool"] = long_pool_name if b.name in long_set else general_name
-        backends.append(d)
+        rest = b.model_dump(mode="json", exclude_defaults=True, exclude={"name", "url", "pool"})
+        pool = long_pool_name if b.name in long_set else general_name
+        backends.append({"name": b.name, "url": b.base_url, "pool": pool, **rest})
     maintenance: dict[str, Any] = {"enabled": rec.restart == "frag"}
     if rec.restart == "frag":
         maintenance["restart_below_ratio"] = round(1.0 - rec.restart_frag, 3)

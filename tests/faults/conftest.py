@@ -9,9 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults.harness import FaultFleet
-
-RESULTS: dict[str, dict[str, Any]] = {}
+from tests.faults.harness import RESULTS, FaultFleet
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -40,6 +40,8 @@ from loadtest.local_fleet import EngineSpec, Proc, engine_proc, free_port, gatew
 from loadtest.workload import make_prompt
 from tests.support.redis_server import RedisInstance
 
+#: Per-scenario counts, filled by the tests and printed by the conftest at the end.
+RESULTS: dict[str, dict[str, Any]] = {}
 CLIENT_TIMEOUT_S = 30.0  # far above any answer the suite expects: a hung gateway shows up as lost
 PROMPT = make_prompt(60)
 

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.faults.conftest import RESULTS
 from tests.faults.harness import (
+    RESULTS,
     FaultFleet,
     Tally,
     after,
