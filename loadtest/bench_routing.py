@@ -130,7 +130,7 @@ def atime_us(make: Callable[[], Awaitable[object]], min_time_s: float, repeats: 
 
 def cold_tokenizer_load_ms() -> float | None:
     """First use of the encoder in this process (what the gateway's first request pays unless warmed)."""
-    if tokens.encoding.cache_info().currsize:  # type: ignore[attr-defined]
+    if tokens.encoding.cache_info().currsize:
         return None
     t0 = time.perf_counter()
     tokens.encoding()

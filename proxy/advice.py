@@ -419,8 +419,15 @@ def advise(
         reasons = ["restarting now: " + ", ".join(sorted(busy_set)) + "; do not scale up meanwhile"]
     elif busy_set:
         reasons.append("restarting now: " + ", ".join(sorted(busy_set)))
-    if watch:
-        reasons.append("watch (fragmenting): " + ", ".join(watch))
+    for name in watch:
+        w = next(a for a in nodes if a.name == name)
+        ratio = w.largest_contiguous_free_block_ratio
+        since = (
+            f", below {cfg.restart_below_ratio:.2f} for {w.below_threshold_for_s:.0f}s of {cfg.restart_after_s:.0f}s"
+            if w.below_threshold_for_s is not None
+            else ""
+        )
+        reasons.append(f"watch {name}: largest block / free {ratio:.2f}{since}")
     return Advice(
         action=action,
         at=now,

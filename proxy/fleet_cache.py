@@ -33,7 +33,11 @@ def node_from_state(cfg: Config, name: str, st: BackendState | None, now: float)
     if st is None:
         return NodeView(name=name, pool=b.pool, role=role, up=True, report=None)
     report = st.report
-    if report is not None and b.capacity_tokens is not None and report.capacity_tokens != b.capacity_tokens:
+    if (
+        report is not None
+        and b.capacity_tokens is not None
+        and report.capacity_tokens != b.capacity_tokens
+    ):
         cap = b.capacity_tokens
         report = MemoryReport(
             capacity_tokens=cap,
@@ -59,7 +63,13 @@ def node_from_state(cfg: Config, name: str, st: BackendState | None, now: float)
 class FleetCache:
     """Holds the latest fleet snapshot; refreshes it from the store on demand."""
 
-    def __init__(self, cfg: Config, store: StateStore, clock: Callable[[], float] = time.time, refresh_s: float = 0.02) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        store: StateStore,
+        clock: Callable[[], float] = time.time,
+        refresh_s: float = 0.02,
+    ) -> None:
         self.cfg = cfg
         self.store = store
         self.clock = clock
@@ -80,13 +90,18 @@ class FleetCache:
     def _set_degraded(self, value: bool) -> None:
         if value != self.degraded:
             self.degraded = value
-            log.warning("state store %s", "unreachable: routing on the last snapshot" if value else "reachable again")
+            log.warning(
+                "state store %s",
+                "unreachable: routing on the last snapshot" if value else "reachable again",
+            )
             for cb in self.on_degraded_change:
                 cb(value)
 
     def length_only(self, now: float) -> FleetSnapshot:
         """No memory figures at all: every node unknown, the policy falls back to pools."""
-        return FleetSnapshot(tuple(node_from_state(self.cfg, n, None, now) for n in self.names), taken_at=now)
+        return FleetSnapshot(
+            tuple(node_from_state(self.cfg, n, None, now) for n in self.names), taken_at=now
+        )
 
     async def _read(self) -> FleetSnapshot:
         now = self.clock()
@@ -99,14 +114,22 @@ class FleetCache:
                 return self._snap
             return self.length_only(now)
         self._set_degraded(False)
-        snap = FleetSnapshot(tuple(node_from_state(self.cfg, n, states.get(n), now) for n in self.names), taken_at=now)
+        snap = FleetSnapshot(
+            tuple(node_from_state(self.cfg, n, states.get(n), now) for n in self.names),
+            taken_at=now,
+        )
         self._snap = snap
         self._last_ok = now
         return snap
 
     async def snapshot(self, force: bool = False) -> FleetSnapshot:
         now = self.clock()
-        if not force and self._snap is not None and not self.degraded and now - self._snap.taken_at < self.refresh_s:
+        if (
+            not force
+            and self._snap is not None
+            and not self.degraded
+            and now - self._snap.taken_at < self.refresh_s
+        ):
             return self._snap
         if self._inflight is not None:
             return await asyncio.shield(self._inflight)

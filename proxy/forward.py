@@ -40,13 +40,19 @@ def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """Request headers to send upstream: end-to-end ones only (Authorization passes through)."""
     conn = headers.get("connection", "")
     listed = {h.strip().lower() for h in conn.split(",") if h.strip()}
-    return {k: v for k, v in headers.items() if (lk := k.lower()) not in HOP_BY_HOP and lk not in listed}
+    return {
+        k: v for k, v in headers.items() if (lk := k.lower()) not in HOP_BY_HOP and lk not in listed
+    }
 
 
 def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
     conn = headers.get("connection", "")
     listed = {h.strip().lower() for h in conn.split(",") if h.strip()}
-    return {k: v for k, v in headers.items() if (lk := k.lower()) not in _RESPONSE_DROP and lk not in listed}
+    return {
+        k: v
+        for k, v in headers.items()
+        if (lk := k.lower()) not in _RESPONSE_DROP and lk not in listed
+    }
 
 
 class UpstreamTimeout(Exception):
@@ -84,7 +90,10 @@ class Upstream:
         # Reads are bounded by the gateway itself (TTFB, idle gap, total: each answered
         # differently), so aiohttp's own sock_read timeout stays off.
         timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.cfg.connect_timeout_s, sock_connect=self.cfg.connect_timeout_s, sock_read=None
+            total=None,
+            connect=self.cfg.connect_timeout_s,
+            sock_connect=self.cfg.connect_timeout_s,
+            sock_read=None,
         )
         self.session = aiohttp.ClientSession(
             connector=connector,
@@ -99,7 +108,9 @@ class Upstream:
             await self.session.close()
             self.session = None
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str], ttfb_s: float | None = None) -> aiohttp.ClientResponse:
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], ttfb_s: float | None = None
+    ) -> aiohttp.ClientResponse:
         """Send the request; return once response headers arrived (the body is still to read)."""
         assert self.session is not None, "Upstream.start() was not called"
         limit = self.cfg.ttfb_timeout_s if ttfb_s is None else max(0.001, ttfb_s)
@@ -107,7 +118,9 @@ class Upstream:
             async with asyncio.timeout(limit):
                 return await self.session.post(url, data=body, headers=headers)
         except aiohttp.ConnectionTimeoutError:
-            raise UpstreamTimeout(f"could not connect to {url} within {self.cfg.connect_timeout_s}s", "connect") from None
+            raise UpstreamTimeout(
+                f"could not connect to {url} within {self.cfg.connect_timeout_s}s", "connect"
+            ) from None
         except TimeoutError:
             raise UpstreamTimeout(f"no response from {url} within {limit:g}s", "ttfb") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:

@@ -43,9 +43,9 @@ def test_headless_run_records_requests_and_causes(fleet: LocalFleet, tmp_path: P
     summary = tmp_path / "summary.json"
     argv = [
         sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"),
-        "--headless", "-u", "6", "-r", "6", "-t", "3s", "--stop-timeout", "5", "--only-summary",
+        "--headless", "-u", "6", "-r", "6", "-t", "4s", "--stop-timeout", "5", "--only-summary",
         "--host", fleet.gateway_url, "--csv", str(tmp_path / "kv"), "--html", str(tmp_path / "kv.html"),
-        "--kv-short-share", "0.6", "--kv-short-tokens", "20-200", "--kv-long-tokens", "12000-40000",
+        "--kv-short-share", "0.5", "--kv-short-tokens", "20-200", "--kv-long-tokens", "21000-30000",
         "--kv-short-output", "4-16", "--kv-long-output", "16-64", "--kv-think-s", "0.05",
         "--kv-summary", str(summary),
     ]  # fmt: skip

@@ -157,7 +157,11 @@ def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_req
         try:
             wait_until(lambda: sum(r[2] == "node-a" for r in traffic.results) >= 5, what="traffic on node-a")
             a.fragment(4_000)
-            wait_until(lambda: bool(restarts_done(url, "node-a")), timeout_s=30, what="node-a restarted")
+            try:
+                wait_until(lambda: bool(restarts_done(url, "node-a")), timeout_s=30, what="node-a restarted")
+            except AssertionError:
+                print("DEBUG", json.dumps(advice(url)), events(url), json.dumps(fleet_state(url)))
+                raise
             served_before = len(traffic.results)
             # Keep traffic flowing until some of it lands on the returned node.
             wait_until(lambda: any(r[2] == "node-a" for r in traffic.results[served_before:]), timeout_s=20, what="traffic back on node-a")

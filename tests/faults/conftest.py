@@ -13,7 +13,9 @@ from tests.faults.harness import RESULTS, FaultFleet
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "faults: fault injection against real processes (tests/faults)")
+    config.addinivalue_line(
+        "markers", "faults: fault injection against real processes (tests/faults)"
+    )
 
 
 @pytest.fixture(scope="module")

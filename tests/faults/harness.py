@@ -49,7 +49,12 @@ PROMPT = make_prompt(60)
 def fault_config(**overrides: Any) -> dict[str, Any]:
     """Gateway settings for the suite: short timeouts and ejections so each scenario takes seconds."""
     cfg: dict[str, Any] = {
-        "upstream": {"connect_timeout_s": 1.0, "ttfb_timeout_s": 2.0, "idle_timeout_s": 2.0, "total_timeout_s": 20.0},
+        "upstream": {
+            "connect_timeout_s": 1.0,
+            "ttfb_timeout_s": 2.0,
+            "idle_timeout_s": 2.0,
+            "total_timeout_s": 20.0,
+        },
         "health": {
             "active": {"interval_s": 0.25, "timeout_s": 0.5, "rise": 2, "fall": 2},
             "outlier": {"consecutive_failures": 3, "base_ejection_s": 1.0, "max_ejection_s": 3.0},
@@ -57,7 +62,12 @@ def fault_config(**overrides: Any) -> dict[str, Any]:
         # The suite's load is a handful of clients: a budget of 20% of 8 would be one retry.
         # The budget's own behaviour is tested separately (test_fault_retry_budget).
         "retry": {"max_attempts": 3, "budget_min_concurrency": 16},
-        "store": {"op_timeout_s": 0.1, "breaker_open_s": 0.5, "reservation_ttl_s": 8.0, "max_snapshot_age_s": 1.0},
+        "store": {
+            "op_timeout_s": 0.1,
+            "breaker_open_s": 0.5,
+            "reservation_ttl_s": 8.0,
+            "max_snapshot_age_s": 1.0,
+        },
         "collector": {"scrape_interval_s": 0.25, "stale_after_s": 2.0, "timeout_s": 0.5},
         "queue": {"max_wait_s": 2.0},
     }
@@ -107,7 +117,12 @@ class Tally:
 
 
 def body(stream: bool, max_tokens: int = 24, prompt: str = PROMPT) -> dict[str, Any]:
-    return {"model": "sim-model", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": stream}
+    return {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
 
 
 def error_code(payload: Any) -> str | None:
@@ -115,7 +130,11 @@ def error_code(payload: Any) -> str | None:
     if not isinstance(payload, dict) or not isinstance(payload.get("error"), dict):
         return None
     err = payload["error"]
-    if not isinstance(err.get("message"), str) or not err["message"] or not isinstance(err.get("type"), str):
+    if (
+        not isinstance(err.get("message"), str)
+        or not err["message"]
+        or not isinstance(err.get("type"), str)
+    ):
         return None
     code = err.get("code")
     return str(code) if code is not None else str(err["type"])
@@ -127,7 +146,11 @@ def judge_json(status: int, raw: bytes) -> tuple[str, str]:
     except orjson.JSONDecodeError:
         return "lost", f"HTTP {status} with a body that is not JSON: {raw[:80]!r}"
     if status == 200:
-        if isinstance(payload, dict) and isinstance(payload.get("choices"), list) and payload["choices"]:
+        if (
+            isinstance(payload, dict)
+            and isinstance(payload.get("choices"), list)
+            and payload["choices"]
+        ):
             return "ok", ""
         return "lost", f"HTTP 200 without choices: {raw[:80]!r}"
     code = error_code(payload)
@@ -138,7 +161,9 @@ def judge_json(status: int, raw: bytes) -> tuple[str, str]:
 
 def judge_sse(raw: bytes) -> tuple[str, str]:
     events = [e for e in raw.replace(b"\r\n", b"\n").split(b"\n\n") if e.strip()]
-    datas = [line[5:].strip() for e in events for line in e.split(b"\n") if line.startswith(b"data:")]
+    datas = [
+        line[5:].strip() for e in events for line in e.split(b"\n") if line.startswith(b"data:")
+    ]
     if not datas or datas[-1] != b"[DONE]":
         return "lost", f"stream without a final [DONE] ({len(datas)} events): {raw[-80:]!r}"
     content = 0
@@ -155,7 +180,9 @@ def judge_sse(raw: bytes) -> tuple[str, str]:
     return ("ok", "") if content else ("lost", "stream with no content events")
 
 
-async def send(client: httpx.AsyncClient, url: str, req: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[str, str, str]:
+async def send(
+    client: httpx.AsyncClient, url: str, req: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[str, str, str]:
     """One request; returns (bucket, detail, backend). Never raises."""
     path = url + "/v1/chat/completions"
     try:
@@ -163,7 +190,9 @@ async def send(client: httpx.AsyncClient, url: str, req: dict[str, Any], headers
             async with client.stream("POST", path, json=req, headers=headers) as resp:
                 raw = await resp.aread()
                 backend = resp.headers.get("x-kvroute-backend", "")
-                if resp.status_code == 200 and resp.headers.get("content-type", "").startswith("text/event-stream"):
+                if resp.status_code == 200 and resp.headers.get("content-type", "").startswith(
+                    "text/event-stream"
+                ):
                     bucket, detail = judge_sse(raw)
                 else:
                     bucket, detail = judge_json(resp.status_code, raw)
@@ -200,7 +229,11 @@ async def run_load(
         async def worker(w: int) -> None:
             i = 0
             while time.monotonic() < stop_at:
-                stream = ((w + i) % 100) < stream_share * 100 if stream_share not in (0, 1) else bool(stream_share)
+                stream = (
+                    ((w + i) % 100) < stream_share * 100
+                    if stream_share not in (0, 1)
+                    else bool(stream_share)
+                )
                 req = body(stream=stream, max_tokens=max_tokens)
                 if sender is not None:
                     bucket, detail, backend = await sender(client, req)
@@ -220,7 +253,9 @@ async def after(seconds: float, action: Callable[[], Any]) -> None:
     await asyncio.to_thread(action)
 
 
-def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.1) -> None:
+def wait_for(
+    pred: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.1
+) -> None:
     deadline = time.monotonic() + timeout_s
     last: BaseException | None = None
     while time.monotonic() < deadline:
@@ -230,7 +265,10 @@ def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, interval_s: 
         except Exception as exc:  # a process still coming up
             last = exc
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}" + (f" (last error: {last!r})" if last else ""))
+    raise AssertionError(
+        f"timed out after {timeout_s}s waiting for {what}"
+        + (f" (last error: {last!r})" if last else "")
+    )
 
 
 def metric_values(url: str, name: str) -> dict[str, float]:
@@ -267,7 +305,10 @@ class FaultFleet:
             self.engines.append(p)
         for p in self.engines:
             wait_http(p.url + "/health", timeout_s=30, proc=p.popen)
-        cfg = gateway_config(list(zip(self.specs, [p.url for p in self.engines], strict=True)), **fault_config(**self.overrides))
+        cfg = gateway_config(
+            list(zip(self.specs, [p.url for p in self.engines], strict=True)),
+            **fault_config(**self.overrides),
+        )
         cfg["store"]["redis_url"] = self.redis.url
         self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.start_gateway()
@@ -276,7 +317,18 @@ class FaultFleet:
 
     def start_gateway(self) -> Proc:
         port = free_port()
-        argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(self.config_path), "--port", str(port), "--log-level", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--config",
+            str(self.config_path),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
         g = Proc(f"gateway-{len(self.gateways)}", argv, f"http://127.0.0.1:{port}")
         g.start(env=env, log_dir=self.workdir)
@@ -305,7 +357,9 @@ class FaultFleet:
         wait_http(p.url + "/health", timeout_s=30, proc=p.popen)
 
     def fault(self, i: int, mode: str) -> None:
-        httpx.post(self.engines[i].url + "/admin/fault", json={"mode": mode}, timeout=5).raise_for_status()
+        httpx.post(
+            self.engines[i].url + "/admin/fault", json={"mode": mode}, timeout=5
+        ).raise_for_status()
 
     def kill_redis(self) -> None:
         assert self.redis.proc is not None
@@ -372,11 +426,17 @@ class FaultFleet:
 
     def assert_no_reservations(self, timeout_s: float = 20.0) -> None:
         """Nothing left reserved: in Redis, and in every live gateway's view (/fleet)."""
-        wait_for(lambda: not self.live_reservations(), timeout_s, "every reservation in Redis to be released")
+        wait_for(
+            lambda: not self.live_reservations(),
+            timeout_s,
+            "every reservation in Redis to be released",
+        )
         for g in self.gateways:
             if g.alive:
                 wait_for(
-                    lambda g=g: all(b["overlay"]["inflight"] == 0 for b in self.fleet_state(g.url)["backends"]),
+                    lambda g=g: all(
+                        b["overlay"]["inflight"] == 0 for b in self.fleet_state(g.url)["backends"]
+                    ),
                     timeout_s,
                     f"{g.name} to show no request in flight",
                 )
@@ -414,7 +474,13 @@ def log_tail(fleet: FaultFleet, name: str, n: int = 3000) -> str:
 
 def record(results: dict[str, dict[str, Any]], name: str, tally: Tally, **extra: Any) -> None:
     """Keep each scenario's counts; printed at the end of the module (pytest -s) and in docs."""
-    results[name] = {"sent": tally.sent, "ok": tally.ok, "failed": tally.failed, "lost": tally.lost, **extra}
+    results[name] = {
+        "sent": tally.sent,
+        "ok": tally.ok,
+        "failed": tally.failed,
+        "lost": tally.lost,
+        **extra,
+    }
 
 
 __all__: Sequence[str] = [

@@ -77,7 +77,11 @@ def test_fault_redis_killed_and_restarted(fleet: FaultFleet) -> None:
     record(RESULTS, "redis killed + restarted", tally, health_during=during["status"])
     assert during["status"] == "degraded" and during["store"] == "unreachable", during
     assert tally.lost == 0 and tally.failed == 0, tally.summary()
-    wait_for(lambda: not fleet.fleet_state()["degraded"], 20, "the gateway to leave degraded mode by itself")
+    wait_for(
+        lambda: not fleet.fleet_state()["degraded"],
+        20,
+        "the gateway to leave degraded mode by itself",
+    )
     check_recovery(fleet, tally)
 
 
@@ -125,10 +129,14 @@ def test_fault_backend_killed_mid_stream(fleet: FaultFleet) -> None:
     fleet.heal()
     urls = {f"e{i}": i for i in range(len(fleet.engines))}
 
-    async def one_stream(client: httpx.AsyncClient, started: asyncio.Queue[str]) -> tuple[str, str, str]:
+    async def one_stream(
+        client: httpx.AsyncClient, started: asyncio.Queue[str]
+    ) -> tuple[str, str, str]:
         from tests.faults.harness import judge_sse
 
-        async with client.stream("POST", fleet.url + "/v1/chat/completions", json=body(True, max_tokens=3000)) as resp:
+        async with client.stream(
+            "POST", fleet.url + "/v1/chat/completions", json=body(True, max_tokens=3000)
+        ) as resp:
             backend = resp.headers.get("x-kvroute-backend", "")
             chunks = []
             async for chunk in resp.aiter_raw():
@@ -184,7 +192,9 @@ def test_fault_clients_disconnect_mid_stream(fleet: FaultFleet) -> None:
     fleet.heal()
 
     async def quitter(client: httpx.AsyncClient) -> None:
-        async with client.stream("POST", fleet.url + "/v1/chat/completions", json=body(True, max_tokens=3000)) as resp:
+        async with client.stream(
+            "POST", fleet.url + "/v1/chat/completions", json=body(True, max_tokens=3000)
+        ) as resp:
             assert resp.status_code == 200
             async for _ in resp.aiter_raw():
                 break  # first bytes in, then the client goes away
@@ -211,7 +221,9 @@ def test_fault_clients_disconnect_mid_stream(fleet: FaultFleet) -> None:
     check_recovery(fleet, tally)
 
 
-async def slow_client(url: str, payload: bytes, pieces: int, pause_s: float, finish: bool = True) -> tuple[int, bytes]:
+async def slow_client(
+    url: str, payload: bytes, pieces: int, pause_s: float, finish: bool = True
+) -> tuple[int, bytes]:
     """Send the body a few bytes at a time (or never finish it); return (status, body)."""
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -246,7 +258,10 @@ def test_fault_slow_sending_clients(fleet: FaultFleet) -> None:
 
     async def scenario() -> tuple[Tally, list[tuple[int, bytes]]]:
         load = asyncio.create_task(run_load(fleet.url, 3.0))
-        stalled = [asyncio.create_task(slow_client(fleet.url, payload, 20, 0.2, finish=False)) for _ in range(20)]
+        stalled = [
+            asyncio.create_task(slow_client(fleet.url, payload, 20, 0.2, finish=False))
+            for _ in range(20)
+        ]
         slow = await asyncio.gather(*(slow_client(fleet.url, payload, 20, 0.1) for _ in range(8)))
         tally = await load
         for t in stalled:
@@ -255,7 +270,13 @@ def test_fault_slow_sending_clients(fleet: FaultFleet) -> None:
         return tally, slow
 
     tally, slow = asyncio.run(scenario())
-    record(RESULTS, "slow-sending clients", tally, slow_ok=sum(1 for s, _ in slow if s == 200), stalled=20)
+    record(
+        RESULTS,
+        "slow-sending clients",
+        tally,
+        slow_ok=sum(1 for s, _ in slow if s == 200),
+        stalled=20,
+    )
     assert tally.lost == 0 and tally.failed == 0, tally.summary()
     assert [s for s, _ in slow] == [200] * len(slow), slow
     check_recovery(fleet, tally)
@@ -302,10 +323,14 @@ def test_fault_gateway_graceful_shutdown(fleet: FaultFleet) -> None:
     replica = fleet.start_gateway()
     fleet.wait_ready(replica.url)
 
-    async def stream(client: httpx.AsyncClient, started: asyncio.Queue[None]) -> tuple[str, str, str]:
+    async def stream(
+        client: httpx.AsyncClient, started: asyncio.Queue[None]
+    ) -> tuple[str, str, str]:
         from tests.faults.harness import judge_sse
 
-        async with client.stream("POST", replica.url + "/v1/chat/completions", json=body(True, max_tokens=1500)) as resp:
+        async with client.stream(
+            "POST", replica.url + "/v1/chat/completions", json=body(True, max_tokens=1500)
+        ) as resp:
             chunks = []
             async for chunk in resp.aiter_raw():
                 if not chunks:
