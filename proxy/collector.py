@@ -105,6 +105,7 @@ class Collector:
         self._clock = clock
         self._client: httpx.AsyncClient | None = None
         self._client_slots = 0
+        self._background: set[asyncio.Task[None]] = set()  # old clients being closed
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._c = _Counters()
@@ -118,7 +119,7 @@ class Collector:
 
     @property
     def lock_ttl_s(self) -> float:
-        """About three intervals, and never shorter than one slow round (so it cannot lapse mid-round)."""
+        """About three intervals, and longer than a round with a timed-out scrape in it."""
         cc = self._config.collector
         return max(3.0 * cc.scrape_interval_s, cc.timeout_s + 2.0 * cc.scrape_interval_s)
 
@@ -249,7 +250,9 @@ class Collector:
         )
         self._client_slots = slots
         if old is not None:
-            asyncio.get_running_loop().create_task(old.aclose())
+            closing = asyncio.get_running_loop().create_task(old.aclose())
+            self._background.add(closing)
+            closing.add_done_callback(self._background.discard)
         return self._client
 
     async def _scrape(self, backend: BackendConfig) -> ScrapeOutcome:

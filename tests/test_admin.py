@@ -14,7 +14,13 @@ from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_un
 KEY = "s3cret-admin-key"
 HTTP = httpx.Client(timeout=30)
 HOOK = {"type": "http", "url": "{url}/admin/restart", "timeout_s": 5}
-FAST = {"interval_s": 0.1, "drain_settle_s": 0.3, "min_interval_per_node_s": 0, "drain_timeout_s": 10, "healthy_timeout_s": 10}
+FAST = {
+    "interval_s": 0.1,
+    "drain_settle_s": 0.3,
+    "min_interval_per_node_s": 0,
+    "drain_timeout_s": 10,
+    "healthy_timeout_s": 10,
+}
 
 
 def backend(engine: Any) -> dict[str, Any]:
@@ -22,11 +28,16 @@ def backend(engine: Any) -> dict[str, Any]:
 
 
 def wait_reports(url: str, n: int) -> None:
-    wait_until(lambda: sum(1 for b in fleet_state(url)["backends"] if b["report"]) >= n, what="backend reports")
+    wait_until(
+        lambda: sum(1 for b in fleet_state(url)["backends"] if b["report"]) >= n,
+        what="backend reports",
+    )
 
 
 def draining(url: str, name: str) -> bool:
-    return bool(next(b for b in fleet_state(url)["backends"] if b["name"] == name)["overlay"]["draining"])
+    return bool(
+        next(b for b in fleet_state(url)["backends"] if b["name"] == name)["overlay"]["draining"]
+    )
 
 
 def post(url: str, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -51,11 +62,23 @@ def test_admin_key_is_required_and_checked(engine_factory: Callable[..., Any]) -
     with run_gateway(gateway_cfg([backend(a), backend(b)], admin={"api_key": KEY})) as url:
         wait_reports(url, 2)
         missing = post(url, "/admin/backends/node-a/drain")
-        assert missing.status_code == 401 and missing.headers["www-authenticate"].startswith("Bearer")
+        assert missing.status_code == 401 and missing.headers["www-authenticate"].startswith(
+            "Bearer"
+        )
         assert missing.json()["error"]["code"] == "admin_key_missing"
-        assert post(url, "/admin/backends/node-a/drain", {"authorization": f"Basic {KEY}"}).status_code == 401
-        assert post(url, "/admin/backends/node-a/drain", {"authorization": "Bearer"}).status_code == 401
-        for bad in ({"authorization": "Bearer wrong"}, {"x-admin-key": KEY[:-1]}, {"x-admin-key": KEY + "x"}):
+        assert (
+            post(url, "/admin/backends/node-a/drain", {"authorization": f"Basic {KEY}"}).status_code
+            == 401
+        )
+        assert (
+            post(url, "/admin/backends/node-a/drain", {"authorization": "Bearer"}).status_code
+            == 401
+        )
+        for bad in (
+            {"authorization": "Bearer wrong"},
+            {"x-admin-key": KEY[:-1]},
+            {"x-admin-key": KEY + "x"},
+        ):
             r = post(url, "/admin/backends/node-a/drain", bad)
             assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_invalid"
         assert not draining(url, "node-a")
@@ -64,18 +87,32 @@ def test_admin_key_is_required_and_checked(engine_factory: Callable[..., Any]) -
         assert ok.status_code == 200 and ok.json() == {"backend": "node-a", "draining": True}
         assert draining(url, "node-a")
         # Drained: no new requests go there.
-        body = {"model": "m", "messages": [{"role": "user", "content": make_prompt(50)}], "max_tokens": 8}
-        served = {HTTP.post(url + "/v1/chat/completions", json=body).headers["x-kvroute-backend"] for _ in range(6)}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": make_prompt(50)}],
+            "max_tokens": 8,
+        }
+        served = {
+            HTTP.post(url + "/v1/chat/completions", json=body).headers["x-kvroute-backend"]
+            for _ in range(6)
+        }
         assert served == {"node-b"}
-        assert post(url, "/admin/backends/node-a/undrain", {"x-admin-key": KEY}).json()["draining"] is False
+        assert (
+            post(url, "/admin/backends/node-a/undrain", {"x-admin-key": KEY}).json()["draining"]
+            is False
+        )
         assert not draining(url, "node-a")
 
         missing_node = post(url, "/admin/backends/nope/drain", {"x-admin-key": KEY})
         assert missing_node.status_code == 404
         no_hook = post(url, "/admin/backends/node-a/restart", {"x-admin-key": KEY})
-        assert no_hook.status_code == 409 and "no restart hook" in no_hook.json()["error"]["message"]
+        assert (
+            no_hook.status_code == 409 and "no restart hook" in no_hook.json()["error"]["message"]
+        )
 
-        kinds = [(e["type"], e["backend"]) for e in HTTP.get(url + "/fleet/events").json()["events"]]
+        kinds = [
+            (e["type"], e["backend"]) for e in HTTP.get(url + "/fleet/events").json()["events"]
+        ]
         assert kinds == [("undrain", "node-a"), ("drain", "node-a")]
         assert HTTP.get(url + "/fleet/events", params={"limit": "0"}).status_code == 400
         assert HTTP.get(url + "/fleet/events", params={"limit": "x"}).status_code == 400
@@ -85,7 +122,9 @@ def test_admin_key_is_required_and_checked(engine_factory: Callable[..., Any]) -
 def test_manual_restart_through_the_hook(engine_factory: Callable[..., Any]) -> None:
     a, b = engine_factory(name="node-a"), engine_factory(name="node-b")
     a.fragment(4_000)
-    cfg = gateway_cfg([backend(a), backend(b)], admin={"api_key": KEY}, maintenance={**FAST, "hook": HOOK})
+    cfg = gateway_cfg(
+        [backend(a), backend(b)], admin={"api_key": KEY}, maintenance={**FAST, "hook": HOOK}
+    )
     with run_gateway(cfg) as url:
         wait_reports(url, 2)
         auth = {"authorization": f"Bearer {KEY}"}
@@ -93,32 +132,55 @@ def test_manual_restart_through_the_hook(engine_factory: Callable[..., Any]) -> 
         assert started.status_code == 202, started.text
         assert started.json()["backend"] == "node-a" and started.json()["restart_id"]
         again = post(url, "/admin/backends/node-a/restart", auth)
-        assert again.status_code == 409 and "already being restarted" in again.json()["error"]["message"]
+        assert (
+            again.status_code == 409
+            and "already being restarted" in again.json()["error"]["message"]
+        )
         other = post(url, "/admin/backends/node-b/restart", auth)
-        assert other.status_code == 409 and "max_concurrent_restarts is 1" in other.json()["error"]["message"]
+        assert (
+            other.status_code == 409
+            and "max_concurrent_restarts is 1" in other.json()["error"]["message"]
+        )
         early = post(url, "/admin/backends/node-a/undrain", auth)
         assert early.status_code == 409  # it returns to service by itself
 
         def done() -> bool:
-            return any(e["type"] == "restart_done" for e in HTTP.get(url + "/fleet/events").json()["events"])
+            return any(
+                e["type"] == "restart_done"
+                for e in HTTP.get(url + "/fleet/events").json()["events"]
+            )
 
         wait_until(done, timeout_s=20, what="restart_done")
-        ev = {e["type"]: e for e in HTTP.get(url + "/fleet/events", params={"backend": "node-a"}).json()["events"]}
-        assert ev["restart_done"]["reason"] == "manual" and ev["restart_done"]["restart_id"] == started.json()["restart_id"]
+        ev = {
+            e["type"]: e
+            for e in HTTP.get(url + "/fleet/events", params={"backend": "node-a"}).json()["events"]
+        }
+        assert (
+            ev["restart_done"]["reason"] == "manual"
+            and ev["restart_done"]["restart_id"] == started.json()["restart_id"]
+        )
         assert not draining(url, "node-a")
-        assert 'kvroute_restarts_total{backend="node-a",reason="manual"} 1.0' in HTTP.get(url + "/metrics").text
+        assert (
+            'kvroute_restarts_total{backend="node-a",reason="manual"} 1.0'
+            in HTTP.get(url + "/metrics").text
+        )
     st = a.state()
     assert st["restarts"] == 1 and st["free_tokens"] == st["capacity_tokens"]
     assert b.state()["restarts"] == 0
 
 
-def test_manual_restart_refuses_to_take_out_the_last_node_unless_forced(engine_factory: Callable[..., Any]) -> None:
+def test_manual_restart_refuses_to_take_out_the_last_node_unless_forced(
+    engine_factory: Callable[..., Any],
+) -> None:
     e = engine_factory(name="only")
     cfg = gateway_cfg([backend(e)], admin={"api_key": KEY}, maintenance={**FAST, "hook": HOOK})
     with run_gateway(cfg) as url:
         wait_reports(url, 1)
         refused = post(url, "/admin/backends/only/restart", {"x-admin-key": KEY})
-        assert refused.status_code == 409 and "no other healthy node" in refused.json()["error"]["message"]
+        assert (
+            refused.status_code == 409
+            and "no other healthy node" in refused.json()["error"]["message"]
+        )
         assert e.state()["restarts"] == 0
         forced = post(url, "/admin/backends/only/restart?force=true", {"x-admin-key": KEY})
         assert forced.status_code == 202
@@ -126,7 +188,9 @@ def test_manual_restart_refuses_to_take_out_the_last_node_unless_forced(engine_f
 
 
 @pytest.mark.parametrize("header", ["authorization", "x-admin-key"])
-def test_key_comparison_handles_non_ascii_input(engine_factory: Callable[..., Any], header: str) -> None:
+def test_key_comparison_handles_non_ascii_input(
+    engine_factory: Callable[..., Any], header: str
+) -> None:
     e = engine_factory(name="e1")
     with run_gateway(gateway_cfg([backend(e)], admin={"api_key": KEY})) as url:
         value = ("Bearer " if header == "authorization" else "") + "clé-\u00e9"

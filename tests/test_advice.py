@@ -13,7 +13,9 @@ from proxy.maintenance import bookkeeping
 NOW = 1_000_000.0
 CAP = 100_000
 DAY = 86_400.0
-CFG = MaintenanceConfig(restart_after_s=300, min_interval_per_node_s=3600, min_healthy_capacity_fraction=0.5)
+CFG = MaintenanceConfig(
+    restart_after_s=300, min_interval_per_node_s=3600, min_healthy_capacity_fraction=0.5
+)
 
 
 def node(
@@ -29,14 +31,22 @@ def node(
     pool: str = "general",
 ) -> NodeView:
     r = MemoryReport(CAP, free, largest, started_at=NOW - uptime, reported_at=NOW - age)
-    return NodeView(name=name, pool=pool, up=up, report=r, overlay=Overlay(reserved_tokens=reserved, inflight=1 if reserved else 0, draining=draining))
+    return NodeView(
+        name=name,
+        pool=pool,
+        up=up,
+        report=r,
+        overlay=Overlay(reserved_tokens=reserved, inflight=1 if reserved else 0, draining=draining),
+    )
 
 
 def fleet(*nodes: NodeView) -> FleetSnapshot:
     return FleetSnapshot(tuple(nodes), taken_at=NOW)
 
 
-def frag_failure(demand: int = 22_000, room_on: tuple[str, ...] = ("a",), free_frac: float = 0.38) -> Failure:
+def frag_failure(
+    demand: int = 22_000, room_on: tuple[str, ...] = ("a",), free_frac: float = 0.38
+) -> Failure:
     return Failure(NOW - 10, "", "fragmentation", demand, free_frac, True, room_on)
 
 
@@ -45,22 +55,38 @@ def cap_failure(demand: int = 22_000, free_frac: float = 0.08) -> Failure:
 
 
 def run(snap: FleetSnapshot, cfg: MaintenanceConfig = CFG, **kw: Any) -> Any:
-    kw.setdefault("below_since", update_below_since({}, snap, NOW - 600, cfg))  # below for 10 minutes
+    kw.setdefault(
+        "below_since", update_below_since({}, snap, NOW - 600, cfg)
+    )  # below for 10 minutes
     return advise(snap, NOW, cfg, stale_after_s=5.0, **kw)
 
 
 def test_the_problem_statement_example_is_a_restart_not_a_scale_up() -> None:
     # Day 5: 38% free in 1,200-token gaps; a 22,000-token document fails. Two healthy peers.
-    snap = fleet(node("a", 38_000, 1_200), node("b", 60_000, 60_000, uptime=DAY), node("c", 55_000, 55_000, uptime=DAY))
+    snap = fleet(
+        node("a", 38_000, 1_200),
+        node("b", 60_000, 60_000, uptime=DAY),
+        node("c", 55_000, 55_000, uptime=DAY),
+    )
     a = run(snap, failures=[frag_failure(), frag_failure()])
     assert a.action == "restart"
     assert a.restart == ("a",)
     na = a.node("a")
     assert na is not None and na.ready and na.restart_reasons == ("fragmentation", "failures")
-    assert na.level == "severe" and na.largest_contiguous_free_block_ratio == round(1_200 / 38_000, 4)
+    assert na.level == "severe" and na.largest_contiguous_free_block_ratio == round(
+        1_200 / 38_000, 4
+    )
     text = " ".join(a.reasons)
-    assert "a (fragmentation, failures)" in text and "2 allocation failure(s)" in text and "more replicas would not be needed" in text
-    assert a.failures["fragmentation"] == 2 and a.failures["capacity"] == 0 and a.failures["at_high_free_memory"] == 2
+    assert (
+        "a (fragmentation, failures)" in text
+        and "2 allocation failure(s)" in text
+        and "more replicas would not be needed" in text
+    )
+    assert (
+        a.failures["fragmentation"] == 2
+        and a.failures["capacity"] == 0
+        and a.failures["at_high_free_memory"] == 2
+    )
     # Effective demand leaves the fragmentation failures out: only memory in use counts.
     assert a.fleet["effective_demand_tokens"] == (CAP - 38_000) + (CAP - 60_000) + (CAP - 55_000)
     assert a.to_json()["nodes"][0]["candidate"] is True
@@ -84,7 +110,9 @@ def test_more_capacity_than_fragmentation_failures_wins_scale_up_and_lists_the_r
 
 
 def test_fragmentation_failures_on_a_node_restarted_since_do_not_outweigh_capacity() -> None:
-    full = fleet(node("a", 8_000, 8_000, uptime=60), node("b", 6_000, 6_000))  # a restarted, then filled up
+    full = fleet(
+        node("a", 8_000, 8_000, uptime=60), node("b", 6_000, 6_000)
+    )  # a restarted, then filled up
     a = run(full, failures=[frag_failure(), frag_failure(), cap_failure()])
     assert a.action == "scale_up"
     assert a.failures["fragmentation"] == 2 and a.failures["fragmentation_still_fragmented"] == 0
@@ -124,39 +152,79 @@ def test_below_since_keeps_the_first_time_and_drops_recovered_nodes() -> None:
 
 def test_not_ready_when_the_rest_cannot_carry_the_load() -> None:
     # Two nodes, min healthy 60%: taking either out leaves 50%.
-    cfg = MaintenanceConfig(restart_after_s=0, min_healthy_capacity_fraction=0.6, min_interval_per_node_s=0)
+    cfg = MaintenanceConfig(
+        restart_after_s=0, min_healthy_capacity_fraction=0.6, min_interval_per_node_s=0
+    )
     snap = fleet(node("a", 40_000, 2_000), node("b", 90_000, 90_000))
     a = run(snap, cfg)
     na = a.node("a")
     assert a.action == "restart" and a.restart == () and na is not None and not na.ready
     assert "below min_healthy_capacity_fraction 60%" in na.why
     # The others' free memory must hold what is in flight on it.
-    snap2 = fleet(node("a", 40_000, 2_000, reserved=50_000), node("b", 30_000, 30_000), node("c", 15_000, 15_000))
+    snap2 = fleet(
+        node("a", 40_000, 2_000, reserved=50_000),
+        node("b", 30_000, 30_000),
+        node("c", 15_000, 15_000),
+    )
     ok, why = can_take_out(snap2, "a", NOW, CFG, 5.0)
     assert not ok and "45000 tokens free for its 50000 tokens in flight" in why
     ok, why = can_take_out(fleet(node("a", 40_000, 2_000)), "a", NOW, CFG, 5.0)
     assert not ok and "no other healthy node" in why
     # Stale, down and draining peers do not count as healthy.
-    snap3 = fleet(node("a", 40_000, 2_000), node("b", 90_000, 90_000, age=60), node("c", 90_000, 90_000, up=False), node("d", 90_000, 90_000, draining=True))
+    snap3 = fleet(
+        node("a", 40_000, 2_000),
+        node("b", 90_000, 90_000, age=60),
+        node("c", 90_000, 90_000, up=False),
+        node("d", 90_000, 90_000, draining=True),
+    )
     assert not can_take_out(snap3, "a", NOW, CFG, 5.0)[0]
 
 
 def test_only_max_concurrent_restarts_are_ready_most_fragmented_first() -> None:
-    snap = fleet(node("a", 40_000, 15_000), node("b", 40_000, 2_000), node("c", 40_000, 8_000), node("d", 100_000, 100_000), node("e", 100_000, 100_000))
+    snap = fleet(
+        node("a", 40_000, 15_000),
+        node("b", 40_000, 2_000),
+        node("c", 40_000, 8_000),
+        node("d", 100_000, 100_000),
+        node("e", 100_000, 100_000),
+    )
     a = run(snap)
     assert a.restart == ("b",)
     nc = a.node("c")
-    assert nc is not None and nc.candidate and not nc.ready and "max_concurrent_restarts 1" in nc.why
-    two = run(snap, MaintenanceConfig(restart_after_s=300, max_concurrent_restarts=2, min_healthy_capacity_fraction=0.5))
+    assert (
+        nc is not None and nc.candidate and not nc.ready and "max_concurrent_restarts 1" in nc.why
+    )
+    two = run(
+        snap,
+        MaintenanceConfig(
+            restart_after_s=300, max_concurrent_restarts=2, min_healthy_capacity_fraction=0.5
+        ),
+    )
     assert two.restart == ("b", "c")
     # A restart under way elsewhere (busy) uses the one slot: nothing else is ready, and the
     # advice stays "restart" so autoscalers hold off.
-    busy = run(fleet(node("a", 40_000, 15_000, draining=True), node("d", 100_000, 100_000), node("e", 100_000, 100_000)), busy={"a"})
-    assert busy.action == "restart" and busy.restart == () and busy.reasons[0].startswith("restarting now: a")
+    busy = run(
+        fleet(
+            node("a", 40_000, 15_000, draining=True),
+            node("d", 100_000, 100_000),
+            node("e", 100_000, 100_000),
+        ),
+        busy={"a"},
+    )
+    assert (
+        busy.action == "restart"
+        and busy.restart == ()
+        and busy.reasons[0].startswith("restarting now: a")
+    )
 
 
 def test_min_interval_and_node_state_block_a_restart() -> None:
-    snap = fleet(node("a", 40_000, 2_000, uptime=600), node("b", 40_000, 2_000, draining=True), node("c", 100_000, 100_000), node("d", 100_000, 100_000))
+    snap = fleet(
+        node("a", 40_000, 2_000, uptime=600),
+        node("b", 40_000, 2_000, draining=True),
+        node("c", 100_000, 100_000),
+        node("d", 100_000, 100_000),
+    )
     a = run(snap)
     na, nb = a.node("a"), a.node("b")
     assert na is not None and not na.candidate and "min_interval_per_node_s" in na.why
@@ -165,7 +233,11 @@ def test_min_interval_and_node_state_block_a_restart() -> None:
 
 
 def test_scheduled_and_trend_reasons() -> None:
-    snap = fleet(node("old", 90_000, 90_000, uptime=8 * DAY), node("young", 90_000, 90_000, uptime=DAY), node("c", 100_000, 100_000))
+    snap = fleet(
+        node("old", 90_000, 90_000, uptime=8 * DAY),
+        node("young", 90_000, 90_000, uptime=DAY),
+        node("c", 100_000, 100_000),
+    )
     a = run(snap, MaintenanceConfig(scheduled_restart_uptime_s=7 * DAY))
     assert a.action == "restart" and a.restart == ("old",)
     n = a.node("old")
@@ -182,17 +254,24 @@ def test_scheduled_and_trend_reasons() -> None:
 
 
 def test_failures_reason_only_while_the_node_still_cannot_fit_what_failed() -> None:
-    cfg = MaintenanceConfig(restart_after_s=10_000, min_interval_per_node_s=0)  # the level alone is not enough yet
+    cfg = MaintenanceConfig(
+        restart_after_s=10_000, min_interval_per_node_s=0
+    )  # the level alone is not enough yet
     still = fleet(node("a", 30_000, 20_000), node("b", 100_000, 100_000))  # ratio 0.67: above 0.5
     a = run(still, cfg, failures=[frag_failure(22_000)])
     assert a.restart == ("a",) and a.node("a").restart_reasons == ("failures",)  # type: ignore[union-attr]
-    healed = fleet(node("a", 30_000, 25_000), node("b", 100_000, 100_000))  # a 22k block exists again
+    healed = fleet(
+        node("a", 30_000, 25_000), node("b", 100_000, 100_000)
+    )  # a 22k block exists again
     assert run(healed, cfg, failures=[frag_failure(22_000)]).action == "none"
 
 
 def test_effective_demand_counts_pending_and_unmet_only() -> None:
     r = MemoryReport(CAP, 60_000, 10_000, reported_at=NOW)
-    snap = fleet(NodeView("a", report=r, overlay=Overlay(pending_tokens=5_000)), NodeView("b", up=False, report=r))
+    snap = fleet(
+        NodeView("a", report=r, overlay=Overlay(pending_tokens=5_000)),
+        NodeView("b", up=False, report=r),
+    )
     fails = [frag_failure(20_000), cap_failure(7_000)]
     assert effective_demand_tokens(snap, fails) == 40_000 + 5_000 + 7_000
 
@@ -204,7 +283,12 @@ def test_bookkeeping_reads_restarts_from_the_shared_event_log() -> None:
         {"type": "restart_started", "backend": "b", "restart_id": "r3", "at": NOW - 30},
         {"type": "restart_done", "backend": "a", "restart_id": "r2", "at": NOW - 40},
         {"type": "restart_started", "backend": "a", "restart_id": "r2", "at": NOW - 50},
-        {"type": "restart_started", "backend": "d", "restart_id": "r1", "at": NOW - 5_000},  # its gateway died
+        {
+            "type": "restart_started",
+            "backend": "d",
+            "restart_id": "r1",
+            "at": NOW - 5_000,
+        },  # its gateway died
         {"type": "drain", "backend": "e", "at": NOW - 60},
         {"type": "garbage"},
     ]

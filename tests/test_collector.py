@@ -338,8 +338,16 @@ class MetricsServer:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         self.hits[path] = self.hits.get(path, 0) + 1
-        if path == "/slow":
+        if path == "/slow":  # never sends headers in time
             await asyncio.sleep(5)
+        if path == "/drip":  # headers at once, then a line every 0.1 s: each read is quick
+            resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+            await resp.prepare(request)
+            for _ in range(50):
+                await resp.write(b"# still going\n")
+                await asyncio.sleep(0.1)
+            await resp.write_eof()
+            return resp
         status, body = self.pages.get(path, (404, "not found"))
         return web.Response(status=status, text=body, content_type="text/plain")
 
@@ -400,6 +408,7 @@ async def test_scrape_round_writes_reports_and_marks_failures_down(
             {"name": "err", "url": base, "kind": "contiguous", "metrics_path": "/broken"},
             {"name": "junk", "url": base, "kind": "contiguous", "metrics_path": "/html"},
             {"name": "slow", "url": base, "kind": "contiguous", "metrics_path": "/slow"},
+            {"name": "drip", "url": base, "kind": "contiguous", "metrics_path": "/drip"},
         ],
         timeout_s=0.3,
     )
@@ -428,6 +437,7 @@ async def test_scrape_round_writes_reports_and_marks_failures_down(
         states["junk"].status == "down" and "not valid Prometheus" in states["junk"].status_reason
     )
     assert states["slow"].status == "down" and "timeout" in states["slow"].status_reason
+    assert states["drip"].status == "down" and "body still arriving" in states["drip"].status_reason
 
     st = collector.status()
     assert st["rounds_total"] == 1 and st["leader"] is False  # stop() handed the lock back
@@ -576,3 +586,54 @@ async def test_store_outage_is_counted_and_never_stops_the_loop(
     st = collector.status()
     assert st["store_ok"] is False and st["round_errors_total"] == 0
     assert st["backends"]["a"]["outcome"] == "ok"
+
+
+async def test_stop_returns_even_when_a_cancellation_is_swallowed(
+    metrics_server: MetricsServer,
+) -> None:
+    """Libraries under the loop can lose a cancellation (a timeout racing it); stop() still ends."""
+    metrics_server.pages = {"/metrics": (200, KVROUTE_PAGED)}
+    cfg = make_config([{"name": "a", "url": metrics_server.url(), "kind": "paged"}])
+    collector = Collector(cfg, InProcessStore(), "gw-1")
+    in_hook = asyncio.Event()
+    swallowed = 0
+
+    async def stubborn(_name: str, _report: MemoryReport) -> None:
+        nonlocal swallowed
+        in_hook.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            swallowed += 1  # and carries on as if nothing happened
+
+    collector.on_report.append(stubborn)
+    collector.start()
+    await asyncio.wait_for(in_hook.wait(), 10)
+    await asyncio.wait_for(collector.stop(), 10)
+    assert swallowed == 1 and not collector.running
+    assert collector.status()["hook_errors_total"] == 0
+
+
+async def test_reconfigure_changes_the_backends_scraped(metrics_server: MetricsServer) -> None:
+    metrics_server.pages = {"/metrics": (200, KVROUTE_PAGED), "/b": (200, KVROUTE_CONTIGUOUS)}
+    base = metrics_server.url()
+    one = make_config([{"name": "a", "url": base, "kind": "paged"}])
+    two = make_config(
+        [
+            {"name": "b", "url": base, "kind": "contiguous", "metrics_path": "b"},  # no slash: fine
+            *({"name": f"p{i}", "url": base, "kind": "paged"} for i in range(8)),
+        ]
+    )
+    store = InProcessStore()
+    collector = Collector(one, store, "gw-1")
+    try:
+        assert set(await collector.scrape_once() or {}) == {"a"}
+        collector.reconfigure(two)
+        outcomes = await collector.scrape_once()
+    finally:
+        await collector.stop()
+    assert outcomes is not None and all(o.ok for o in outcomes.values())
+    assert set(outcomes) == {"b", *(f"p{i}" for i in range(8))}
+    assert set(collector.status()["backends"]) == set(outcomes)  # "a" is gone from the status
+    b = (await store.read(["b"], NOW))["b"].report
+    assert b is not None and b.largest_free_block_tokens == 1_200

@@ -22,12 +22,16 @@ from proxy.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 CAP = 100_000
 
 
-def report(free: int, largest: int, *, started: float = 1_000.0, at: float = 2_000.0, cap: int = CAP) -> MemoryReport:
+def report(
+    free: int, largest: int, *, started: float = 1_000.0, at: float = 2_000.0, cap: int = CAP
+) -> MemoryReport:
     return MemoryReport(cap, free, largest, started_at=started, reported_at=at)
 
 
 def node(name: str, free: int, largest: int, *, up: bool = True, pending: int = 0) -> NodeView:
-    return NodeView(name=name, up=up, report=report(free, largest), overlay=Overlay(pending_tokens=pending))
+    return NodeView(
+        name=name, up=up, report=report(free, largest), overlay=Overlay(pending_tokens=pending)
+    )
 
 
 def test_classify_failure_by_total_free_memory() -> None:
@@ -48,7 +52,9 @@ def test_classify_failure_by_total_free_memory() -> None:
         (0, 0, "full"),
     ],
 )
-def test_levels_follow_the_problem_statement_thresholds(free: int, largest: int, expected: str) -> None:
+def test_levels_follow_the_problem_statement_thresholds(
+    free: int, largest: int, expected: str
+) -> None:
     assert level(report(free, largest)) == expected
     assert level(None) == "unknown"
 
@@ -60,22 +66,37 @@ def test_failure_from_hook_asks_whether_one_node_had_the_memory() -> None:
     f = failure_from_hook(spread, "", "fragmentation", 22_000, 0.15, now=10.0)
     assert f.cause == "fragmentation" and not f.fixable_by_restart and f.room_on == ()
 
-    one_has_room = FleetSnapshot((node("a", 38_000, 1_200), node("b", 15_000, 15_000), node("c", 90_000, 90_000, up=False)))
+    one_has_room = FleetSnapshot(
+        (node("a", 38_000, 1_200), node("b", 15_000, 15_000), node("c", 90_000, 90_000, up=False))
+    )
     f = failure_from_hook(one_has_room, "", "fragmentation", 22_000, 0.38, now=10.0)
     assert f.fixable_by_restart and f.room_on == ("a",) and f.at_high_free
 
-    pending = FleetSnapshot((node("a", 38_000, 1_200, pending=20_000),))  # reservations not yet in its report
-    assert not failure_from_hook(pending, "", "fragmentation", 22_000, 0.38, now=10.0).fixable_by_restart
+    pending = FleetSnapshot(
+        (node("a", 38_000, 1_200, pending=20_000),)
+    )  # reservations not yet in its report
+    assert not failure_from_hook(
+        pending, "", "fragmentation", 22_000, 0.38, now=10.0
+    ).fixable_by_restart
 
     at_backend = failure_from_hook(None, "a", "fragmentation", 22_000, 0.38, now=10.0)
     assert at_backend.fixable_by_restart and at_backend.room_on == ("a",)
-    assert not failure_from_hook(one_has_room, "b", "capacity", 22_000, 0.2, now=10.0).fixable_by_restart
+    assert not failure_from_hook(
+        one_has_room, "b", "capacity", 22_000, 0.2, now=10.0
+    ).fixable_by_restart
 
 
 def test_failure_log_rate_counts_only_high_free_failures_in_the_last_minute() -> None:
     log = FailureLog(keep_s=90.0)
     mk = lambda at, frac: Failure(at, "a", "fragmentation", 22_000, frac, True, ("a",))  # noqa: E731
-    for at, frac in [(900.0, 0.38), (950.0, 0.38), (990.0, 0.30), (995.0, 0.25), (999.0, 0.10), (1_000.0, 0.40)]:
+    for at, frac in [
+        (900.0, 0.38),
+        (950.0, 0.38),
+        (990.0, 0.30),
+        (995.0, 0.25),
+        (999.0, 0.10),
+        (1_000.0, 0.40),
+    ]:
         log.add(mk(at, frac))
     # 900 is older than 60 s; 0.25 is not "above 25%"; 0.10 is a full fleet.
     assert log.rate_at_high_free(1_000.0) == pytest.approx(3 / 60)
@@ -103,10 +124,14 @@ def test_fit_matches_the_statistics_module() -> None:
 SETTINGS = TrendSettings(window_s=10 * 3600, sample_interval_s=60, min_samples=5)
 
 
-def feed(tr: FragmentationTracker, name: str, started: float, points: list[tuple[float, float]]) -> None:
+def feed(
+    tr: FragmentationTracker, name: str, started: float, points: list[tuple[float, float]]
+) -> None:
     """Reports at ``started + uptime`` with fragmentation ``frag`` (free 50k, largest = 50k x (1 - frag))."""
     for uptime, frag in points:
-        tr.observe(name, report(50_000, round(50_000 * (1 - frag)), started=started, at=started + uptime))
+        tr.observe(
+            name, report(50_000, round(50_000 * (1 - frag)), started=started, at=started + uptime)
+        )
 
 
 def test_trend_rises_with_uptime_and_resets_on_restart() -> None:
@@ -125,7 +150,11 @@ def test_trend_rises_with_uptime_and_resets_on_restart() -> None:
     # Same start time again: nothing new. A newer start time: a restart, the series starts over.
     assert tr.observe("a", report(50_000, 40_000, started=1_000.0, at=1_000.0 + 11 * 3600)) is None
     restart = tr.observe("a", report(100_000, 100_000, started=90_000.0, at=90_010.0))
-    assert restart is not None and restart.previous_started_at == 1_000.0 and restart.started_at == 90_000.0
+    assert (
+        restart is not None
+        and restart.previous_started_at == 1_000.0
+        and restart.started_at == 90_000.0
+    )
     assert tr.trend("a") is None  # too few samples since the restart
     assert tr.started_at("a") == 90_000.0
 
@@ -134,7 +163,9 @@ def test_flat_or_falling_fragmentation_is_not_rising() -> None:
     tr = FragmentationTracker(SETTINGS)
     feed(tr, "flat", 0.0, [(h * 3600.0, 0.45) for h in range(1, 8)])
     feed(tr, "falling", 0.0, [(h * 3600.0, 0.8 - 0.05 * h) for h in range(1, 8)])
-    feed(tr, "low", 0.0, [(h * 3600.0, 0.01 * h) for h in range(1, 8)])  # rises, but stays below 0.3
+    feed(
+        tr, "low", 0.0, [(h * 3600.0, 0.01 * h) for h in range(1, 8)]
+    )  # rises, but stays below 0.3
     flat, falling, low = tr.trend("flat"), tr.trend("falling"), tr.trend("low")
     assert flat is not None and not flat.rising and flat.correlation == 0.0
     assert falling is not None and not falling.rising and falling.correlation < -0.99
@@ -158,6 +189,19 @@ def test_samples_closer_than_the_interval_replace_the_last_one() -> None:
 def test_backends_without_start_time_are_tracked_from_the_first_report() -> None:
     tr = FragmentationTracker(TrendSettings(sample_interval_s=0, min_samples=3))
     for i, frag in enumerate([0.1, 0.2, 0.3, 0.4]):
-        tr.observe("v", MemoryReport(CAP, 50_000, round(50_000 * (1 - frag)), started_at=0.0, reported_at=500.0 + 3600 * i))
+        tr.observe(
+            "v",
+            MemoryReport(
+                CAP,
+                50_000,
+                round(50_000 * (1 - frag)),
+                started_at=0.0,
+                reported_at=500.0 + 3600 * i,
+            ),
+        )
     t = tr.trend("v")
-    assert t is not None and t.uptime_s == 3 * 3600 and t.slope_per_hour == pytest.approx(0.1, abs=1e-4)
+    assert (
+        t is not None
+        and t.uptime_s == 3 * 3600
+        and t.slope_per_hour == pytest.approx(0.1, abs=1e-4)
+    )

@@ -214,18 +214,7 @@ async def test_fragmentation_is_visible_in_the_store_and_restart_clears_it(
     collector = Collector(cfg, store, owner_id="gw-e2e")
     collector.on_report.append(reports)
     held = Held(http, frag.url)
-    import sys
-    sys.path.insert(0, "/tmp/stress")
-    import walk
-    async def dump_after(t):
-        await asyncio.sleep(t)
-        print("DEBUG HANG; tasks:", file=sys.stderr)
-        walk.dump()
-        import faulthandler
-        faulthandler.dump_traceback_later(1.5, repeat=True, file=sys.stderr)
-    dumper = asyncio.get_running_loop().create_task(dump_after(25))
     async with AsyncExitStack() as stack:
-        stack.callback(dumper.cancel)
         stack.push_async_callback(store.close)
         stack.push_async_callback(collector.stop)
         stack.push_async_callback(held.close_all)

@@ -9,6 +9,8 @@ Redis never restart two nodes at once with ``max_concurrent_restarts: 1``.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import random
 import sys
@@ -26,7 +28,7 @@ import pytest
 
 from loadtest.workload import make_prompt
 from proxy.config import RestartHookConfig
-from proxy.restart_hooks import CommandHook, HttpHook, NoHook, fill, make_hook
+from proxy.restart_hooks import CommandHook, HookResult, HttpHook, NoHook, fill, make_hook
 from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_until
 
 LONG = 20_000  # prompt tokens of a long document (demand ~20.1k with max_tokens)
@@ -56,11 +58,18 @@ def maintenance(**over: Any) -> dict[str, Any]:
 
 
 def wait_reports(url: str, n: int) -> None:
-    wait_until(lambda: sum(1 for b in fleet_state(url)["backends"] if b["report"]) >= n, what="backend reports")
+    wait_until(
+        lambda: sum(1 for b in fleet_state(url)["backends"] if b["report"]) >= n,
+        what="backend reports",
+    )
 
 
 def chat(url: str, prompt_tokens: int, max_tokens: int = 16) -> httpx.Response:
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": make_prompt(prompt_tokens)}], "max_tokens": max_tokens}
+    body = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": make_prompt(prompt_tokens)}],
+        "max_tokens": max_tokens,
+    }
     return HTTP.post(url + "/v1/chat/completions", json=body)
 
 
@@ -103,10 +112,20 @@ class Traffic:
             while not self.stop.is_set():
                 long = rng.random() < 0.3
                 tokens = LONG if long else rng.randint(20, 400)
-                body = {"model": "m", "messages": [{"role": "user", "content": make_prompt(tokens)}], "max_tokens": rng.randint(8, 64)}
+                body = {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": make_prompt(tokens)}],
+                    "max_tokens": rng.randint(8, 64),
+                }
                 r = client.post(self.url + "/v1/chat/completions", json=body)
                 with self._lock:
-                    self.results.append((r.status_code, "long" if long else "short", r.headers.get("x-kvroute-backend", "")))
+                    self.results.append(
+                        (
+                            r.status_code,
+                            "long" if long else "short",
+                            r.headers.get("x-kvroute-backend", ""),
+                        )
+                    )
 
     def finish(self) -> list[tuple[int, str, str]]:
         self.stop.set()
@@ -116,7 +135,9 @@ class Traffic:
         return self.results
 
 
-def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_requests(engine_factory: Callable[..., Any]) -> None:
+def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_requests(
+    engine_factory: Callable[..., Any],
+) -> None:
     # speedup 50: requests last tens of milliseconds, so several are in flight at any time.
     a, b, c = (engine_factory(name=f"node-{x}", speedup=50.0) for x in "abc")
     nodes = [backend(e) for e in (a, b, c)]
@@ -150,21 +171,30 @@ def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_req
 
     # --- maintenance on, traffic running on every node; then node-a fragments under it. The
     # loop drains node-a (with requests in flight there), restarts it via the hook, returns it.
-    cfg = gateway_cfg(nodes, maintenance=maintenance(), queue={"max_wait_s": 2.0})
+    # restart_after_s 1: node-a's fragmentation persists (held regions); the peers' brief dips
+    # under mixed traffic do not last that long.
+    cfg = gateway_cfg(
+        nodes, maintenance=maintenance(restart_after_s=1.0), queue={"max_wait_s": 2.0}
+    )
     with run_gateway(cfg) as url:
         wait_reports(url, 3)
         traffic = Traffic(url)
         try:
-            wait_until(lambda: sum(r[2] == "node-a" for r in traffic.results) >= 5, what="traffic on node-a")
+            wait_until(
+                lambda: sum(r[2] == "node-a" for r in traffic.results) >= 5,
+                what="traffic on node-a",
+            )
             a.fragment(4_000)
-            try:
-                wait_until(lambda: bool(restarts_done(url, "node-a")), timeout_s=30, what="node-a restarted")
-            except AssertionError:
-                print("DEBUG", json.dumps(advice(url)), events(url), json.dumps(fleet_state(url)))
-                raise
+            wait_until(
+                lambda: bool(restarts_done(url, "node-a")), timeout_s=30, what="node-a restarted"
+            )
             served_before = len(traffic.results)
             # Keep traffic flowing until some of it lands on the returned node.
-            wait_until(lambda: any(r[2] == "node-a" for r in traffic.results[served_before:]), timeout_s=20, what="traffic back on node-a")
+            wait_until(
+                lambda: any(r[2] == "node-a" for r in traffic.results[served_before:]),
+                timeout_s=20,
+                what="traffic back on node-a",
+            )
         finally:
             results = traffic.finish()
         bad = [r for r in results if r[0] != 200]
@@ -175,20 +205,29 @@ def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_req
         assert kinds == ["restart_started", "drained", "restart_hook", "restart_done"]
         ev = {e["type"]: e for e in events(url, "node-a")}
         assert ev["drained"]["inflight_left"] == 0 and ev["drained"]["timed_out"] is False
-        assert ev["restart_hook"]["ok"] is True and '"failed_in_flight":0' in ev["restart_hook"]["detail"]
+        assert (
+            ev["restart_hook"]["ok"] is True
+            and '"failed_in_flight":0' in ev["restart_hook"]["detail"]
+        )
         # "failures" when a long request reached node-a (on a report from before it fragmented)
         # and was diverted to another node before the level had lasted restart_after_s.
         reason = ev["restart_done"]["reason"]
         assert reason in ("fragmentation", "failures")
         before = ev["restart_done"]["before"]
-        assert before["largest_contiguous_free_block_ratio"] < 0.5 or before["largest_free_block_tokens"] < LONG
+        assert (
+            before["largest_contiguous_free_block_ratio"] < 0.5
+            or before["largest_free_block_tokens"] < LONG
+        )
         assert ev["restart_done"]["after"]["largest_contiguous_free_block_ratio"] >= 0.9
         assert [a.state()["restarts"], b.state()["restarts"], c.state()["restarts"]] == [1, 0, 0]
         assert metric(url, f'kvroute_restarts_total{{backend="node-a",reason="{reason}"}}') == 1.0
         assert not fleet_state(url)["backends"][0]["overlay"]["draining"]
 
         # Freshly restarted: long documents go to node-a first, and succeed there.
-        wait_until(lambda: all(n["overlay"]["inflight"] == 0 for n in fleet_state(url)["backends"]), what="traffic done")
+        wait_until(
+            lambda: all(n["overlay"]["inflight"] == 0 for n in fleet_state(url)["backends"]),
+            what="traffic done",
+        )
         longs = [chat(url, LONG) for _ in range(3)]
         assert [r.status_code for r in longs] == [200, 200, 200]
         assert {r.headers["x-kvroute-backend"] for r in longs} == {"node-a"}
@@ -199,14 +238,19 @@ def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_req
         # but no restart could make room on any one node, and the advice knows it.)
         for e in (a, b, c):
             e.hold(92_000)
-        wait_until(lambda: all(n["report"]["free_tokens"] <= 8_000 for n in fleet_state(url)["backends"]), what="full reports")
+        wait_until(
+            lambda: all(n["report"]["free_tokens"] <= 8_000 for n in fleet_state(url)["backends"]),
+            what="full reports",
+        )
         full = chat(url, LONG)
         assert full.status_code == 503
         wait_until(lambda: advice(url)["action"] == "scale_up", what="scale_up advice")
         adv = advice(url)
         # (>= 1: a long request may also have met node-a full while .fragment() held all of it.)
         assert adv["restart"] == [] and adv["failures"]["capacity_still_short"] >= 1
-        assert adv["failures"]["fragmentation_still_fragmented"] == 0  # any earlier ones were on node-a, since restarted
+        assert (
+            adv["failures"]["fragmentation_still_fragmented"] == 0
+        )  # any earlier ones were on node-a, since restarted
         assert "capacity" in adv["reasons"][0]
         assert metric(url, 'kvroute_scaling_advice{action="scale_up"}') == 1.0
         demand = metric(url, "kvroute_effective_demand_tokens")
@@ -233,7 +277,9 @@ class CountingHook:
                 start = time.time()
                 try:
                     time.sleep(hold_s)  # a real restart takes a while: widen any overlap
-                    r = httpx.post(self.headers["x-engine-url"] + "/admin/restart", json={}, timeout=10)
+                    r = httpx.post(
+                        self.headers["x-engine-url"] + "/admin/restart", json={}, timeout=10
+                    )
                     status = r.status_code
                 finally:
                     with lock:
@@ -298,7 +344,7 @@ def test_two_gateways_sharing_redis_restart_one_node_at_a_time(
             spans.setdefault(ev["restart_id"], []).append(ev["at"])
     intervals = sorted((min(v), max(v)) for v in spans.values())
     assert len(intervals) == 3 and all(len(v) == 2 for v in spans.values())
-    for (_, end), (start, _) in zip(intervals, intervals[1:], strict=False):
+    for (_, end), (start, _) in itertools.pairwise(intervals):
         assert start >= end, f"overlapping restarts: {intervals}"
     assert [e.state()["restarts"] for e in engines] == [1, 1, 1, 0]
 
@@ -307,12 +353,23 @@ def test_drain_waits_for_the_request_in_flight(engine_factory: Callable[..., Any
     # A slow stream holds a reservation on node "slow"; a manual restart waits for it to end.
     slow = engine_factory(name="slow", speedup=1.0, decode_tokens_per_s=100.0)
     other = engine_factory(name="other")
-    cfg = gateway_cfg([backend(slow), backend(other)], maintenance=maintenance(enabled=False), admin={"api_key": "k"})
+    cfg = gateway_cfg(
+        [backend(slow), backend(other)],
+        maintenance=maintenance(enabled=False),
+        admin={"api_key": "k"},
+    )
     with run_gateway(cfg) as url:
         wait_reports(url, 2)
-        other_r = HTTP.post(url + "/admin/backends/other/drain", headers={"x-admin-key": "k"})  # force the stream onto slow
+        other_r = HTTP.post(
+            url + "/admin/backends/other/drain", headers={"x-admin-key": "k"}
+        )  # force the stream onto slow
         assert other_r.status_code == 200
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": True}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 100,
+            "stream": True,
+        }
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as resp:
             assert resp.status_code == 200 and resp.headers["x-kvroute-backend"] == "slow"
             chunks = resp.iter_text()
@@ -334,14 +391,22 @@ def test_failed_hook_returns_the_node_to_service(engine_factory: Callable[..., A
     peer = engine_factory(name="e2")
     e.fragment(4_000)
     hook = {"type": "http", "url": "{url}/no-such-endpoint", "timeout_s": 5}
-    cfg = gateway_cfg([backend(e), backend(peer)], maintenance=maintenance(hook=hook, drain_settle_s=0.0))
+    cfg = gateway_cfg(
+        [backend(e), backend(peer)], maintenance=maintenance(hook=hook, drain_settle_s=0.0)
+    )
     with run_gateway(cfg) as url:
         wait_reports(url, 2)
-        wait_until(lambda: any(x["type"] == "restart_failed" for x in events(url, "e1")), timeout_s=20, what="restart_failed")
+        wait_until(
+            lambda: any(x["type"] == "restart_failed" for x in events(url, "e1")),
+            timeout_s=20,
+            what="restart_failed",
+        )
         ev = {x["type"]: x for x in events(url, "e1")}
         assert ev["restart_hook"]["ok"] is False and "HTTP 404" in ev["restart_hook"]["detail"]
         assert "restart hook failed" in ev["restart_failed"]["error"]
-        wait_until(lambda: not fleet_state(url)["backends"][0]["overlay"]["draining"], what="undrained")
+        wait_until(
+            lambda: not fleet_state(url)["backends"][0]["overlay"]["draining"], what="undrained"
+        )
         # A failed restart backs off: it is not retried every round.
         time.sleep(0.5)
         assert [x["type"] for x in events(url, "e1")].count("restart_started") == 1
@@ -353,7 +418,9 @@ def test_failed_hook_returns_the_node_to_service(engine_factory: Callable[..., A
 
 def test_fill_is_plain_substitution() -> None:
     assert fill("{url}/admin/restart?n={name}", "a", "http://h:1") == "http://h:1/admin/restart?n=a"
-    assert fill("{0} {name!r} {other} {{name}}", "a", "u") == "{0} {name!r} {other} {a}"  # no str.format
+    assert (
+        fill("{0} {name!r} {other} {{name}}", "a", "u") == "{0} {name!r} {other} {a}"
+    )  # no str.format
 
 
 def test_make_hook_kinds() -> None:
@@ -366,46 +433,67 @@ def test_make_hook_kinds() -> None:
         RestartHookConfig(type="command")
 
 
-async def test_http_hook_restarts_the_engine(engine_factory: Callable[..., Any]) -> None:
+def test_http_hook_restarts_the_engine(engine_factory: Callable[..., Any]) -> None:
     e = engine_factory(name="h1")
     e.fragment(4_000)
     hook = HttpHook("post", "{url}/admin/restart", {"X-Node": "{name}"}, timeout_s=5)
-    try:
-        ok = await hook.restart("h1", e.url)
-        bad = await hook.restart("h1", "http://127.0.0.1:9")  # nothing listens on port 9 (discard)
-    finally:
-        await hook.close()
+
+    async def both() -> tuple[HookResult, HookResult]:
+        try:
+            # Nothing listens on port 9 (discard).
+            return await hook.restart("h1", e.url), await hook.restart("h1", "http://127.0.0.1:9")
+        finally:
+            await hook.close()
+
+    ok, bad = asyncio.run(both())
     assert ok.ok and "HTTP 200" in ok.detail
     assert e.state()["free_tokens"] == e.state()["capacity_tokens"] and e.state()["restarts"] == 1
     assert not bad.ok and "ConnectError" in bad.detail
 
 
-async def test_command_hook_runs_argv_without_a_shell(tmp_path: Path) -> None:
+def test_command_hook_runs_argv_without_a_shell(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     script = "import json, sys; json.dump(sys.argv[1:], open(sys.argv[1], 'w'))"
-    hook = CommandHook([sys.executable, "-c", script, str(out), "{name}", "{url}; touch pwned"], timeout_s=10)
-    res = await hook.restart("n1", "http://x")
+    hook = CommandHook(
+        [sys.executable, "-c", script, str(out), "{name}", "{url}; touch pwned"], timeout_s=10
+    )
+    res = asyncio.run(hook.restart("n1", "http://x"))
     assert res.ok and "exit 0" in res.detail
     assert json.loads(out.read_text()) == [str(out), "n1", "http://x; touch pwned"]
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
 
-    fails = await CommandHook([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], 10).restart("n", "u")
+    fails = asyncio.run(
+        CommandHook([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], 10).restart(
+            "n", "u"
+        )
+    )
     assert not fails.ok and "exit 3" in fails.detail and "boom" in fails.detail
-    missing = await CommandHook(["/nonexistent/kvroute-restart"], 10).restart("n", "u")
+    missing = asyncio.run(CommandHook(["/nonexistent/kvroute-restart"], 10).restart("n", "u"))
     assert not missing.ok and "cannot run" in missing.detail
-    slow = await CommandHook([sys.executable, "-c", "import time; time.sleep(30)"], 0.3).restart("n", "u")
+    slow = asyncio.run(
+        CommandHook([sys.executable, "-c", "import time; time.sleep(30)"], 0.3).restart("n", "u")
+    )
     assert not slow.ok and "timeout" in slow.detail
-    assert not (await NoHook().restart("n", "u")).ok
+    assert not asyncio.run(NoHook().restart("n", "u")).ok
 
 
 def test_maintenance_config_is_validated() -> None:
     from proxy.config import ConfigError, parse_config
 
     with pytest.raises(ConfigError, match=r"maintenance.hook.type"):
-        parse_config({"backends": [{"name": "a", "url": "http://a"}], "maintenance": {"hook": {"type": "ssh"}}})
+        parse_config(
+            {
+                "backends": [{"name": "a", "url": "http://a"}],
+                "maintenance": {"hook": {"type": "ssh"}},
+            }
+        )
     with pytest.raises(ConfigError, match=r"maintenance.max_concurrent_restarts"):
-        parse_config({"backends": [{"name": "a", "url": "http://a"}], "maintenance": {"max_concurrent_restarts": 0}})
+        parse_config(
+            {
+                "backends": [{"name": "a", "url": "http://a"}],
+                "maintenance": {"max_concurrent_restarts": 0},
+            }
+        )
     cfg = parse_config({"backends": [{"name": "a", "url": "http://a"}]})
     assert cfg.maintenance.enabled is False and cfg.maintenance.max_concurrent_restarts == 1
     assert cfg.maintenance.hook.type == "none"
-

@@ -32,7 +32,10 @@ def chromium() -> str:
         found = "/usr/bin/chromium"
     if found is None:
         if os.environ.get("KVROUTE_REQUIRE_CHROMIUM") == "1":
-            pytest.fail("chromium is not installed but KVROUTE_REQUIRE_CHROMIUM=1: apt-get install -y chromium", pytrace=False)
+            pytest.fail(
+                "chromium is not installed but KVROUTE_REQUIRE_CHROMIUM=1: apt-get install -y chromium",
+                pytrace=False,
+            )
         pytest.skip("chromium not installed (apt-get install -y chromium)")
     return found
 
@@ -63,12 +66,16 @@ def test_status_page_is_served_as_a_static_file(engine_factory: Callable[..., An
     assert "connect-src 'self'" in r.headers["content-security-policy"]
     assert r.headers["cache-control"] == "no-cache"
     page = r.text
-    assert 'fetch(path' in page and '"/fleet"' in page and "setTimeout(refresh, 1000)" in page
-    assert not re.search(r"""(src|href)=["']https?://""", page)  # no external resources, no build step
+    assert "fetch(path" in page and '"/fleet"' in page and "setTimeout(refresh, 1000)" in page
+    assert not re.search(
+        r"""(src|href)=["']https?://""", page
+    )  # no external resources, no build step
     assert "innerHTML" not in page  # backend names are set as text, never parsed as HTML
 
 
-def test_status_page_in_headless_chromium(engine_factory: Callable[..., Any], tmp_path: Path) -> None:
+def test_status_page_in_headless_chromium(
+    engine_factory: Callable[..., Any], tmp_path: Path
+) -> None:
     binary = chromium()
     long0 = engine_factory(name="long-0")
     g0 = engine_factory(name="general-0")
@@ -86,17 +93,28 @@ def test_status_page_in_headless_chromium(engine_factory: Callable[..., Any], tm
     names = ["long-0", "general-0", "general-1"]
     with run_gateway(cfg) as url:
         wait_until(lambda: all(b["report"] for b in fleet_state(url)["backends"]), what="reports")
-        httpx.post(url + "/admin/backends/general-1/drain", headers={"x-admin-key": KEY}, timeout=10).raise_for_status()
+        httpx.post(
+            url + "/admin/backends/general-1/drain", headers={"x-admin-key": KEY}, timeout=10
+        ).raise_for_status()
         dom = browse(binary, tmp_path / "profile-dom", "--dump-dom", url + "/")
         shot = tmp_path / "status-page.png"
-        pic = browse(binary, tmp_path / "profile-shot", "--window-size=1100,520", "--hide-scrollbars", f"--screenshot={shot}", url + "/")
+        pic = browse(
+            binary,
+            tmp_path / "profile-shot",
+            "--window-size=1100,520",
+            "--hide-scrollbars",
+            f"--screenshot={shot}",
+            url + "/",
+        )
 
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     assert 'data-rendered="3"' in html, html[-3000:]
     for name in names:
         assert f'<tr data-node="{name}"><td class="name">{name}</td>' in html
-        assert re.search(rf'<div class="bar" data-backend="{re.escape(name)}"><span class="used"', html)
+        assert re.search(
+            rf'<div class="bar" data-backend="{re.escape(name)}"><span class="used"', html
+        )
     # general-0: used | largest block | smaller gaps, as the allocator reports them.
     bar = re.search(r'<div class="bar" data-backend="general-0">(.*?)</div>', html)
     assert bar is not None
