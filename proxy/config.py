@@ -55,7 +55,7 @@ class RoutingConfig(_Strict):
     safety_margin: float = Field(default=0.02, ge=0.0, lt=1.0, description="fraction of demand kept spare")
     chat_tokens_per_message: int = Field(default=3, ge=0)
     chat_tokens_reply_priming: int = Field(default=3, ge=0)
-    tokenize_in_thread_chars: int = Field(default=4_096, ge=0, description="prompts longer than this are tokenized off the event loop")
+    tokenize_in_thread_chars: int = Field(default=8_192, ge=0, description="prompts longer than this are tokenized off the event loop")
 
 
 class StoreConfig(_Strict):

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from proxy.admission import Admission
 from proxy.config import Config
@@ -46,6 +46,7 @@ from proxy.forward import (
 from proxy.health import ActiveChecker, BackendHealth
 from proxy.metrics import GatewayMetrics
 from proxy.policy import Policy, RequestClass, RouteRequest, classify, nothing_fits_reason
+from proxy.relay import OnceCallback, RelayResponse
 from proxy.reservations import ReservationLedger
 from proxy.resilience_metrics import ResilienceCollector
 from proxy.retry_budget import RetryBudget
@@ -631,7 +632,7 @@ class Gateway:
         self.metrics.attempts.labels(backend, "ok").inc()
         self.health.success(backend)
         out.backend = backend
-        await self.ledger.release(backend, rid)
+        self._spawn(self.ledger.release(backend, rid))  # off the answer's path (a Redis round trip)
         self.metrics.requests.labels(out.cls, backend, "success").inc()
         self.metrics.duration.labels(out.cls).observe(time.perf_counter() - t_start)
         h = response_headers(resp.headers)
@@ -682,8 +683,23 @@ class Gateway:
         out.backend = backend
         h = response_headers(resp.headers)
         h.update(self._kv_headers(out, backend))
-        return StreamingResponse(
-            self._relay(resp, first, backend, rid, out, t_start, deadline),
+        state = {"outcome": "client_disconnect"}
+
+        async def close() -> None:
+            if state["outcome"] != "success":
+                resp.close()  # drops the upstream connection: the backend sees the cancel
+            else:
+                resp.release()
+            self.metrics.requests.labels(out.cls, backend, state["outcome"]).inc()
+            self.metrics.duration.labels(out.cls).observe(time.perf_counter() - t_start)
+            self._spawn(self.ledger.release(backend, rid))
+
+        # RelayResponse runs close() even if the client left before the first chunk was pulled
+        # (then the generator below never starts and its own finally would never run).
+        on_close = OnceCallback(close)
+        return RelayResponse(
+            self._relay(resp, first, backend, rid, state, deadline, on_close),
+            on_close,
             status_code=resp.status,
             headers=h,
             media_type=resp.headers.get("content-type", "text/event-stream"),
@@ -701,31 +717,30 @@ class Gateway:
         first: bytes,
         backend: str,
         rid: str,
-        out: Outcome,
-        t_start: float,
+        state: dict[str, str],
         deadline: float,
+        on_close: OnceCallback,
     ) -> AsyncIterator[bytes]:
         """Relay a stream; always release the reservation, and cancel upstream on client disconnect.
 
         Bytes already reached the client, so a failure here cannot be retried: the stream ends
         with a final SSE error event that names the cause (idle gap, total time, broken off).
         """
-        outcome = "client_disconnect"
         idle = self.cfg.upstream.idle_timeout_s
         try:
             yield first
             while chunk := await next_chunk(resp, idle, deadline):
                 yield chunk
-            outcome = "success"
+            state["outcome"] = "success"
             self.health.success(backend)
         except BodyTimeout as exc:
-            outcome = "upstream_timeout"
+            state["outcome"] = "upstream_timeout"
             if exc.phase == "idle":
                 self.health.failure(backend)
             log.warning("request %s: stream from %s timed out (%s)", rid, backend, exc.phase)
             yield sse_error_event(f"backend {backend}: {exc}", code=f"upstream_{exc.phase}_timeout")
         except _BROKEN as exc:
-            outcome = "upstream_error"
+            state["outcome"] = "upstream_error"
             self.health.failure(backend)
             log.warning(
                 "request %s: stream from %s broke off: %s", rid, backend, exc.__class__.__name__
@@ -735,10 +750,4 @@ class Gateway:
                 code="upstream_stream_broken",
             )
         finally:
-            if outcome != "success":
-                resp.close()  # drops the upstream connection: the backend sees the cancel
-            else:
-                resp.release()
-            self.metrics.requests.labels(out.cls, backend, outcome).inc()
-            self.metrics.duration.labels(out.cls).observe(time.perf_counter() - t_start)
-            self._spawn(self.ledger.release(backend, rid))
+            await on_close()

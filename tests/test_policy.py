@@ -100,10 +100,10 @@ def test_long_goes_to_long_pool_best_fit() -> None:
     assert "L-small" not in ranked
 
 
-def test_long_prefers_the_long_pool_on_a_tie() -> None:
+def test_long_prefers_the_long_pool_even_when_a_general_node_fits_tighter() -> None:
     snap = fleet(
-        node("g0", free=50_000, largest=30_000),
-        node("L0", free=40_000, largest=30_000, role="long"),
+        node("g0", free=50_000, largest=25_000),
+        node("L0", free=80_000, largest=60_000, role="long"),
     )
     assert route("kvroute", snap, 22_000) == ["L0", "g0"]
 
