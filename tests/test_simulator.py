@@ -8,11 +8,14 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
+import yaml
 
 from loadtest.sim_engine import SimConfig, SimResult, simulate
 from loadtest.sim_runner import WorkloadSpec, at_load
 from loadtest.sim_workload import HoldModel, parse_mix, trace_stream
 from loadtest.simulator import duration, main
+from loadtest.tune import main as tune_main
+from proxy.config import parse_config
 
 TRACE = (
     Path(__file__).resolve().parents[1]
@@ -185,3 +188,47 @@ def test_cli_rejects_bad_input() -> None:
     assert duration("6d") == 6 * 86_400
     assert duration("90") == 90.0
     assert duration("1.5h") == 5_400.0
+
+
+def test_tune_recommends_a_valid_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    conf = tmp_path / "kvroute.yaml"
+    conf.write_text(
+        "pools: {general: {role: general}, long: {role: long}}\n"
+        "backends:\n"
+        "  - {name: a, url: 'http://127.0.0.1:9001', pool: long, kind: contiguous}\n"
+        "  - {name: b, url: 'http://127.0.0.1:9002', pool: general, kind: contiguous}\n"
+        "  - {name: c, url: 'http://127.0.0.1:9003', pool: general, kind: contiguous}\n"
+    )
+    out = tmp_path / "tune.json"
+    rc = tune_main(
+        [
+            "--config",
+            str(conf),
+            "--duration",
+            "15m",
+            "--hold-min",
+            "600",
+            "--jobs",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    for knob in ("long_pool", "long_threshold_tokens", "safety_margin", "restart", "all together"):
+        assert knob in text
+    snippet = text.split("paste into your kvroute YAML):", 1)[1]
+    cfg = parse_config(yaml.safe_load(snippet))  # what it recommends is a config kvroute accepts
+    assert [b.name for b in cfg.backends] == ["a", "b", "c"]
+    assert any(cfg.pool_role(b.pool) == "long" for b in cfg.backends)
+    doc = json.loads(out.read_text())
+    assert {c["knob"] for c in doc["candidates"]} >= {
+        "current",
+        "long_pool",
+        "safety_margin",
+        "restart",
+        "combined",
+    }
+    assert tune_main(["--config", str(tmp_path / "missing.yaml"), "--no-progress"]) == 2
