@@ -413,6 +413,57 @@ def test_failed_hook_returns_the_node_to_service(engine_factory: Callable[..., A
     assert e.state()["restarts"] == 0
 
 
+def test_trend_gauges_follow_fragmentation_over_uptime_and_reset_on_restart(
+    engine_factory: Callable[..., Any],
+) -> None:
+    e = engine_factory(name="node-t")
+    peer = engine_factory(name="peer")
+    cfg = gateway_cfg([backend(e), backend(peer)], maintenance=maintenance(enabled=False))
+    with run_gateway(cfg) as url:
+        wait_reports(url, 2)
+        ids = e.hold(4_000, 25)  # the whole cache, in 4k regions
+        # Free every other region, one at a time: each adds a 4k hole that cannot merge, so the
+        # fragmentation ratio climbs 0, 0.5, 0.67, 0.75, 0.8 as uptime grows.
+        for k, hid in enumerate(ids[0::2][:5], start=1):
+            e.release([hid])
+            wait_until(
+                lambda k=k: (
+                    next(b for b in fleet_state(url)["backends"] if b["name"] == "node-t")[
+                        "report"
+                    ]["free_tokens"]
+                    == 4_000 * k
+                ),
+                what=f"{k} holes reported",
+            )
+            time.sleep(0.15)  # a few samples at this level
+        corr = metric(url, 'node_uptime_vs_fragmentation_correlation{backend="node-t"}')
+        trend = metric(url, 'kvroute_fragmentation_trend_per_hour{backend="node-t"}')
+        assert corr is not None and corr > 0.7
+        assert trend is not None and trend > 0.002
+        node = next(n for n in advice(url)["nodes"] if n["name"] == "node-t")
+        assert node["uptime_correlation"] > 0.7 and node["trend_per_hour"] > 0
+        assert (
+            metric(url, 'node_uptime_vs_fragmentation_correlation{backend="peer"}') == 0.0
+        )  # flat at 0
+
+        # Restarted outside kvroute: counted as observed, and the series starts over.
+        e.restart()
+        wait_until(
+            lambda: (
+                metric(url, 'kvroute_restarts_total{backend="node-t",reason="observed"}') == 1.0
+            ),
+            what="observed restart",
+        )
+        assert [x["type"] for x in events(url, "node-t")] == ["restart_observed"]
+        wait_until(
+            lambda: (
+                (metric(url, 'kvroute_fragmentation_trend_per_hour{backend="node-t"}') or 0.0)
+                == 0.0
+            ),
+            what="trend reset",
+        )
+
+
 # ----------------------------------------------------------------------------- restart hooks
 
 
