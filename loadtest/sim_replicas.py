@@ -83,5 +83,5 @@ def replicas_needed(
             return searches
         results = run_jobs(jobs, workers, show_progress, title="replicas")
         for key, res in results.items():
-            p, n = key.rsplit("@", 1)
-            searches[p].record(int(n), res.failure_rate, target)
+            name, size = key.rsplit("@", 1)
+            searches[name].record(int(size), res.failure_rate, target)

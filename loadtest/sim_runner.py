@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing import Manager
@@ -142,6 +142,13 @@ def _run_job(job: Job, shared: Any = None) -> SimResult:
     return simulate(job.cfg, job.policy, stream, job.duration_s, progress)
 
 
+def _bar_updater(bar: Any, task: Any) -> Callable[[float], None]:
+    def update(t: float) -> None:
+        bar.update(task, completed=t)
+
+    return update
+
+
 def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
@@ -169,13 +176,8 @@ def run_jobs(
             out: dict[str, SimResult] = {}
             for j in jobs:
                 stream = j.workload.stream(j.duration_s, j.cfg.settings.long_threshold_tokens)
-                tid = tasks[j.key]
                 out[j.key] = simulate(
-                    j.cfg,
-                    j.policy,
-                    stream,
-                    j.duration_s,
-                    lambda t, tid=tid: bar.update(tid, completed=t),
+                    j.cfg, j.policy, stream, j.duration_s, _bar_updater(bar, tasks[j.key])
                 )
             return out
         with Manager() as mgr:

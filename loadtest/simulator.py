@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from rich.console import Console
 
@@ -24,7 +25,7 @@ from loadtest.sim_runner import Job, WorkloadSpec, at_load, default_jobs, offere
 from loadtest.sim_workload import HoldModel, parse_mix, problem_mix
 from proxy.policy import PolicySettings
 
-DEFAULT_TRACE = "../shared/data/AzureLLMInferenceTrace_code.csv"
+DEFAULT_TRACE = str(Path(__file__).resolve().parent / "data" / "AzureLLMInferenceTrace_code.csv")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3_600.0, "d": 86_400.0}
 
 
@@ -111,7 +112,11 @@ def add_workload_options(ap: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--mix", default=None, help="kind:share:plo-phi:olo-ohi,... (with --workload mix)"
     )
-    w.add_argument("--trace", default=DEFAULT_TRACE, help="CSV/JSONL trace (with --workload trace)")
+    w.add_argument(
+        "--trace",
+        default=DEFAULT_TRACE,
+        help="CSV/JSONL trace (with --workload trace; default: the bundled Azure code trace)",
+    )
     w.add_argument(
         "--length-scale", type=_positive, default=1.0, help="trace prompt lengths x this"
     )

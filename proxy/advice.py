@@ -196,6 +196,7 @@ def _assess(
     trend: Trend | None,
     below_since: float | None,
     failed_demand_here: int,
+    blocked_until: float | None = None,
 ) -> NodeAdvice:
     r = n.report
     state = _state(n, now, stale_after_s)
@@ -222,6 +223,9 @@ def _assess(
         reasons = []
     elif reasons and uptime is not None and uptime < cfg.min_interval_per_node_s:
         why = f"restarted {uptime:.0f}s ago, min_interval_per_node_s is {cfg.min_interval_per_node_s:.0f}"
+        reasons = []
+    elif reasons and blocked_until is not None and now < blocked_until:
+        why = f"a recent restart attempt: next one allowed in {blocked_until - now:.0f}s"
         reasons = []
     return NodeAdvice(
         name=n.name,
@@ -253,13 +257,16 @@ def advise(
     trends: Mapping[str, Trend] | None = None,
     below_since: Mapping[str, float] | None = None,
     busy: Iterable[str] = (),
+    blocked_until: Mapping[str, float] | None = None,
 ) -> Advice:
     """What to do now. ``failures``: those of the last ``failure_window_s``; ``rate_failures``:
     those of the last minute, for the effective demand (defaults to ``failures``);
-    ``busy``: nodes being restarted now (they count as out of the fleet)."""
+    ``busy``: nodes being restarted now (they count as out of the fleet); ``blocked_until``:
+    no restart of a node before this time (its last attempt, from the shared event log)."""
     fails = list(failures)
     trends = trends or {}
     below_since = below_since or {}
+    blocked_until = blocked_until or {}
     busy_set = set(busy)
     fixable = [f for f in fails if f.fixable_by_restart]
     capacity = [f for f in fails if not f.fixable_by_restart]
@@ -277,6 +284,7 @@ def advise(
             trends.get(n.name),
             below_since.get(n.name),
             failed_here.get(n.name, 0),
+            blocked_until.get(n.name),
         )
         for n in snapshot.nodes
     ]
@@ -294,7 +302,7 @@ def advise(
             taken.add(a.name)
             ready.append(a.name)
         elif ok:
-            why = f"waiting: {len(taken)} node(s) already restarting (max_concurrent_restarts {cfg.max_concurrent_restarts})"
+            why = f"waiting: {len(taken)} node(s) restarting or going first (max_concurrent_restarts {cfg.max_concurrent_restarts})"
             ok = False
         updated[a.name] = NodeAdvice(**{**asdict(a), "ready": ok, "why": why})
     nodes = tuple(updated.get(a.name, a) for a in assessed)

@@ -240,8 +240,19 @@ class Maintenance:
     def _busy(self, books: Bookkeeping) -> set[str]:
         return set(self._tasks) | set(books.in_progress)
 
+    def _blocked_until(self, books: Bookkeeping) -> dict[str, float]:
+        """Per-node minimum interval across gateways (the last start of any restart), and a
+        back-off after a failed one so that a broken hook is not called every round."""
+        backoff = max(self.m.min_interval_per_node_s, 60.0)
+        out: dict[str, float] = {}
+        for name, at in books.last_started.items():
+            out[name] = at + self.m.min_interval_per_node_s
+        for name, at in books.last_failed.items():
+            out[name] = max(out.get(name, 0.0), at + backoff)
+        return out
+
     def _advise(self, snap: FleetSnapshot, now: float, books: Bookkeeping) -> Advice:
-        advice = advise(
+        return advise(
             snap,
             now,
             self.m,
@@ -251,29 +262,7 @@ class Maintenance:
             trends=self.tracker.trends(),
             below_since=self.below_since,
             busy=self._busy(books),
-        )
-        if not advice.restart:
-            return advice
-        # Per-node minimum interval, across gateways: the last start of any restart, and a
-        # back-off after a failed one so a broken hook is not called every round.
-        backoff = max(self.m.min_interval_per_node_s, 60.0)
-        keep = tuple(
-            name
-            for name in advice.restart
-            if now - books.last_started.get(name, float("-inf")) >= self.m.min_interval_per_node_s
-            and now - books.last_failed.get(name, float("-inf")) >= backoff
-        )
-        if keep == advice.restart:
-            return advice
-        return Advice(
-            advice.action,
-            advice.at,
-            advice.reasons,
-            keep,
-            advice.nodes,
-            advice.failures,
-            advice.fleet,
-            advice.watch,
+            blocked_until=self._blocked_until(books),
         )
 
     async def tick(self) -> Advice:

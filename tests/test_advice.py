@@ -192,7 +192,7 @@ def test_only_max_concurrent_restarts_are_ready_most_fragmented_first() -> None:
     assert a.restart == ("b",)
     nc = a.node("c")
     assert (
-        nc is not None and nc.candidate and not nc.ready and "max_concurrent_restarts 1" in nc.why
+        nc is not None and nc.candidate and not nc.ready and "max_concurrent_restarts 1)" in nc.why
     )
     two = run(
         snap,
@@ -230,6 +230,20 @@ def test_min_interval_and_node_state_block_a_restart() -> None:
     assert na is not None and not na.candidate and "min_interval_per_node_s" in na.why
     assert nb is not None and not nb.candidate and nb.state == "draining"
     assert a.action == "none"
+
+
+def test_a_recent_attempt_blocks_the_node_and_frees_the_slot_for_the_next() -> None:
+    snap = fleet(
+        node("a", 40_000, 2_000),
+        node("b", 40_000, 8_000),
+        node("c", 100_000, 100_000),
+        node("d", 100_000, 100_000),
+    )
+    a = run(snap, blocked_until={"a": NOW + 50})
+    na = a.node("a")
+    assert na is not None and not na.candidate and "next one allowed in 50s" in na.why
+    assert a.restart == ("b",)  # the most fragmented is blocked: the next one gets the slot
+    assert run(snap, blocked_until={"a": NOW - 1}).restart == ("a",)
 
 
 def test_scheduled_and_trend_reasons() -> None:

@@ -408,6 +408,8 @@ def test_failed_hook_returns_the_node_to_service(engine_factory: Callable[..., A
             lambda: not fleet_state(url)["backends"][0]["overlay"]["draining"], what="undrained"
         )
         # A failed restart backs off: it is not retried every round.
+        node = next(n for n in advice(url)["nodes"] if n["name"] == "e1")
+        assert not node["candidate"] and "recent restart attempt" in node["why"]
         time.sleep(0.5)
         assert [x["type"] for x in events(url, "e1")].count("restart_started") == 1
     assert e.state()["restarts"] == 0

@@ -18,11 +18,7 @@ from loadtest.tune import main as tune_main
 from proxy.config import parse_config
 
 TRACE = (
-    Path(__file__).resolve().parents[1]
-    / ".."
-    / "shared"
-    / "data"
-    / "AzureLLMInferenceTrace_code.csv"
+    Path(__file__).resolve().parents[1] / "loadtest" / "data" / "AzureLLMInferenceTrace_code.csv"
 )
 HOUR = 3_600.0
 

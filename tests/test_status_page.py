@@ -130,3 +130,16 @@ def test_status_page_in_headless_chromium(
     if os.environ.get("KVROUTE_UPDATE_SCREENSHOTS") == "1":
         DOC_SHOT.parent.mkdir(parents=True, exist_ok=True)
         DOC_SHOT.write_bytes(data)
+
+
+def test_missing_chromium_fails_when_required_and_skips_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    monkeypatch.setenv("KVROUTE_REQUIRE_CHROMIUM", "1")
+    with pytest.raises(pytest.fail.Exception, match="KVROUTE_REQUIRE_CHROMIUM=1"):
+        chromium()
+    monkeypatch.delenv("KVROUTE_REQUIRE_CHROMIUM")
+    with pytest.raises(pytest.skip.Exception):
+        chromium()
