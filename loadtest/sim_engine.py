@@ -34,7 +34,7 @@ class SimConfig:
     """Everything about the fleet and the gateway that a run depends on."""
 
     nodes: int = 8
-    long_pool: int = 2  # nodes with role "long" (ignored by the baselines, as peers ignore pools)
+    long_pool: int = 6  # nodes with role "long" (ignored by the baselines, as peers ignore pools)
     capacity_tokens: int = 131_072
     allocator: str = "contiguous"
     block_size: int = 16
@@ -572,7 +572,7 @@ class Simulation:
             n.pending[rid] = demand
         self.live_req[rid] = (n, demand)
         life = req.prompt_tokens / cfg.prefill_tps + req.output_tokens / cfg.decode_tps
-        life += self.holds.extra(req.kind)
+        life += self.holds.extra(demand)
         self.res.served_tokens += demand
         self._push(now + life, _COMPLETE, rid)
 

@@ -7,7 +7,7 @@ by arrival. Trace replay loops the trace end to end to cover any horizon.
 Session retention: first-fit fragmentation only trends over *uptime* (rather than settling
 within minutes) when some allocations live far longer than a request. Multi-turn chat
 sessions whose KV stays resident between turns do exactly that; ``HoldModel`` gives a share
-of requests a heavy-tailed (Pareto) extra holding time, which is what makes a node's
+of chat-sized requests a heavy-tailed (Pareto) extra holding time, which is what makes a node's
 fragmentation creep up over days and what a restart resets.
 """
 
@@ -119,13 +119,15 @@ def trace_stats(
 
 @dataclass(frozen=True, slots=True)
 class HoldModel:
-    """A ``fraction`` of short requests keep their KV resident for a Pareto(``alpha``,
-    ``min_s``) extra time, capped at ``max_s`` (sessions between turns, pinned prefixes)."""
+    """A ``fraction`` of chat-sized requests (demand up to ``max_tokens``) keep their KV
+    resident for a Pareto(``alpha``, ``min_s``) extra time, capped at ``max_s`` (sessions
+    between turns, pinned prefixes). Documents are never retained."""
 
     fraction: float = 0.0
     alpha: float = 1.1
     min_s: float = 60.0
     max_s: float = 7 * 86_400.0
+    max_tokens: int = 1_000
 
     def sampler(self, seed: int) -> HoldSampler:
         return HoldSampler(self, seed)
@@ -138,9 +140,9 @@ class HoldSampler:
         self._m = model
         self._rng = random.Random(seed ^ 0x5EED)
 
-    def extra(self, kind: str) -> float:
+    def extra(self, demand: int) -> float:
         m = self._m
-        if m.fraction <= 0 or kind == "long" or self._rng.random() >= m.fraction:
+        if m.fraction <= 0 or demand > m.max_tokens or self._rng.random() >= m.fraction:
             return 0.0
         u = 1.0 - self._rng.random()  # (0, 1]
         return min(m.max_s, m.min_s / math.pow(u, 1.0 / m.alpha))

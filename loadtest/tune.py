@@ -67,7 +67,7 @@ def fleet_from_config(conf: Config, a: argparse.Namespace) -> SimConfig:
             stale_after_s=conf.collector.stale_after_s,
             long_threshold_tokens=conf.routing.long_threshold_tokens,
         ),
-        hold=HoldModel(a.hold_fraction, a.hold_alpha, a.hold_min, a.hold_max),
+        hold=HoldModel(a.hold_fraction, a.hold_alpha, a.hold_min, a.hold_max, a.hold_max_tokens),
         restart=restart,
         restart_frag=1.0 - m.restart_below_ratio,
         restart_frag_for_s=m.restart_after_s,

@@ -95,6 +95,38 @@ def restarts_done(url: str, backend: str) -> list[dict[str, Any]]:
     return [e for e in events(url, backend) if e["type"] == "restart_done"]
 
 
+class Stream:
+    """One streaming chat, read to its end on a thread; ``backend`` is known once it started."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.backend = ""
+        self.text = ""
+        self._started = threading.Event()
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "a long answer"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+
+        def run() -> None:
+            try:
+                with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+                    self.backend = r.headers.get("x-kvroute-backend", "")
+                    self._started.set()
+                    self.text = r.read().decode()
+            finally:
+                self._started.set()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        assert self._started.wait(30), "stream did not start"
+
+    def finish(self) -> str:
+        self._thread.join(60)
+        return self.text
+
+
 class Traffic:
     """Clients streaming a mix of short chats and long documents until stopped.
 
@@ -180,20 +212,20 @@ def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_req
 
     for e in (b, c):
         e.release(held[e.name])
-    HTTP.post(a.url + "/admin/release", json={"all": True}).raise_for_status()  # whole again
 
-    # --- maintenance on, traffic running on every node; then node-a fragments under it. The
-    # loop drains node-a (with requests in flight there), restarts it via the hook, returns it.
-    cfg = gateway_cfg(nodes, maintenance=maintenance(), queue={"max_wait_s": 2.0})
+    # --- maintenance on, traffic running. node-a (still fragmented) is drained with requests in
+    # flight there, restarted via the hook, and returned. One of those requests is ours: a
+    # long stream of a short chat (short chats prefer the fragmented node), still running when
+    # the drain starts; the restart must wait for it. restart_after_s 1.5 leaves time to place it.
+    cfg = gateway_cfg(
+        nodes, maintenance=maintenance(restart_after_s=1.5), queue={"max_wait_s": 2.0}
+    )
     with run_gateway(cfg) as url:
         wait_reports(url, 3)
+        pinned = Stream(url, max_tokens=1_500)  # ~3 s at this engine's pace
+        assert pinned.backend == "node-a"
         traffic = Traffic(url)
         try:
-            wait_until(
-                lambda: sum(r[2] == "node-a" for r in traffic.results) >= 5,
-                what="traffic on node-a",
-            )
-            a.fragment(4_000)
             wait_until(
                 lambda: bool(restarts_done(url, "node-a")), timeout_s=30, what="node-a restarted"
             )
@@ -206,6 +238,7 @@ def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_req
             )
         finally:
             results = traffic.finish()
+        assert pinned.finish().endswith("data: [DONE]\n\n") and '"error"' not in pinned.text
         bad = [r for r in results if r[0] != 200]
         assert bad == [], f"{len(bad)} of {len(results)} requests failed: {bad[:5]}"
         assert {r[1] for r in results} == {"short", "long"}
