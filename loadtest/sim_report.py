@@ -11,9 +11,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.sim_engine import SimConfig, SimResult
+from loadtest.sim_model import SimConfig, SimResult
 from loadtest.sim_replicas import ReplicaSearch
 from loadtest.sim_runner import WorkloadSpec
+from loadtest.sim_workload import HoldModel
+from proxy.policy import PolicySettings
 
 COLUMNS = {
     "requests": "requests offered",
@@ -137,6 +139,47 @@ def document(
             for name, s in (replicas or {}).items()
         },
     }
+
+
+def from_document(doc: Mapping[str, Any]) -> tuple[dict[str, SimResult], dict[str, ReplicaSearch]]:
+    """Results and replicas back from the JSON form (for re-plotting a saved run)."""
+    c = dict(doc["config"])
+    cfg = SimConfig(
+        **{**c, "settings": PolicySettings(**c["settings"]), "hold": HoldModel(**c["hold"])}
+    )
+    results: dict[str, SimResult] = {}
+    for name, d in doc["results"].items():
+        r = SimResult(policy=name, config=cfg, duration_s=float(d["duration_s"]))
+        for key in (
+            "requests",
+            "failures",
+            "failed_attempts",
+            "false_capacity_failures",
+            "long_requests",
+            "long_failures",
+            "restarts",
+            "queued",
+        ):
+            setattr(r, key, int(d.get(key, 0)))
+        r.samples = 1
+        r.frag_sum = float(d.get("mean_fragmentation", 0.0))
+        r.util_sum = float(d.get("utilisation", 0.0))
+        ser = d.get("series")
+        if ser:
+            r.series_t = list(ser["t"])
+            r.series_frag = dict(ser["fragmentation"])
+            r.series_free = dict(ser["free_tokens"])
+            r.series_largest = dict(ser["largest_free_block_tokens"])
+            r.series_uptime = dict(ser["uptime_s"])
+            r.series_failures = list(ser["failures"])
+            r.series_requests = list(ser["requests"])
+        results[name] = r
+    reps: dict[str, ReplicaSearch] = {}
+    for name, d in doc.get("replicas", {}).items():
+        s = ReplicaSearch(name, lo=0, hi=d["needed"], max_nodes=int(d["max_nodes"]), done=True)
+        s.probes = {int(n): float(v) for n, v in d["probes"].items()}
+        reps[name] = s
+    return results, reps
 
 
 def write_json(path: str | Path, doc: Mapping[str, Any]) -> None:

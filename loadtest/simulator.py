@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from loadtest.sim_engine import POLICY_NAMES, RESTART_MODES, SimConfig, SimResult
+from loadtest.sim_model import POLICY_NAMES, RESTART_MODES, SimConfig, SimResult
 from loadtest.sim_replicas import ReplicaSearch, replicas_needed
 from loadtest.sim_report import document, print_report, write_json
 from loadtest.sim_runner import Job, WorkloadSpec, at_load, default_jobs, offered_load, run_jobs

@@ -11,6 +11,7 @@ the effect of each as a table and the YAML to paste.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -20,7 +21,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.sim_engine import SimConfig, SimResult
+from loadtest.sim_model import SimConfig, SimResult
 from loadtest.sim_replicas import replicas_needed
 from loadtest.sim_report import write_json
 from loadtest.sim_runner import Job, WorkloadSpec, default_jobs, run_jobs
@@ -133,8 +134,10 @@ def current_label(base: SimConfig, knob: str) -> str:
 
 
 def better(r: SimResult, than: SimResult) -> bool:
-    """Fewer failed requests by more than noise; with equal failures, fewer restarts."""
-    if than.failures - r.failures > max(2.0, NOISE * than.failures):
+    """Fewer failed requests beyond noise (2.5 sigma of a Poisson count, and at least 5%);
+    with equal failures, fewer restarts."""
+    gap = than.failures - r.failures
+    if gap > max(2.5 * math.sqrt(than.failures + r.failures), NOISE * than.failures, 2.0):
         return True
     return r.failures == than.failures and r.restarts < than.restarts
 
@@ -272,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-Row = tuple[str, str, str, SimResult, SimResult]
+Row = tuple[str, str, str, SimResult, SimResult, str]
 
 
 def search(
@@ -296,11 +299,14 @@ def search(
             if c.knob == knob and better(r, best):
                 best_label, best = c.label, r
                 rec = apply(rec, knob, c.cfg)
-        rows.append((knob, current_label(base, knob), best_label, cur, best))
+        tried = " · ".join(
+            f"{c.label}: {res[f'{c.knob}={c.label}'].failures:,}" for c in cands if c.knob == knob
+        )
+        rows.append((knob, current_label(base, knob), best_label, cur, best, tried))
     combined = run_jobs([Job("combined", rec, "kvroute", spec, dur)], 1, show, title="tune")[
         "combined"
     ]
-    rows.append(("all together", "-", "-", cur, combined))
+    rows.append(("all together", "-", "-", cur, combined, ""))
     dump = [
         {"knob": c.knob, "value": c.label, **res[f"{c.knob}={c.label}"].summary()} for c in cands
     ]
@@ -318,9 +324,12 @@ def result_table(rows: list[Row]) -> Table:
         "failed: recommended",
         "fail %",
         "restarts",
+        "failed with the other values tried",
     ):
-        t.add_column(col, justify="left" if col in ("knob", "current", "recommended") else "right")
-    for knob, now, best, cur, r in rows:
+        t.add_column(
+            col, justify="right" if col.startswith(("failed:", "fail %", "restarts")) else "left"
+        )
+    for knob, now, best, cur, r, tried in rows:
         t.add_row(
             knob,
             now,
@@ -329,6 +338,7 @@ def result_table(rows: list[Row]) -> Table:
             f"{r.failures:,}",
             f"{100 * r.failure_rate:.3f}%",
             str(r.restarts),
+            tried,
         )
     return t
 
