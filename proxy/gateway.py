@@ -437,6 +437,23 @@ class Gateway:
     def _gateway_error(status: int, message: str, code: str) -> Response:
         return ApiError(status, message, type="upstream_error", code=code).response()
 
+    def _bad_answer(
+        self,
+        resp: aiohttp.ClientResponse,
+        out: Outcome,
+        backend: str,
+        rid: str,
+        status: int,
+        code: str,
+        result: str,
+        msg: str,
+    ) -> None:
+        """The backend's answer broke before reaching the client: drop its connection and divert."""
+        resp.close()
+        self._upstream_failed(
+            out, backend, rid, self._gateway_error(status, msg, code), result, msg
+        )
+
     async def _attempt(
         self,
         request: Request,
@@ -599,22 +616,27 @@ class Gateway:
         try:
             body = await read_body(resp, self.cfg.upstream.idle_timeout_s, deadline)
         except BodyTimeout as exc:
-            resp.close()
-            msg = f"backend {backend} stopped answering: {exc}"
-            self._upstream_failed(
+            self._bad_answer(
+                resp,
                 out,
                 backend,
                 rid,
-                self._gateway_error(504, msg, f"upstream_{exc.phase}_timeout"),
+                504,
+                f"upstream_{exc.phase}_timeout",
                 "timeout",
-                str(exc),
+                f"backend {backend} stopped answering: {exc}",
             )
             return None
         except _BROKEN as exc:
-            resp.close()
-            msg = f"backend {backend} broke off its answer: {exc.__class__.__name__}"
-            self._upstream_failed(
-                out, backend, rid, self._gateway_error(502, msg, "upstream_broken"), "broken", msg
+            self._bad_answer(
+                resp,
+                out,
+                backend,
+                rid,
+                502,
+                "upstream_broken",
+                "broken",
+                f"backend {backend} broke off its answer: {exc.__class__.__name__}",
             )
             return None
         resp.release()
@@ -654,29 +676,39 @@ class Gateway:
         try:
             first = await next_chunk(resp, max(0.001, ttfb_deadline - loop.time()), deadline)
         except BodyTimeout as exc:
-            resp.close()
-            msg = f"backend {backend} sent no first event in time: {exc}"
-            self._upstream_failed(
-                out, backend, rid, self._gateway_error(504, msg, "upstream_timeout"), "timeout", msg
-            )
-            return None
-        except _BROKEN as exc:
-            resp.close()
-            msg = f"backend {backend} broke off before its first event: {exc.__class__.__name__}"
-            self._upstream_failed(
-                out, backend, rid, self._gateway_error(502, msg, "upstream_broken"), "broken", msg
-            )
-            return None
-        if not looks_like_sse(first):
-            resp.close()
-            msg = f"backend {backend} sent a stream that is not server-sent events"
-            self._upstream_failed(
+            self._bad_answer(
+                resp,
                 out,
                 backend,
                 rid,
-                self._gateway_error(502, msg, "upstream_bad_response"),
+                504,
+                "upstream_timeout",
+                "timeout",
+                f"backend {backend} sent no first event in time: {exc}",
+            )
+            return None
+        except _BROKEN as exc:
+            self._bad_answer(
+                resp,
+                out,
+                backend,
+                rid,
+                502,
+                "upstream_broken",
+                "broken",
+                f"backend {backend} broke off before its first event: {exc.__class__.__name__}",
+            )
+            return None
+        if not looks_like_sse(first):
+            self._bad_answer(
+                resp,
+                out,
+                backend,
+                rid,
+                502,
+                "upstream_bad_response",
                 "garbage",
-                msg,
+                f"backend {backend} sent a stream that is not server-sent events",
             )
             return None
         self.metrics.attempts.labels(backend, "ok").inc()
