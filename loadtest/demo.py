@@ -23,7 +23,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from loadtest.driver import Result, RunStats, drive
+from loadtest.bench.driver import Result, RunStats, drive
 from loadtest.local_fleet import EngineSpec, LocalFleet
 from loadtest.workload import bimodal
 
@@ -45,12 +45,23 @@ def memory_bar(report: dict[str, Any] | None) -> Text:
 
 def fleet_table(fleet: dict[str, Any] | None, title: str) -> Table:
     t = Table(title=title, expand=False)
-    for col in ("node", "pool", "memory: used | largest free block | small gaps", "free", "largest/free", "in flight"):
+    for col in (
+        "node",
+        "pool",
+        "memory: used | largest free block | small gaps",
+        "free",
+        "largest/free",
+        "in flight",
+    ):
         t.add_column(col)
     for b in (fleet or {}).get("backends", []):
         r = b.get("report")
         ratio = r["largest_contiguous_free_block_ratio"] if r else None
-        style = "red" if ratio is not None and ratio < 0.5 else ("yellow" if ratio is not None and ratio < 0.8 else "green")
+        style = (
+            "red"
+            if ratio is not None and ratio < 0.5
+            else ("yellow" if ratio is not None and ratio < 0.8 else "green")
+        )
         t.add_row(
             b["name"],
             b["pool"],
@@ -63,18 +74,26 @@ def fleet_table(fleet: dict[str, Any] | None, title: str) -> Table:
 
 
 def min_ratio(fleet: dict[str, Any]) -> float:
-    ratios = [b["report"]["largest_contiguous_free_block_ratio"] for b in fleet.get("backends", []) if b.get("report")]
+    ratios = [
+        b["report"]["largest_contiguous_free_block_ratio"]
+        for b in fleet.get("backends", [])
+        if b.get("report")
+    ]
     return min(ratios, default=2.0)
 
 
 def outcome_line(results: list[Result], total: int) -> Text:
-    c = Counter("ok" if r.status == 200 else (r.cause or r.error_code or str(r.status)) for r in results)
+    c = Counter(
+        "ok" if r.status == 200 else (r.cause or r.error_code or str(r.status)) for r in results
+    )
     parts = [f"sent {len(results)}/{total}", f"ok {c.pop('ok', 0)}"]
     parts += [f"{k} {v}" for k, v in sorted(c.items())]
     return Text("  ".join(parts))
 
 
-async def run_one(fleet: LocalFleet, policy: str, args: argparse.Namespace, console: Console) -> tuple[RunStats, dict[str, float]]:
+async def run_one(
+    fleet: LocalFleet, policy: str, args: argparse.Namespace, console: Console
+) -> tuple[RunStats, dict[str, float]]:
     fleet.stop_gateway()
     fleet.restart_engines()
     fleet.start_gateway(policy)
@@ -96,11 +115,18 @@ async def run_one(fleet: LocalFleet, policy: str, args: argparse.Namespace, cons
                 await asyncio.sleep(0.4)
 
     def view() -> Group:
-        return Group(fleet_table(state.get("fleet"), f"policy: {policy}"), outcome_line(results, len(requests)))
+        return Group(
+            fleet_table(state.get("fleet"), f"policy: {policy}"),
+            outcome_line(results, len(requests)),
+        )
 
     poller = asyncio.create_task(poll())
-    with Live(view(), console=console, refresh_per_second=4, transient=not console.is_terminal) as live:
-        run = asyncio.create_task(drive(fleet.gateway_url, requests, seed=args.seed, on_result=results.append))
+    with Live(
+        view(), console=console, refresh_per_second=4, transient=not console.is_terminal
+    ) as live:
+        run = asyncio.create_task(
+            drive(fleet.gateway_url, requests, seed=args.seed, on_result=results.append)
+        )
         while not run.done():
             live.update(view())
             await asyncio.sleep(0.25)
@@ -108,7 +134,11 @@ async def run_one(fleet: LocalFleet, policy: str, args: argparse.Namespace, cons
         live.update(view())
     poller.cancel()
     engine_failures = await engine_allocation_failures(fleet)
-    console.print(fleet_table(state.get("worst"), f"policy: {policy}: the fleet at its most fragmented moment"))
+    console.print(
+        fleet_table(
+            state.get("worst"), f"policy: {policy}: the fleet at its most fragmented moment"
+        )
+    )
     return stats, engine_failures
 
 
@@ -130,7 +160,17 @@ async def engine_allocation_failures(fleet: LocalFleet) -> dict[str, float]:
 
 def summary_table(rows: list[tuple[str, RunStats, dict[str, float]]]) -> Table:
     t = Table(title="Same workload, same seed, same engines")
-    for col in ("policy", "requests", "failed", "long failed", "allocation failures at engines", "extra attempts", "p50 s", "p99 s", "goodput tok/s"):
+    for col in (
+        "policy",
+        "requests",
+        "failed",
+        "long failed",
+        "allocation failures at engines",
+        "extra attempts",
+        "p50 s",
+        "p99 s",
+        "goodput tok/s",
+    ):
         t.add_column(col, justify="right")
     for policy, s, eng in rows:
         lf, ln = s.failed_of("long")
@@ -149,14 +189,22 @@ def summary_table(rows: list[tuple[str, RunStats, dict[str, float]]]) -> Table:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvroute demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="kvroute demo", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     p.add_argument("--requests", type=int, default=400, help="requests per run (default 400)")
     p.add_argument("--rate", type=float, default=20.0, help="arrivals per second (default 20)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--capacity-tokens", type=int, default=100_000)
-    p.add_argument("--speedup", type=float, default=10.0, help="engine time acceleration (default 10)")
-    p.add_argument("--compare", default="round_robin", help="policy to compare against ('none' to skip)")
-    p.add_argument("--redis", action="store_true", help="start a local redis-server and use the Redis store")
+    p.add_argument(
+        "--speedup", type=float, default=10.0, help="engine time acceleration (default 10)"
+    )
+    p.add_argument(
+        "--compare", default="round_robin", help="policy to compare against ('none' to skip)"
+    )
+    p.add_argument(
+        "--redis", action="store_true", help="start a local redis-server and use the Redis store"
+    )
     return p
 
 
@@ -165,14 +213,22 @@ async def amain(args: argparse.Namespace) -> int:
     specs = [
         EngineSpec("long-0", "long", capacity_tokens=args.capacity_tokens, speedup=args.speedup),
         EngineSpec("long-1", "long", capacity_tokens=args.capacity_tokens, speedup=args.speedup),
-        EngineSpec("general-0", "general", capacity_tokens=args.capacity_tokens, speedup=args.speedup),
-        EngineSpec("general-1", "general", capacity_tokens=args.capacity_tokens, speedup=args.speedup),
+        EngineSpec(
+            "general-0", "general", capacity_tokens=args.capacity_tokens, speedup=args.speedup
+        ),
+        EngineSpec(
+            "general-1", "general", capacity_tokens=args.capacity_tokens, speedup=args.speedup
+        ),
     ]
     use_redis = args.redis or bool(os.environ.get("KVROUTE_REDIS_URL"))
     fleet = LocalFleet(specs, use_redis=use_redis)
     store = "Redis" if use_redis else "embedded store"
-    console.print(f"[bold]kvroute demo[/]: 4 engines (contiguous KV allocators, {args.capacity_tokens:,} tokens each), {store}")
-    console.print(f"workload: {args.requests} requests at {args.rate}/s, 70% short (<500 tokens), 30% long (15k-30k), seed {args.seed}")
+    console.print(
+        f"[bold]kvroute demo[/]: 4 engines (contiguous KV allocators, {args.capacity_tokens:,} tokens each), {store}"
+    )
+    console.print(
+        f"workload: {args.requests} requests at {args.rate}/s, 70% short (<500 tokens), 30% long (15k-30k), seed {args.seed}"
+    )
     rows: list[tuple[str, RunStats, dict[str, float]]] = []
     try:
         fleet.start_redis() if use_redis else None

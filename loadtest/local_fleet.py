@@ -31,7 +31,9 @@ def free_port() -> int:
         return port
 
 
-def wait_http(url: str, timeout_s: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_http(
+    url: str, timeout_s: float = 20.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     """Poll `url` until it answers 2xx; fail early if the process died."""
     deadline = time.monotonic() + timeout_s
     last = ""
@@ -62,7 +64,9 @@ class Proc:
         if log_dir is not None:
             self.log_path = log_dir / f"{self.name}.log"
             out = self.log_path.open("ab")
-        self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.popen = subprocess.Popen(
+            self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def signal(self, sig: int) -> None:
         if self.popen is not None and self.popen.poll() is None:
@@ -99,7 +103,7 @@ class EngineSpec:
 def engine_proc(spec: EngineSpec, port: int | None = None) -> Proc:
     port = port or free_port()
     argv = [
-        sys.executable, "-m", "loadtest.engine",
+        sys.executable, "-m", "loadtest.engine.server",
         "--host", "127.0.0.1", "--port", str(port), "--name", spec.name,
         "--allocator", spec.allocator, "--capacity-tokens", str(spec.capacity_tokens),
         "--speedup", str(spec.speedup), "--block-size", str(spec.block_size), *spec.extra,
@@ -112,7 +116,19 @@ def redis_proc(workdir: Path, port: int | None = None) -> Proc:
     if exe is None:
         raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
     port = port or free_port()
-    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)]
+    argv = [
+        exe,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
     return Proc("redis", argv, f"redis://127.0.0.1:{port}/0")
 
 
@@ -120,7 +136,9 @@ def gateway_config(engines: Sequence[tuple[EngineSpec, str]], **overrides: Any) 
     pools = sorted({spec.pool for spec, _ in engines} | {"general"})
     cfg: dict[str, Any] = {
         "pools": {p: {"role": "long" if p == "long" else "general"} for p in pools},
-        "backends": [{"name": s.name, "url": url, "pool": s.pool, "kind": s.allocator} for s, url in engines],
+        "backends": [
+            {"name": s.name, "url": url, "pool": s.pool, "kind": s.allocator} for s, url in engines
+        ],
         "collector": {"scrape_interval_s": 0.25, "stale_after_s": 3.0},
     }
     for section, values in overrides.items():
@@ -173,11 +191,15 @@ class LocalFleet:
                 time.sleep(0.05)
 
     def write_config(self, policy: str | None = None) -> Path:
-        overrides = {k: dict(v) if isinstance(v, dict) else v for k, v in self.config_overrides.items()}
+        overrides = {
+            k: dict(v) if isinstance(v, dict) else v for k, v in self.config_overrides.items()
+        }
         overrides.setdefault("routing", {})["policy"] = policy or self.policy
         if self.redis is not None:
             overrides.setdefault("store", {})["redis_url"] = self.redis.url
-        cfg = gateway_config(list(zip(self.specs, [p.url for p in self.engines], strict=True)), **overrides)
+        cfg = gateway_config(
+            list(zip(self.specs, [p.url for p in self.engines], strict=True)), **overrides
+        )
         path = self.workdir / f"kvroute-{policy or self.policy}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         return path
@@ -185,7 +207,18 @@ class LocalFleet:
     def start_gateway(self, policy: str | None = None, port: int | None = None) -> Proc:
         path = self.write_config(policy)
         self.gateway_port = port or free_port()
-        argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path), "--port", str(self.gateway_port), "--log-level", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--config",
+            str(path),
+            "--port",
+            str(self.gateway_port),
+            "--log-level",
+            "warning",
+        ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
         self.gateway = Proc("gateway", argv, self.gateway_url)
         self.gateway.start(env=env, log_dir=self.workdir)

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from proxy.app import create_app
+    from proxy.api.app import create_app
+    from proxy.api.logs import setup_logging
     from proxy.config import ConfigError, load_config
-    from proxy.logs import setup_logging
 
     try:
         cfg = load_config(args.config)
@@ -52,7 +52,9 @@ def _check_config(args: argparse.Namespace) -> int:
         return 1
     store = cfg.store.redis_url or "embedded (in-process)"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
-    print(f"{args.file}: OK: {len(cfg.backends)} backends, pools {pools}, policy {cfg.routing.policy}, store {store}")
+    print(
+        f"{args.file}: OK: {len(cfg.backends)} backends, pools {pools}, policy {cfg.routing.policy}, store {store}"
+    )
     return 0
 
 
@@ -68,7 +70,9 @@ def _delegate(module: str, func: str = "main") -> Callable[[argparse.Namespace],
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvroute", description="Fragmentation-aware gateway for LLM inference fleets")
+    p = argparse.ArgumentParser(
+        prog="kvroute", description="Fragmentation-aware gateway for LLM inference fleets"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the gateway")
@@ -76,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
+    s.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="json: one object per line"
+    )
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("check-config", help="validate a config file and print what is wrong")
@@ -93,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_DELEGATED = {"engine": "loadtest.engine", "demo": "loadtest.demo", "simulate": "loadtest.simulator", "tune": "loadtest.tune"}
+_DELEGATED = {
+    "engine": "loadtest.engine.server",
+    "demo": "loadtest.demo",
+    "simulate": "loadtest.sim.simulator",
+    "tune": "loadtest.sim.tune",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

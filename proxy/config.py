@@ -32,8 +32,12 @@ class BackendConfig(_Strict):
     url: HttpUrl
     pool: str = "general"
     kind: BackendKind = "vllm"
-    capacity_tokens: int | None = Field(default=None, gt=0, description="override the reported KV capacity")
-    bytes_per_token: int | None = Field(default=None, gt=0, description="for backends that report bytes")
+    capacity_tokens: int | None = Field(
+        default=None, gt=0, description="override the reported KV capacity"
+    )
+    bytes_per_token: int | None = Field(
+        default=None, gt=0, description="for backends that report bytes"
+    )
     metrics_path: str = "/metrics"
 
     @property
@@ -51,11 +55,17 @@ class RoutingConfig(_Strict):
     policy: PolicyName = "kvroute"
     long_threshold_tokens: int = Field(default=8_000, gt=0)
     default_max_tokens: int = Field(default=256, gt=0)
-    max_tokens_limit: int = Field(default=1_000_000, gt=0, description="max_tokens above this is a 400")
-    safety_margin: float = Field(default=0.02, ge=0.0, lt=1.0, description="fraction of demand kept spare")
+    max_tokens_limit: int = Field(
+        default=1_000_000, gt=0, description="max_tokens above this is a 400"
+    )
+    safety_margin: float = Field(
+        default=0.02, ge=0.0, lt=1.0, description="fraction of demand kept spare"
+    )
     chat_tokens_per_message: int = Field(default=3, ge=0)
     chat_tokens_reply_priming: int = Field(default=3, ge=0)
-    tokenize_in_thread_chars: int = Field(default=8_192, ge=0, description="prompts longer than this are tokenized off the event loop")
+    tokenize_in_thread_chars: int = Field(
+        default=8_192, ge=0, description="prompts longer than this are tokenized off the event loop"
+    )
 
 
 class StoreConfig(_Strict):
@@ -63,10 +73,26 @@ class StoreConfig(_Strict):
     key_prefix: str = "kvroute"
     op_timeout_s: float = Field(default=0.1, gt=0)
     reservation_ttl_s: float = Field(default=900.0, gt=0)
-    report_grace_s: float = Field(default=0.25, ge=0, description="reservations this close before a report still count as not yet visible in it")
-    max_snapshot_age_s: float = Field(default=30.0, gt=0, description="with the store down, routing uses the last snapshot up to this age")
-    breaker_failures: int = Field(default=3, ge=1, description="consecutive store failures on the request path that open the circuit")
-    breaker_open_s: float = Field(default=1.0, gt=0, description="an open circuit fails store calls at once for this long, then lets one probe through")
+    report_grace_s: float = Field(
+        default=0.25,
+        ge=0,
+        description="reservations this close before a report still count as not yet visible in it",
+    )
+    max_snapshot_age_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="with the store down, routing uses the last snapshot up to this age",
+    )
+    breaker_failures: int = Field(
+        default=3,
+        ge=1,
+        description="consecutive store failures on the request path that open the circuit",
+    )
+    breaker_open_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="an open circuit fails store calls at once for this long, then lets one probe through",
+    )
 
 
 class CollectorConfig(_Strict):
@@ -87,11 +113,26 @@ class CollectorConfig(_Strict):
 class RetryConfig(_Strict):
     max_attempts: int = Field(default=3, ge=1, le=16)
     retry_key_ttl_s: float = Field(default=300.0, gt=0)
-    ceiling_ttl_s: float = Field(default=30.0, gt=0, description="how long a node stays 'cannot fit N' after failing N")
-    hash_body: bool = Field(default=False, description="treat identical bodies as the same client retry")
-    budget_percent: float = Field(default=20.0, ge=0, le=100, description="retries of failed attempts in flight, as a share of active requests")
-    budget_min_concurrency: int = Field(default=3, ge=0, description="retries always allowed in flight, whatever the share")
-    max_retry_after_s: float = Field(default=30.0, ge=0, description="a backend's Retry-After cools it down for at most this long")
+    ceiling_ttl_s: float = Field(
+        default=30.0, gt=0, description="how long a node stays 'cannot fit N' after failing N"
+    )
+    hash_body: bool = Field(
+        default=False, description="treat identical bodies as the same client retry"
+    )
+    budget_percent: float = Field(
+        default=20.0,
+        ge=0,
+        le=100,
+        description="retries of failed attempts in flight, as a share of active requests",
+    )
+    budget_min_concurrency: int = Field(
+        default=3, ge=0, description="retries always allowed in flight, whatever the share"
+    )
+    max_retry_after_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="a backend's Retry-After cools it down for at most this long",
+    )
 
 
 class QueueConfig(_Strict):
@@ -111,8 +152,16 @@ class UpstreamConfig(_Strict):
 class LimitsConfig(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     max_concurrent_requests: int = Field(default=4096, gt=0)
-    max_header_bytes: int = Field(default=32 * 1024, gt=0, description="all request header names and values together (431 above)")
-    retry_after_s: int = Field(default=1, ge=1, description="Retry-After sent with 429 when max_concurrent_requests is reached")
+    max_header_bytes: int = Field(
+        default=32 * 1024,
+        gt=0,
+        description="all request header names and values together (431 above)",
+    )
+    retry_after_s: int = Field(
+        default=1,
+        ge=1,
+        description="Retry-After sent with 429 when max_concurrent_requests is reached",
+    )
 
 
 class ActiveHealthConfig(_Strict):
@@ -129,11 +178,19 @@ class ActiveHealthConfig(_Strict):
 class OutlierConfig(_Strict):
     """Passive ejection from real traffic, as Envoy's outlier detection does."""
 
-    consecutive_failures: int = Field(default=5, ge=1, description="connect failures, timeouts or non-allocation 5xx in a row")
-    base_ejection_s: float = Field(default=30.0, gt=0, description="ejected for this x the number of its ejections")
+    consecutive_failures: int = Field(
+        default=5, ge=1, description="connect failures, timeouts or non-allocation 5xx in a row"
+    )
+    base_ejection_s: float = Field(
+        default=30.0, gt=0, description="ejected for this x the number of its ejections"
+    )
     max_ejection_s: float = Field(default=300.0, gt=0)
-    max_ejection_percent: float = Field(default=50.0, ge=0, le=100, description="never eject more of the fleet than this")
-    panic_threshold_percent: float = Field(default=50.0, ge=0, le=100, description="below this share of healthy backends, route to all")
+    max_ejection_percent: float = Field(
+        default=50.0, ge=0, le=100, description="never eject more of the fleet than this"
+    )
+    panic_threshold_percent: float = Field(
+        default=50.0, ge=0, le=100, description="below this share of healthy backends, route to all"
+    )
 
 
 class HealthConfig(_Strict):
@@ -142,7 +199,10 @@ class HealthConfig(_Strict):
 
 
 class AuthConfig(_Strict):
-    api_keys: list[str] = Field(default_factory=list, description="empty: /v1 needs no key; else a Bearer key from this list")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="empty: /v1 needs no key; else a Bearer key from this list",
+    )
 
 
 class ListenConfig(_Strict):
@@ -179,27 +239,51 @@ class RestartHookConfig(_Strict):
 class MaintenanceConfig(_Strict):
     """Diagnosis, scaling advice and the drain + rolling restart loop (see docs/operations.md)."""
 
-    enabled: bool = Field(default=False, description="false: observe and advise only, never drain or restart by itself")
+    enabled: bool = Field(
+        default=False,
+        description="false: observe and advise only, never drain or restart by itself",
+    )
     interval_s: float = Field(default=5.0, gt=0)
-    restart_below_ratio: float = Field(default=0.5, gt=0, le=1, description="largest free block / total free below this is fragmented")
-    restart_after_s: float = Field(default=300.0, ge=0, description="... for at least this long before a restart")
-    min_free_fraction: float = Field(default=0.1, ge=0, lt=1, description="nodes with less free memory are full, not fragmented")
-    restart_on_trend: bool = Field(default=False, description="also restart nodes whose fragmentation rises with uptime")
-    trend_window_s: float = Field(default=6 * 3600.0, gt=0, description="uptime window of the fragmentation trend")
+    restart_below_ratio: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="largest free block / total free below this is fragmented",
+    )
+    restart_after_s: float = Field(
+        default=300.0, ge=0, description="... for at least this long before a restart"
+    )
+    min_free_fraction: float = Field(
+        default=0.1, ge=0, lt=1, description="nodes with less free memory are full, not fragmented"
+    )
+    restart_on_trend: bool = Field(
+        default=False, description="also restart nodes whose fragmentation rises with uptime"
+    )
+    trend_window_s: float = Field(
+        default=6 * 3600.0, gt=0, description="uptime window of the fragmentation trend"
+    )
     trend_sample_interval_s: float = Field(default=60.0, ge=0)
     trend_min_samples: int = Field(default=10, ge=3)
     trend_slope_per_hour: float = Field(default=0.002, ge=0)
     trend_min_correlation: float = Field(default=0.7, ge=-1, le=1)
     trend_min_fragmentation: float = Field(default=0.3, ge=0, le=1)
-    failure_window_s: float = Field(default=300.0, gt=0, description="allocation failures this recent shape the advice")
+    failure_window_s: float = Field(
+        default=300.0, gt=0, description="allocation failures this recent shape the advice"
+    )
     max_concurrent_restarts: int = Field(default=1, ge=1)
     min_healthy_capacity_fraction: float = Field(default=0.5, ge=0, le=1)
     min_interval_per_node_s: float = Field(default=3600.0, ge=0)
-    drain_settle_s: float = Field(default=1.0, ge=0, description="after marking draining, before counting in-flight requests")
+    drain_settle_s: float = Field(
+        default=1.0, ge=0, description="after marking draining, before counting in-flight requests"
+    )
     drain_timeout_s: float = Field(default=300.0, gt=0)
     healthy_timeout_s: float = Field(default=300.0, gt=0)
-    fresh_ratio: float = Field(default=0.9, gt=0, le=1, description="a restarted node must report at least this ratio")
-    scheduled_restart_uptime_s: float | None = Field(default=None, gt=0, description="also restart any node up this long")
+    fresh_ratio: float = Field(
+        default=0.9, gt=0, le=1, description="a restarted node must report at least this ratio"
+    )
+    scheduled_restart_uptime_s: float | None = Field(
+        default=None, gt=0, description="also restart any node up this long"
+    )
     hook: RestartHookConfig = RestartHookConfig()
 
 
@@ -269,7 +353,9 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def apply_env(data: dict[str, Any], environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, Any]:
+def apply_env(
+    data: dict[str, Any], environ: dict[str, str] | os._Environ[str] | None = None
+) -> dict[str, Any]:
     env = os.environ if environ is None else environ
     for var, key in ENV_OVERRIDES.items():
         if var in env:
@@ -290,7 +376,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def parse_config(data: Any, source: str = "<config>", environ: dict[str, str] | None = None) -> Config:
+def parse_config(
+    data: Any, source: str = "<config>", environ: dict[str, str] | None = None
+) -> Config:
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -32,7 +32,12 @@ class ApiError(Exception):
         self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        err: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        err: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
         err.update(self.extra)
         return {"error": err}
 
@@ -40,14 +45,23 @@ class ApiError(Exception):
         h = dict(self.headers)
         if headers:
             h.update(headers)
-        return Response(orjson.dumps(self.body()), status_code=self.status, media_type="application/json", headers=h)
+        return Response(
+            orjson.dumps(self.body()),
+            status_code=self.status,
+            media_type="application/json",
+            headers=h,
+        )
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> ApiError:
+def bad_request(
+    message: str, param: str | None = None, code: str | None = None, status: int = 400
+) -> ApiError:
     return ApiError(status, message, param=param, code=code)
 
 
 def sse_error_event(message: str, type: str = "upstream_error", code: str | None = None) -> bytes:
     """The final event of a stream that failed after bytes already reached the client."""
-    payload = orjson.dumps({"error": {"message": message, "type": type, "param": None, "code": code}})
+    payload = orjson.dumps(
+        {"error": {"message": message, "type": type, "param": None, "code": code}}
+    )
     return b"data: " + payload + b"\n\ndata: [DONE]\n\n"

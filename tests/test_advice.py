@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.advice import advise, can_take_out, effective_demand_tokens, update_below_since
 from proxy.config import MaintenanceConfig
-from proxy.diagnosis import Failure, Trend
-from proxy.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
-from proxy.maintenance import bookkeeping
+from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
+from proxy.ops.advice import advise, can_take_out, effective_demand_tokens, update_below_since
+from proxy.ops.diagnosis import Failure, Trend
+from proxy.ops.maintenance import bookkeeping
 
 NOW = 1_000_000.0
 CAP = 100_000

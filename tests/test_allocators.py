@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadtest.allocators import (
+from loadtest.engine.allocators import (
     Allocator,
     ContiguousAllocator,
     PagedAllocator,

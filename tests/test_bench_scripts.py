@@ -39,7 +39,7 @@ def load(path: Path) -> dict[str, Any]:
 def test_bench_overhead_smoke(tmp_path: Path) -> None:
     out_json = tmp_path / "overhead.json"
     out = run_module(
-        "loadtest.bench_overhead",
+        "loadtest.bench.overhead",
         "--duration", "0.5", "--concurrency", "2", "--modes", "json,sse", "--stream-chunks", "8",
         "--loadgen", "python", "--no-redis", "--no-vllm-router", "--asgi-layers", "20",
         "--json", str(out_json),
@@ -64,7 +64,7 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
 
 def test_wrk_generator_reads_its_summary(tmp_path: Path) -> None:
     """The wrk path (used when wrk is installed) parses wrk's Lua summary into a Load."""
-    from loadtest.bench_overhead import find_wrk, request_body, run_wrk
+    from loadtest.bench.overhead import find_wrk, request_body, run_wrk
     from loadtest.local_fleet import Proc, free_port, wait_http
 
     wrk = find_wrk()
@@ -73,7 +73,7 @@ def test_wrk_generator_reads_its_summary(tmp_path: Path) -> None:
     port = free_port()
     backend = Proc(
         "backend",
-        [sys.executable, "-m", "loadtest.trivial_backend", "--port", str(port)],
+        [sys.executable, "-m", "loadtest.engine.trivial", "--port", str(port)],
         f"http://127.0.0.1:{port}",
     )
     backend.start(log_dir=tmp_path)
@@ -92,7 +92,7 @@ def test_wrk_generator_reads_its_summary(tmp_path: Path) -> None:
 def test_bench_routing_smoke(tmp_path: Path) -> None:
     out_json = tmp_path / "routing.json"
     run_module(
-        "loadtest.bench_routing",
+        "loadtest.bench.routing",
         "--min-time",
         "0.02",
         "--lag-prompts",
@@ -128,7 +128,7 @@ def test_bench_routing_smoke(tmp_path: Path) -> None:
 def test_compare_e2e_smoke(tmp_path: Path) -> None:
     out_json = tmp_path / "e2e.json"
     out = run_module(
-        "loadtest.compare_e2e",
+        "loadtest.bench.compare_e2e",
         "--requests", "8", "--rate", "20", "--speedup", "200", "--capacity-tokens", "60000", "--seed", "3",
         "--long-engines", "1", "--general-engines", "1",
         "--json", str(out_json),

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.collector import LOCK_NAME, Collector
+from proxy.backends.collector import LOCK_NAME, Collector
+from proxy.backends.parse import ScrapeError, parse_report
 from proxy.config import Config, StoreConfig
-from proxy.fleet import MemoryReport
-from proxy.scrape_parse import ScrapeError, parse_report
+from proxy.core.fleet import MemoryReport
 from proxy.state import InProcessStore, StateStore, open_store
 
 NOW = 1_760_000_000.0

@@ -15,7 +15,10 @@ MINIMAL = {"backends": [{"name": "a", "url": "http://127.0.0.1:9001"}]}
 
 
 def test_shipped_configs_are_valid() -> None:
-    for path in [ROOT / "config" / "kvroute.yaml", *sorted((ROOT / "config" / "examples").glob("*.yaml"))]:
+    for path in [
+        ROOT / "config" / "kvroute.yaml",
+        *sorted((ROOT / "config" / "examples").glob("*.yaml")),
+    ]:
         cfg = load_config(path, environ={})
         assert cfg.backends, path
 
@@ -31,13 +34,25 @@ def test_minimal_config_gets_defaults() -> None:
     ("data", "needle"),
     [
         ({"backends": [{"name": "a", "url": "not a url"}]}, "backends.0.url"),
-        ({"backends": [{"name": "a", "url": "http://x:1", "pool": "nope"}]}, "backends.0.pool: 'nope' is not a defined pool"),
+        (
+            {"backends": [{"name": "a", "url": "http://x:1", "pool": "nope"}]},
+            "backends.0.pool: 'nope' is not a defined pool",
+        ),
         ({"backends": [{"name": "a", "url": "http://x:1", "kind": "tgi"}]}, "backends.0.kind"),
-        ({"backends": [{"name": "a", "url": "http://x:1"}, {"name": "a", "url": "http://x:2"}]}, "duplicate backend name 'a'"),
+        (
+            {"backends": [{"name": "a", "url": "http://x:1"}, {"name": "a", "url": "http://x:2"}]},
+            "duplicate backend name 'a'",
+        ),
         ({**MINIMAL, "routing": {"policy": "random"}}, "routing.policy"),
         ({**MINIMAL, "routing": {"long_threshold_tokens": -5}}, "routing.long_threshold_tokens"),
-        ({**MINIMAL, "routing": {"long_treshold_tokens": 5}}, "routing.long_treshold_tokens: Extra inputs are not permitted"),
-        ({**MINIMAL, "collector": {"scrape_interval_s": 10, "stale_after_s": 1}}, "stale_after_s (1.0) must be >= scrape_interval_s"),
+        (
+            {**MINIMAL, "routing": {"long_treshold_tokens": 5}},
+            "routing.long_treshold_tokens: Extra inputs are not permitted",
+        ),
+        (
+            {**MINIMAL, "collector": {"scrape_interval_s": 10, "stale_after_s": 1}},
+            "stale_after_s (1.0) must be >= scrape_interval_s",
+        ),
         ({"backends": []}, "backends"),
         ([1, 2], "top level must be a mapping"),
     ],
@@ -57,7 +72,11 @@ def test_error_shows_the_offending_value() -> None:
 def test_env_overrides_file() -> None:
     cfg = parse_config(
         {**MINIMAL, "store": {"redis_url": "redis://file:6379/0"}},
-        environ={"KVROUTE_REDIS_URL": "redis://env:6379/1", "KVROUTE_PORT": "9999", "KVROUTE_ADMIN_KEY": "s3cret"},
+        environ={
+            "KVROUTE_REDIS_URL": "redis://env:6379/1",
+            "KVROUTE_PORT": "9999",
+            "KVROUTE_ADMIN_KEY": "s3cret",
+        },
     )
     assert cfg.store.redis_url == "redis://env:6379/1"
     assert cfg.listen.port == 9999
@@ -81,10 +100,18 @@ def test_load_config_file_errors(tmp_path: Path) -> None:
 
 
 def test_check_config_cli(tmp_path: Path) -> None:
-    ok = subprocess.run([sys.executable, "-m", "proxy.cli", "check-config", str(ROOT / "config" / "kvroute.yaml")], capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "check-config", str(ROOT / "config" / "kvroute.yaml")],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0 and "OK: 4 backends" in ok.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("backends:\n  - {name: a, url: 'http://x:1', pool: ghost}\n")
-    res = subprocess.run([sys.executable, "-m", "proxy.cli", "check-config", str(bad)], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 1
     assert "backends.0.pool: 'ghost' is not a defined pool" in res.stderr

@@ -8,7 +8,18 @@ import sys
 
 def test_demo_runs_and_compares_policies() -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "demo", "--requests", "40", "--rate", "20", "--speedup", "50"],
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "demo",
+            "--requests",
+            "40",
+            "--rate",
+            "20",
+            "--speedup",
+            "50",
+        ],
         capture_output=True,
         text=True,
         timeout=240,

@@ -26,8 +26,8 @@ import jsonschema
 import pytest
 import yaml
 
-from proxy import backend_contract
 from proxy.config import load_config
+from proxy.core import backend_contract
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -115,8 +115,8 @@ def test_docs_cover_the_specified_gateway_and_engine_metrics() -> None:
 
 
 def test_docs_cover_every_metric_the_gateway_registers() -> None:
-    """Drift check: a metric added to proxy/metrics.py must be documented (and so usable here)."""
-    metrics = pytest.importorskip("proxy.metrics")
+    """Drift check: a metric added to proxy/gateway/metrics.py must be documented (and so usable here)."""
+    metrics = pytest.importorskip("proxy.gateway.metrics")
     gm = metrics.GatewayMetrics()
     if hasattr(gm, "attach_fleet"):
         gm.attach_fleet(lambda: None, lambda: 0.0)

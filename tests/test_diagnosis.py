@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from proxy.diagnosis import (
+from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
+from proxy.ops.diagnosis import (
     Failure,
     FailureLog,
     FragmentationTracker,
@@ -17,7 +18,6 @@ from proxy.diagnosis import (
     fit,
     level,
 )
-from proxy.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 
 CAP = 100_000
 

@@ -12,10 +12,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.engine import EngineConfig, main
+from loadtest.engine.server import EngineConfig, main
 from loadtest.workload import make_prompt
-from proxy import backend_contract as contract
-from proxy.tokens import count_text
+from proxy.core import backend_contract as contract
+from proxy.core.tokens import count_text
 from tests.support.engines import ThreadEngine, wait_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -31,9 +31,9 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.collector import Collector
+from proxy.backends.collector import Collector
 from proxy.config import Config
-from proxy.fleet import MemoryReport
+from proxy.core.fleet import MemoryReport
 from proxy.state import StateStore, open_store
 
 # With this seed the engine ends up 95% free with its largest block 21% of that (9 documents,

@@ -28,18 +28,36 @@ def backend(engine: Any, pool: str = "general") -> dict[str, Any]:
 
 
 def wait_reports(url: str, n: int) -> None:
-    wait_until(lambda: sum(1 for b in fleet_state(url)["backends"] if b["report"]) >= n, what="backend reports")
+    wait_until(
+        lambda: sum(1 for b in fleet_state(url)["backends"] if b["report"]) >= n,
+        what="backend reports",
+    )
 
 
-def chat(url: str, prompt_tokens: int, max_tokens: int = 64, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": make_prompt(prompt_tokens)}], "max_tokens": max_tokens, **extra}
+def chat(
+    url: str,
+    prompt_tokens: int,
+    max_tokens: int = 64,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> httpx.Response:
+    body = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": make_prompt(prompt_tokens)}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=30)
 
 
 def engine_failures(engine: Any) -> float:
     text = httpx.get(engine.url + "/metrics", timeout=5).text
     return sum(
-        s.value for f in text_string_to_metric_families(text) if f.name == "kvroute_engine_allocation_failures" for s in f.samples if s.name.endswith("_total")
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "kvroute_engine_allocation_failures"
+        for s in f.samples
+        if s.name.endswith("_total")
     )
 
 
@@ -55,36 +73,64 @@ def test_openai_client_all_endpoints(engine_factory: Callable[..., Any]) -> None
     with run_gateway(cfg) as url:
         wait_reports(url, 2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="test-key", max_retries=0)
-        raw = client.chat.completions.with_raw_response.create(model="sim-model", messages=[{"role": "user", "content": "hello"}], max_tokens=8)
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim-model", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+        )
         c = raw.parse()
-        assert c.choices[0].message.content and c.usage is not None and c.usage.completion_tokens == 8
-        assert raw.headers["x-kvroute-backend"] == "general-0" and raw.headers["x-kvroute-class"] == "short"
-        assert raw.headers["x-kvroute-attempts"] == "1" and int(raw.headers["x-kvroute-demand-tokens"]) > 8
+        assert (
+            c.choices[0].message.content and c.usage is not None and c.usage.completion_tokens == 8
+        )
+        assert (
+            raw.headers["x-kvroute-backend"] == "general-0"
+            and raw.headers["x-kvroute-class"] == "short"
+        )
+        assert (
+            raw.headers["x-kvroute-attempts"] == "1"
+            and int(raw.headers["x-kvroute-demand-tokens"]) > 8
+        )
 
-        chunks = list(client.chat.completions.create(model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model="sim-model",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=12,
+                stream=True,
+            )
+        )
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert chunks and text
 
         comp = client.completions.create(model="sim-model", prompt="once upon a time", max_tokens=5)
         assert comp.choices[0].text
-        stream = list(client.completions.create(model="sim-model", prompt="once", max_tokens=6, stream=True))
+        stream = list(
+            client.completions.create(model="sim-model", prompt="once", max_tokens=6, stream=True)
+        )
         assert stream and "".join(s.choices[0].text for s in stream if s.choices)
 
         # A long document goes to the long pool.
         long_raw = client.chat.completions.with_raw_response.create(
-            model="sim-model", messages=[{"role": "user", "content": make_prompt(LONG)}], max_tokens=16
+            model="sim-model",
+            messages=[{"role": "user", "content": make_prompt(LONG)}],
+            max_tokens=16,
         )
-        assert long_raw.headers["x-kvroute-class"] == "long" and long_raw.headers["x-kvroute-backend"] == "long-0"
+        assert (
+            long_raw.headers["x-kvroute-class"] == "long"
+            and long_raw.headers["x-kvroute-backend"] == "long-0"
+        )
 
         models = client.models.list()
         assert [m.id for m in models.data] == ["sim-model"]
 
 
-def test_long_request_avoids_fragmented_node_where_round_robin_fails(two_general: tuple[Any, Any]) -> None:
+def test_long_request_avoids_fragmented_node_where_round_robin_fails(
+    two_general: tuple[Any, Any],
+) -> None:
     a, b = two_general
     a.fragment(4_000)  # ~50% free, no gap above 4k tokens
     for policy, expect_failures in (("kvroute", False), ("round_robin", True)):
-        cfg = gateway_cfg([backend(a), backend(b)], routing={"policy": policy}, retry={"max_attempts": 1})
+        cfg = gateway_cfg(
+            [backend(a), backend(b)], routing={"policy": policy}, retry={"max_attempts": 1}
+        )
         with run_gateway(cfg) as url:
             wait_reports(url, 2)
             rs = [chat(url, LONG) for _ in range(4)]
@@ -100,7 +146,9 @@ def test_long_request_avoids_fragmented_node_where_round_robin_fails(two_general
 def test_allocation_failure_is_diverted_to_another_node(two_general: tuple[Any, Any]) -> None:
     a, b = two_general
     # The gateway's last report shows node-a (the long pool) fresh; then it fragments before the next scrape.
-    cfg = gateway_cfg([backend(a, "long"), backend(b)], collector={"scrape_interval_s": 30, "stale_after_s": 60})
+    cfg = gateway_cfg(
+        [backend(a, "long"), backend(b)], collector={"scrape_interval_s": 30, "stale_after_s": 60}
+    )
     with run_gateway(cfg) as url:
         wait_reports(url, 2)
         a.fragment(4_000)
@@ -109,10 +157,15 @@ def test_allocation_failure_is_diverted_to_another_node(two_general: tuple[Any, 
         assert r.headers["x-kvroute-backend"] == "node-b" and r.headers["x-kvroute-attempts"] == "2"
         assert engine_failures(a) == 1
         metrics = httpx.get(url + "/metrics").text
-        assert 'kvroute_allocation_failures_total{backend="node-a",cause="fragmentation"} 1.0' in metrics
+        assert (
+            'kvroute_allocation_failures_total{backend="node-a",cause="fragmentation"} 1.0'
+            in metrics
+        )
         # The node learned it cannot fit this size now: the next long request goes straight to node-b.
         r2 = chat(url, LONG)
-        assert r2.headers["x-kvroute-backend"] == "node-b" and r2.headers["x-kvroute-attempts"] == "1"
+        assert (
+            r2.headers["x-kvroute-backend"] == "node-b" and r2.headers["x-kvroute-attempts"] == "1"
+        )
         assert engine_failures(a) == 1
 
 
@@ -121,7 +174,10 @@ def test_client_retry_with_same_key_avoids_the_failed_node(two_general: tuple[An
     cfg = gateway_cfg(
         [backend(a, "long"), backend(b)],
         collector={"scrape_interval_s": 30, "stale_after_s": 60},
-        retry={"max_attempts": 1, "ceiling_ttl_s": 0.001},  # no learned ceiling: only the retry key can help
+        retry={
+            "max_attempts": 1,
+            "ceiling_ttl_s": 0.001,
+        },  # no learned ceiling: only the retry key can help
     )
     with run_gateway(cfg) as url:
         wait_reports(url, 2)
@@ -129,7 +185,10 @@ def test_client_retry_with_same_key_avoids_the_failed_node(two_general: tuple[An
         first = chat(url, LONG, headers={"Idempotency-Key": "doc-42"})
         assert first.status_code == 503 and first.headers["x-kvroute-backend"] == "node-a"
         retry = chat(url, LONG, headers={"Idempotency-Key": "doc-42"})
-        assert retry.status_code == 200 and retry.headers["x-kvroute-backend"] == "node-b", (dict(retry.headers), retry.text)
+        assert retry.status_code == 200 and retry.headers["x-kvroute-backend"] == "node-b", (
+            dict(retry.headers),
+            retry.text,
+        )
         # Without the key, the same request lands on the same fragmented node again.
         blind = chat(url, LONG)
         assert blind.status_code == 503 and blind.headers["x-kvroute-backend"] == "node-a"
@@ -142,12 +201,19 @@ def test_nothing_fits_answers_503_with_cause_and_retry_after(two_general: tuple[
     cfg = gateway_cfg([backend(a), backend(b)], queue={"max_wait_s": 0.3})
     with run_gateway(cfg) as url:
         wait_reports(url, 2)
-        wait_until(lambda: all((x["report"] or {}).get("largest_free_block_tokens", 1e9) <= 4_000 for x in fleet_state(url)["backends"]))
+        wait_until(
+            lambda: all(
+                (x["report"] or {}).get("largest_free_block_tokens", 1e9) <= 4_000
+                for x in fleet_state(url)["backends"]
+            )
+        )
         r = chat(url, LONG)
         assert r.status_code == 503 and r.headers["retry-after"]
         err = r.json()["error"]
         assert err["cause"] == "fragmentation" and "contiguous free block" in err["message"]
-        assert engine_failures(a) + engine_failures(b) == 0  # refused at the gateway: no wasted attempt
+        assert (
+            engine_failures(a) + engine_failures(b) == 0
+        )  # refused at the gateway: no wasted attempt
 
 
 def test_disconnecting_stream_releases_reservation(engine_factory: Callable[..., Any]) -> None:
@@ -155,16 +221,29 @@ def test_disconnecting_stream_releases_reservation(engine_factory: Callable[...,
     cfg = gateway_cfg([backend(slow)])
     with run_gateway(cfg) as url:
         wait_reports(url, 1)
-        body = {"model": "sim-model", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 2_000, "stream": True}
+        body = {
+            "model": "sim-model",
+            "messages": [{"role": "user", "content": "tell me a story"}],
+            "max_tokens": 2_000,
+            "stream": True,
+        }
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as resp:
             assert resp.status_code == 200
-            chunks = resp.iter_raw()  # keep the iterator: dropping it would close the stream already
+            chunks = (
+                resp.iter_raw()
+            )  # keep the iterator: dropping it would close the stream already
             next(chunks)
             node = fleet_state(url)["backends"][0]
             assert node["overlay"]["inflight"] == 1 and node["overlay"]["reserved_tokens"] > 2_000
         # Client gone: the reservation is released and the engine frees the memory.
-        wait_until(lambda: fleet_state(url)["backends"][0]["overlay"]["inflight"] == 0, what="reservation released")
-        wait_until(lambda: slow.state()["free_tokens"] == slow.state()["capacity_tokens"], what="engine freed memory")
+        wait_until(
+            lambda: fleet_state(url)["backends"][0]["overlay"]["inflight"] == 0,
+            what="reservation released",
+        )
+        wait_until(
+            lambda: slow.state()["free_tokens"] == slow.state()["capacity_tokens"],
+            what="engine freed memory",
+        )
 
 
 @pytest.mark.parametrize(
@@ -172,16 +251,28 @@ def test_disconnecting_stream_releases_reservation(engine_factory: Callable[...,
     [
         (b"{", 400, None),
         (b'{"model": "m"}', 400, "messages"),
-        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}', 400, "max_tokens"),
-        (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999}', 400, "max_tokens"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}',
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999}',
+            400,
+            "max_tokens",
+        ),
         (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "model"),
     ],
 )
-def test_bad_input_is_4xx_and_changes_nothing(engine_factory: Callable[..., Any], body: bytes, status: int, param: str | None) -> None:
+def test_bad_input_is_4xx_and_changes_nothing(
+    engine_factory: Callable[..., Any], body: bytes, status: int, param: str | None
+) -> None:
     e = engine_factory(name="e1")
     with run_gateway(gateway_cfg([backend(e)], routing={"max_tokens_limit": 100_000})) as url:
         wait_reports(url, 1)
-        r = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        r = httpx.post(
+            url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
         assert r.status_code == status
         err = r.json()["error"]
         assert err["param"] == param and err["message"] and "type" in err and "code" in err
@@ -202,7 +293,9 @@ def test_oversized_body_and_impossible_demand(engine_factory: Callable[..., Any]
         assert "more than any backend holds (50000)" in r.json()["error"]["message"]
 
 
-def test_two_gateways_sharing_redis_never_overcommit(engine_factory: Callable[..., Any], redis_server: str) -> None:
+def test_two_gateways_sharing_redis_never_overcommit(
+    engine_factory: Callable[..., Any], redis_server: str
+) -> None:
     # One engine, 100k tokens; requests live ~1 s. Reports refresh rarely, so only the shared
     # reservations in Redis stop the two gateways from both filling the same free block.
     e = engine_factory(name="shared", speedup=5.0, decode_tokens_per_s=50.0)  # requests live ~4 s
@@ -244,7 +337,9 @@ async def _flush(url: str) -> None:
     await r.aclose()
 
 
-def test_redis_store_used_by_gateway_leaves_no_reservations(engine_factory: Callable[..., Any], redis_server: str) -> None:
+def test_redis_store_used_by_gateway_leaves_no_reservations(
+    engine_factory: Callable[..., Any], redis_server: str
+) -> None:
     import asyncio
 
     from proxy.config import StoreConfig

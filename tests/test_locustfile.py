@@ -1,4 +1,4 @@
-"""A short headless locust run of loadtest/locustfile.py against a tiny real fleet.
+"""A short headless locust run of loadtest/bench/locustfile.py against a tiny real fleet.
 
 Two simulated engines (one long pool, one general) behind the real gateway. The general
 engine answers every inference with HTTP 500, so short requests are diverted to the long
@@ -42,7 +42,7 @@ def fleet() -> Iterator[LocalFleet]:
 def test_headless_run_records_requests_and_causes(fleet: LocalFleet, tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     argv = [
-        sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"),
+        sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "bench" / "locustfile.py"),
         "--headless", "-u", "6", "-r", "6", "-t", "4s", "--stop-timeout", "5", "--only-summary",
         "--host", fleet.gateway_url, "--csv", str(tmp_path / "kv"), "--html", str(tmp_path / "kv.html"),
         "--kv-short-share", "0.5", "--kv-short-tokens", "20-200", "--kv-long-tokens", "21000-30000",

@@ -6,11 +6,13 @@ import logging
 
 import orjson
 
-from proxy.logs import JsonFormatter
+from proxy.api.logs import JsonFormatter
 
 
 def test_json_log_line_has_request_id_field() -> None:
-    rec = logging.LogRecord("kvroute.gateway", logging.INFO, __file__, 1, "request %s diverted", ("r1",), None)
+    rec = logging.LogRecord(
+        "kvroute.gateway", logging.INFO, __file__, 1, "request %s diverted", ("r1",), None
+    )
     rec.request_id = "r1"
     rec.backend = "node-a"
     line = orjson.loads(JsonFormatter().format(rec))

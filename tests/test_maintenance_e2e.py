@@ -28,7 +28,7 @@ import pytest
 
 from loadtest.workload import make_prompt
 from proxy.config import RestartHookConfig
-from proxy.restart_hooks import CommandHook, HookResult, HttpHook, NoHook, fill, make_hook
+from proxy.ops.restart_hooks import CommandHook, HookResult, HttpHook, NoHook, fill, make_hook
 from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_until
 
 LONG = 20_000  # prompt tokens of a long document (demand ~20.1k with max_tokens)
@@ -37,6 +37,11 @@ HTTP = httpx.Client(timeout=30)
 
 def backend(engine: Any, pool: str = "general") -> dict[str, Any]:
     return {"name": engine.name, "url": engine.url, "pool": pool, "kind": "contiguous"}
+
+
+def node_advice(adv: dict[str, Any], name: str) -> dict[str, Any]:
+    node: dict[str, Any] = next(n for n in adv["nodes"] if n["name"] == name)
+    return node
 
 
 def maintenance(**over: Any) -> dict[str, Any]:
@@ -196,8 +201,14 @@ def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_req
         wait_reports(url, 3)
         failed = chat(url, LONG)
         assert failed.status_code == 503 and failed.json()["error"]["cause"] == "fragmentation"
-        wait_until(lambda: advice(url)["action"] == "restart", what="restart advice")
+        # "failures" comes with the first advice; "fragmentation" once node-a has been below the
+        # ratio for restart_after_s: wait for both rather than racing the second.
+        wait_until(
+            lambda: len(node_advice(advice(url), "node-a")["restart_reasons"]) == 2,
+            what="restart advice for fragmentation and failures",
+        )
         adv = advice(url)
+        assert adv["action"] == "restart"
         assert adv["restart"] == ["node-a"] and adv["maintenance"]["acts"] is False
         node_a = next(n for n in adv["nodes"] if n["name"] == "node-a")
         assert set(node_a["restart_reasons"]) == {"fragmentation", "failures"} and node_a["ready"]

@@ -1,4 +1,4 @@
-"""Unit tests of the pure routing policy (proxy/policy.py) on hand-built fleet snapshots."""
+"""Unit tests of the pure routing policy (proxy/routing/policy.py) on hand-built fleet snapshots."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
-from proxy.policy import (
+from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
+from proxy.routing.policy import (
     POLICIES,
     PolicySettings,
     RouteRequest,

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 
 from proxy.config import StoreConfig
-from proxy.fleet import MemoryReport
+from proxy.core.fleet import MemoryReport
 from proxy.state import InProcessStore, RedisStore, StateStore, StoreUnavailable
 from tests.support.redis_server import RedisInstance
 

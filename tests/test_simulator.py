@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadtest.sim_engine import SimConfig, SimResult, simulate
-from loadtest.sim_runner import WorkloadSpec, at_load
-from loadtest.sim_workload import HoldModel, parse_mix, trace_stream
-from loadtest.simulator import duration, main
-from loadtest.tune import main as tune_main
+from loadtest.sim.engine import SimConfig, SimResult, simulate
+from loadtest.sim.runner import WorkloadSpec, at_load
+from loadtest.sim.simulator import duration, main
+from loadtest.sim.tune import main as tune_main
+from loadtest.sim.workload import HoldModel, parse_mix, trace_stream
 from proxy.config import parse_config
 
 TRACE = (

@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.config import StoreConfig
-from proxy.fleet import MemoryReport
+from proxy.core.fleet import MemoryReport
 from proxy.state import (
     BackendState,
     Flags,

@@ -62,7 +62,7 @@ def test_status_page_is_served_as_a_static_file(engine_factory: Callable[..., An
     with run_gateway(gateway_cfg([{"name": "e1", "url": e.url, "kind": "contiguous"}])) as url:
         r = httpx.get(url + "/", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    assert r.content == (ROOT / "proxy" / "static" / "status.html").read_bytes()
+    assert r.content == (ROOT / "proxy" / "api" / "static" / "status.html").read_bytes()
     assert "connect-src 'self'" in r.headers["content-security-policy"]
     assert r.headers["cache-control"] == "no-cache"
     page = r.text

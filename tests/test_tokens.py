@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy import tokens
+from proxy.core import tokens
 
 
 def test_tokenizer_loads_offline() -> None:
@@ -13,8 +13,13 @@ def test_tokenizer_loads_offline() -> None:
 
 
 def test_chat_overhead_is_documented_formula() -> None:
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world", "name": "bob"}]
-    expected = 3 + (3 + 1 + tokens.count_text("be brief")) + (3 + 1 + 2 + tokens.count_text("bob") + 1)
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello world", "name": "bob"},
+    ]
+    expected = (
+        3 + (3 + 1 + tokens.count_text("be brief")) + (3 + 1 + 2 + tokens.count_text("bob") + 1)
+    )
     assert tokens.count_chat(msgs) == expected
 
 

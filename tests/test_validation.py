@@ -5,9 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from proxy.core.validation import parse_request
 from proxy.errors import ApiError
-from proxy.upstream_errors import classify_response
-from proxy.validation import parse_request
+from proxy.upstream.classify import classify_response
 
 
 def _parse(body: object, endpoint: str = "chat", ct: str | None = "application/json") -> object:
@@ -26,19 +26,56 @@ def _parse(body: object, endpoint: str = "chat", ct: str | None = "application/j
         ({"model": "m"}, "chat", 400, "messages"),
         ({"model": "m", "messages": []}, "chat", 400, "messages"),
         ({"model": "m", "messages": "hi"}, "chat", 400, "messages"),
-        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "chat", 400, "messages[0].role"),
-        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "chat", 400, "messages[0].content"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "chat", 400, "max_tokens"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}, "chat", 400, "max_tokens"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}, "chat", 400, "max_tokens"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "chat", 400, "max_tokens"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "chat", 400, "stream"),
+        (
+            {"model": "m", "messages": [{"role": "wizard", "content": "x"}]},
+            "chat",
+            400,
+            "messages[0].role",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": 5}]},
+            "chat",
+            400,
+            "messages[0].content",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+            "chat",
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12},
+            "chat",
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "10"},
+            "chat",
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": True},
+            "chat",
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+            "chat",
+            400,
+            "stream",
+        ),
         ({"model": "m"}, "completions", 400, "prompt"),
         ({"model": "m", "prompt": {"a": 1}}, "completions", 400, "prompt"),
         ({"model": "m", "prompt": [1, "a"]}, "completions", 400, "prompt"),
     ],
 )
-def test_bad_input_is_a_clear_4xx(body: object, endpoint: str, status: int, param: str | None) -> None:
+def test_bad_input_is_a_clear_4xx(
+    body: object, endpoint: str, status: int, param: str | None
+) -> None:
     with pytest.raises(ApiError) as exc:
         _parse(body, endpoint)
     assert exc.value.status == status
@@ -54,16 +91,34 @@ def test_wrong_content_type_is_415() -> None:
 
 
 def test_good_requests_parse() -> None:
-    p = _parse({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_completion_tokens": 7, "stream": True})
+    p = _parse(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 7,
+            "stream": True,
+        }
+    )
     assert p.stream and p.max_new_tokens == 7  # type: ignore[attr-defined]
     q = _parse({"model": "m", "prompt": [1, 2, 3], "max_tokens": 5, "n": 2}, "completions")
     assert q.max_new_tokens == 10  # type: ignore[attr-defined]  # n sequences each hold KV
 
 
 def test_classify_upstream_answers() -> None:
-    alloc = orjson.dumps({"error": {"type": "kv_cache_allocation_error", "message": "no block", "free_tokens": 38000, "largest_free_block_tokens": 1200}})
+    alloc = orjson.dumps(
+        {
+            "error": {
+                "type": "kv_cache_allocation_error",
+                "message": "no block",
+                "free_tokens": 38000,
+                "largest_free_block_tokens": 1200,
+            }
+        }
+    )
     v = classify_response(503, alloc)
-    assert v.verdict == "allocation" and v.free_tokens == 38000 and v.largest_free_block_tokens == 1200
+    assert (
+        v.verdict == "allocation" and v.free_tokens == 38000 and v.largest_free_block_tokens == 1200
+    )
     assert classify_response(500, b"CUDA out of memory while allocating").verdict == "allocation"
     assert classify_response(503, b"busy", "3").verdict == "overload"
     assert classify_response(503, b"busy", "3").retry_after_s == 3.0

@@ -18,9 +18,11 @@ from loadtest.workload import (
     summary,
     write_jsonl,
 )
-from proxy.tokens import count_text
+from proxy.core.tokens import count_text
 
-TRACE = Path(__file__).resolve().parents[1] / "loadtest" / "data" / "AzureLLMInferenceTrace_code.csv"
+TRACE = (
+    Path(__file__).resolve().parents[1] / "loadtest" / "data" / "AzureLLMInferenceTrace_code.csv"
+)
 
 
 def test_bimodal_mix_matches_problem_statement() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from proxy.fleet import MemoryReport, Overlay
+from proxy.core.fleet import MemoryReport, Overlay
 
 Status = Literal["up", "down", "unknown"]
 

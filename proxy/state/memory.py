@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from proxy.fleet import MemoryReport
+from proxy.core.fleet import MemoryReport
 from proxy.state.base import (
     BackendState,
     Flags,

@@ -42,7 +42,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from proxy.config import StoreConfig
-from proxy.fleet import AllocatorKind, MemoryReport
+from proxy.core.fleet import AllocatorKind, MemoryReport
 from proxy.state.base import (
     BackendState,
     Flags,

@@ -1,7 +1,7 @@
 """The fault suite's harness: a fleet of real processes, a bounded load, and a strict tally.
 
 Everything runs as it would in production, as separate processes on 127.0.0.1: a real
-``redis-server``, simulated engines (``python -m loadtest.engine``) and the gateway
+``redis-server``, simulated engines (``python -m loadtest.engine.server``) and the gateway
 (``python -m proxy.cli serve``). Faults are injected with signals (SIGKILL, SIGSTOP,
 SIGTERM) and the engines' ``/admin/fault`` switch while a bounded load runs.
 

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from proxy.circuit import CircuitBreaker
+from proxy.api.limits import bearer_key, key_allowed
 from proxy.config import HealthConfig
-from proxy.health import BackendHealth
-from proxy.limits import bearer_key, key_allowed
-from proxy.retry_budget import RetryBudget
+from proxy.gateway.retry_budget import RetryBudget
 from proxy.state.base import StoreUnavailable
+from proxy.state.breaker import CircuitBreaker
+from proxy.upstream.health import BackendHealth
 
 
 class Clock:
@@ -191,7 +191,7 @@ def test_clock_is_monotonic_by_default() -> None:
 async def test_failed_release_is_retried_until_it_lands() -> None:
     """Redis paused: the release fails and is queued; once Redis answers again it goes through."""
     from proxy.config import StoreConfig
-    from proxy.reservations import ReservationLedger
+    from proxy.gateway.ledger import ReservationLedger
     from proxy.state.redis_store import RedisStore
     from tests.support.redis_server import RedisInstance
 

@@ -2,7 +2,7 @@
 
 In-process engines (the default) start in milliseconds and run on their own event loop in a
 daemon thread, so a test's own loop (pytest-asyncio) and blocking clients both work against
-them. Subprocess engines (``python -m loadtest.engine``) are for fault tests that kill,
+them. Subprocess engines (``python -m loadtest.engine.server``) are for fault tests that kill,
 pause (SIGSTOP) or resume the process. Both bind port 0 and report the port they got, so
 parallel tests never race for a port.
 
@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol, TypeVar
 import httpx
 import pytest
 
-from loadtest.engine import Engine, EngineConfig, EngineServer
+from loadtest.engine.server import Engine, EngineConfig, EngineServer
 
 START_TIMEOUT_S = 20.0
 T = TypeVar("T")
@@ -190,7 +190,7 @@ class ThreadEngine(_AdminMixin):
 
 
 class ProcessEngine(_AdminMixin):
-    """An engine in its own process (``python -m loadtest.engine``), for fault tests."""
+    """An engine in its own process (``python -m loadtest.engine.server``), for fault tests."""
 
     def __init__(self, config: EngineConfig, log_dir: Path | None = None) -> None:
         self.config = config
@@ -212,7 +212,7 @@ class ProcessEngine(_AdminMixin):
     def argv(self) -> list[str]:
         c = self.config
         argv = [
-            sys.executable, "-m", "loadtest.engine",
+            sys.executable, "-m", "loadtest.engine.server",
             "--host", c.host, "--port", str(c.port), "--name", c.name, "--model", c.model,
             "--allocator", c.allocator, "--capacity-tokens", str(c.capacity_tokens),
             "--block-size", str(c.block_size), "--prefill-tokens-per-s", str(c.prefill_tokens_per_s),

@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from loadtest.local_fleet import free_port
-from proxy.app import create_app
+from proxy.api.app import create_app
 from proxy.config import Config, parse_config
 
 
@@ -27,7 +27,11 @@ class ThreadedServer(uvicorn.Server):
 def run_gateway(cfg: Config, **app_kw: Any) -> Iterator[str]:
     port = free_port()
     app = create_app(cfg, **app_kw)
-    server = ThreadedServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio", lifespan="on"))
+    server = ThreadedServer(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio", lifespan="on"
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

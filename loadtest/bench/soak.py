@@ -1,0 +1,259 @@
+"""Soak: run the gateway under the problem's workload for a long while and watch its resources.
+
+Not a test: a script (``python -m loadtest.bench.soak --duration-s 600``). It starts a local fleet
+as real processes (Redis, engines, the gateway), sends the problem statement's mix (70%
+short chat requests, 30% long documents of 15k-30k tokens, Poisson arrivals) open-loop,
+and every ``--interval-s`` reads the gateway process's resident memory, open file
+descriptors and TCP connections from /proc. A leak shows as growth that does not level
+off; the summary compares the second half of the run with the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from loadtest.local_fleet import EngineSpec, LocalFleet
+from loadtest.workload import bimodal, chat_overhead_tokens, make_prompt
+
+TCP_STATES = {"01": "established", "06": "time_wait", "08": "close_wait", "0A": "listen"}
+
+
+@dataclass
+class Sample:
+    t_s: float
+    rss_mib: float
+    fds: int
+    tcp_established: int
+    tcp_other: int
+    sent: int
+    ok: int
+    failed: int
+    no_answer: int
+    inflight: int
+
+
+def proc_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def proc_sockets(pid: int) -> tuple[int, set[str]]:
+    """Open fds, and the inodes of the sockets among them."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    inodes: set[str] = set()
+    n = 0
+    for fd in fd_dir.iterdir():
+        n += 1
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return n, inodes
+
+
+def proc_tcp(pid: int, inodes: set[str]) -> Counter[str]:
+    """TCP connections owned by the process, by state."""
+    states: Counter[str] = Counter()
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            parts = line.split()
+            if len(parts) > 9 and parts[9] in inodes:
+                states[TCP_STATES.get(parts[3], parts[3])] += 1
+    return states
+
+
+class Load:
+    """Open-loop sender with counts; prompt text is cached per size bucket (sizes are what matter)."""
+
+    def __init__(self, url: str, max_inflight: int) -> None:
+        self.url = url + "/v1/chat/completions"
+        self.sem = asyncio.Semaphore(max_inflight)
+        self.counts: Counter[str] = Counter()
+        self.inflight = 0
+        self._prompts: dict[int, str] = {}
+        self._rng = random.Random(1)
+
+    def prompt(self, tokens: int) -> str:
+        bucket = max(1, tokens // 250 * 250)
+        if bucket not in self._prompts:
+            self._prompts[bucket] = make_prompt(bucket, self._rng)
+        return self._prompts[bucket]
+
+    async def one(
+        self, client: httpx.AsyncClient, prompt_tokens: int, output_tokens: int, stream: bool
+    ) -> None:
+        body = {
+            "model": "sim-model",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": self.prompt(max(1, prompt_tokens - chat_overhead_tokens())),
+                }
+            ],
+            "max_tokens": output_tokens,
+            "stream": stream,
+        }
+        async with self.sem:
+            self.inflight += 1
+            self.counts["sent"] += 1
+            try:
+                if stream:
+                    async with client.stream("POST", self.url, json=body) as resp:
+                        await resp.aread()
+                        status = resp.status_code
+                else:
+                    status = (await client.post(self.url, json=body)).status_code
+                self.counts["ok" if status == 200 else "failed"] += 1
+                self.counts[f"status_{status}"] += 1
+            except httpx.HTTPError:
+                self.counts["no_answer"] += 1
+            finally:
+                self.inflight -= 1
+
+
+async def soak(args: argparse.Namespace) -> dict[str, object]:
+    specs = [EngineSpec(name="long-0", pool="long", speedup=args.speedup)] + [
+        EngineSpec(name=f"general-{i}", speedup=args.speedup) for i in range(args.engines - 1)
+    ]
+    samples: list[Sample] = []
+    with LocalFleet(specs, use_redis=not args.no_redis) as fleet:
+        assert fleet.gateway is not None and fleet.gateway.popen is not None
+        pid = fleet.gateway.popen.pid
+        load = Load(fleet.gateway_url, args.max_inflight)
+        requests = bimodal(args.rate, duration_s=args.duration_s, seed=args.seed)
+        rng = random.Random(args.seed)
+        start = time.monotonic()
+
+        async def monitor() -> None:
+            while True:
+                fds, inodes = proc_sockets(pid)
+                tcp = proc_tcp(pid, inodes)
+                c = load.counts
+                s = Sample(
+                    round(time.monotonic() - start, 1), round(proc_rss_mib(pid), 1), fds, tcp["established"],
+                    sum(tcp.values()) - tcp["established"], c["sent"], c["ok"], c["failed"], c["no_answer"], load.inflight,
+                )  # fmt: skip
+                samples.append(s)
+                print(json.dumps(asdict(s)), flush=True)
+                await asyncio.sleep(args.interval_s)
+
+        limits = httpx.Limits(
+            max_connections=args.max_inflight, max_keepalive_connections=args.max_inflight
+        )
+        async with httpx.AsyncClient(timeout=120, limits=limits, trust_env=False) as client:
+            mon = asyncio.create_task(monitor())
+            tasks: set[asyncio.Task[None]] = set()
+            for req in requests:
+                delay = start + req.arrival_s - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                t = asyncio.create_task(
+                    load.one(
+                        client,
+                        req.prompt_tokens,
+                        req.output_tokens,
+                        rng.random() < args.stream_share,
+                    )
+                )
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
+            await asyncio.sleep(
+                min(args.interval_s, 5.0)
+            )  # one sample after the load: idle figures
+            mon.cancel()
+            fds, inodes = proc_sockets(pid)
+            idle = {
+                "rss_mib": round(proc_rss_mib(pid), 1),
+                "fds": fds,
+                "tcp": dict(proc_tcp(pid, inodes)),
+            }
+    return summarize(samples, dict(load.counts), idle)
+
+
+def summarize(
+    samples: Sequence[Sample], counts: dict[str, int], idle: dict[str, object]
+) -> dict[str, object]:
+    half = len(samples) // 2
+    first, second = samples[1:half] or samples[:1], samples[half:] or samples[-1:]
+
+    def peak(xs: Sequence[Sample], attr: str) -> float:
+        return max(float(getattr(s, attr)) for s in xs)
+
+    return {
+        "samples": len(samples),
+        "counts": counts,
+        "rss_mib": {
+            "start": samples[0].rss_mib,
+            "peak_first_half": peak(first, "rss_mib"),
+            "peak_second_half": peak(second, "rss_mib"),
+            "end": samples[-1].rss_mib,
+        },
+        "fds": {
+            "start": samples[0].fds,
+            "peak_first_half": peak(first, "fds"),
+            "peak_second_half": peak(second, "fds"),
+            "end": samples[-1].fds,
+        },
+        "tcp_established": {
+            "peak_first_half": peak(first, "tcp_established"),
+            "peak_second_half": peak(second, "tcp_established"),
+        },
+        "after_load": idle,
+        "levels_off": peak(second, "rss_mib") <= 1.10 * peak(first, "rss_mib")
+        and peak(second, "fds") <= 1.10 * peak(first, "fds") + 8,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvroute soak", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        default=600.0,
+        help="how long to send load (default 600 = 10 min)",
+    )
+    p.add_argument(
+        "--interval-s", type=float, default=15.0, help="seconds between resource samples"
+    )
+    p.add_argument("--rate", type=float, default=8.0, help="requests per second (Poisson)")
+    p.add_argument(
+        "--engines", type=int, default=3, help="engines: one long-pool node plus general ones"
+    )
+    p.add_argument("--speedup", type=float, default=50.0, help="engine simulated-time speedup")
+    p.add_argument("--stream-share", type=float, default=0.5)
+    p.add_argument("--max-inflight", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-redis", action="store_true", help="embedded store instead of redis-server")
+    p.add_argument("--out", type=Path, default=None, help="write the summary JSON here")
+    args = p.parse_args(argv)
+    summary = asyncio.run(soak(args))
+    print(json.dumps(summary, indent=2))
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary, indent=2))
+    return 0 if summary["levels_off"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Operations endpoints: admin actions (drain, undrain, restart), advice, events, status page.
+
+Admin actions need the admin key (``admin.api_key`` / ``KVROUTE_ADMIN_KEY``), sent as
+``Authorization: Bearer KEY`` or ``X-Admin-Key: KEY`` and compared in constant time. With no
+key configured they answer 404: disabled, not merely forbidden. The read-only endpoints
+(``/fleet/advice``, ``/fleet/events``, the status page at ``/``) are open like ``/fleet``.
+"""
+
+from __future__ import annotations
+
+import hmac
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import orjson
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.errors import ApiError
+from proxy.ops.maintenance import Maintenance, RestartRefused
+from proxy.state.base import StoreUnavailable
+
+STATUS_PAGE_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(
+        orjson.dumps(data),
+        status_code=status,
+        media_type="application/json",
+        headers={"cache-control": "no-store"},
+    )
+
+
+def _ops(request: Request) -> Maintenance:
+    ops: Maintenance = request.app.state.ops
+    return ops
+
+
+def presented_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = request.headers.get("x-admin-key")
+    return key if key else None
+
+
+def check_admin(request: Request) -> Response | None:
+    """None when the request may act; else the error response (404 disabled, 401, 403)."""
+    configured = request.app.state.rt.cfg.admin.api_key
+    if not configured:
+        return ApiError(
+            404,
+            "admin endpoints are disabled: set admin.api_key (or KVROUTE_ADMIN_KEY) to enable them",
+            type="not_found",
+            code="admin_disabled",
+        ).response()
+    given = presented_key(request)
+    if given is None:
+        return ApiError(
+            401,
+            "admin key required: send 'Authorization: Bearer KEY' or 'X-Admin-Key: KEY'",
+            type="authentication_error",
+            code="admin_key_missing",
+            headers={"www-authenticate": 'Bearer realm="kvroute-admin"'},
+        ).response()
+    if not hmac.compare_digest(given.encode("utf-8"), configured.encode("utf-8")):
+        return ApiError(
+            403, "wrong admin key", type="permission_error", code="admin_key_invalid"
+        ).response()
+    return None
+
+
+def _refused(exc: RestartRefused) -> Response:
+    kind = "not_found" if exc.status == 404 else "conflict"
+    return ApiError(exc.status, exc.message, type=kind, code=kind).response()
+
+
+@lru_cache(maxsize=1)
+def status_page() -> bytes:
+    return resources.files("proxy.api").joinpath("static/status.html").read_bytes()
+
+
+def _flag(request: Request, name: str) -> bool:
+    return request.query_params.get(name, "").lower() in ("1", "true", "yes")
+
+
+def ops_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/admin/backends/{name}/drain")
+    async def drain(name: str, request: Request) -> Response:
+        if (denied := check_admin(request)) is not None:
+            return denied
+        try:
+            await _ops(request).set_draining(name, True)
+        except RestartRefused as exc:
+            return _refused(exc)
+        return _json({"backend": name, "draining": True})
+
+    @router.post("/admin/backends/{name}/undrain")
+    async def undrain(name: str, request: Request) -> Response:
+        if (denied := check_admin(request)) is not None:
+            return denied
+        ops = _ops(request)
+        if name in ops.restarting and not _flag(request, "force"):
+            return _refused(
+                RestartRefused(
+                    409,
+                    f"{name} is being restarted; it returns to service by itself (add ?force=true to undrain now)",
+                )
+            )
+        try:
+            await ops.set_draining(name, False)
+        except RestartRefused as exc:
+            return _refused(exc)
+        return _json({"backend": name, "draining": False})
+
+    @router.post("/admin/backends/{name}/restart")
+    async def restart(name: str, request: Request) -> Response:
+        if (denied := check_admin(request)) is not None:
+            return denied
+        try:
+            started = await _ops(request).request_restart(name, force=_flag(request, "force"))
+        except RestartRefused as exc:
+            return _refused(exc)
+        return _json(started, 202)
+
+    @router.get("/fleet/advice")
+    async def advice(request: Request) -> Response:
+        ops = _ops(request)
+        current = await ops.evaluate()
+        body = current.to_json()
+        body["maintenance"] = {
+            "enabled": ops.m.enabled,
+            "acts": ops.acts,
+            "hook": ops.hook.kind,
+            "restarting": ops.restarting,
+            "max_concurrent_restarts": ops.m.max_concurrent_restarts,
+        }
+        return _json(body)
+
+    @router.get("/fleet/events")
+    async def events(request: Request) -> Response:
+        raw = request.query_params.get("limit", "100")
+        if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+            return ApiError(
+                400, "limit must be an integer within 1..1000", param="limit", code="invalid_value"
+            ).response()
+        backend = request.query_params.get("backend")
+        try:
+            items = await _ops(request).store.events(int(raw))
+        except StoreUnavailable:
+            return ApiError(
+                503, "state store unavailable", type="server_error", code="store_unavailable"
+            ).response()
+        if backend:
+            items = [e for e in items if e.get("backend") == backend]
+        return _json({"events": items})
+
+    @router.get("/", include_in_schema=False)
+    async def index(request: Request) -> Response:
+        return Response(
+            status_page(),
+            media_type="text/html; charset=utf-8",
+            headers={
+                "cache-control": "no-cache",
+                "content-security-policy": STATUS_PAGE_CSP,
+                "x-content-type-options": "nosniff",
+            },
+        )
+
+    return router

@@ -1,0 +1,383 @@
+"""The collector: scrapes every backend's ``/metrics`` into the state store.
+
+One asyncio task per gateway. Each round it scrapes all backends concurrently with one
+shared ``httpx.AsyncClient``, turns each body into a ``MemoryReport``
+(``proxy.backends.parse``) and writes it with ``put_report``; a backend that cannot be
+scraped (connect error, timeout, non-200, unreadable metrics) is ``mark_down``-ed with the
+reason. Fresh reports are also handed to the ``on_report`` hooks so in-process consumers
+(admission queue, fragmentation trend) react without re-reading the store.
+
+Several gateway replicas may share one Redis store: only the holder of the ``collector``
+lock scrapes in a round, the others skip it and read what the holder wrote. If the lock
+holder dies, its lock expires (about three intervals) and another replica takes over.
+During a store outage every replica scrapes for itself (the writes fail and are counted),
+so local hooks keep getting fresh reports; nothing here ever crashes the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from proxy.backends.parse import ScrapeError, parse_report
+from proxy.config import BackendConfig, Config
+from proxy.core.fleet import MemoryReport
+from proxy.state.base import StateStore, StoreUnavailable
+
+__all__ = ["LOCK_NAME", "Collector", "ReportHook", "ScrapeError", "ScrapeOutcome", "parse_report"]
+
+log = logging.getLogger("kvroute.collector")
+
+LOCK_NAME = "collector"
+MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any real /metrics page; stops a runaway body
+ACCEPT = (
+    "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # the classic text format that the parser reads
+)
+
+ReportHook = Callable[[str, MemoryReport], object]
+"""Called as ``hook(name, report)`` after each successful scrape; may return an awaitable."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeOutcome:
+    """One backend's result in one round: a report, or the reason it was marked down."""
+
+    name: str
+    report: MemoryReport | None
+    reason: str = ""
+    latency_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.report is not None
+
+
+@dataclass(slots=True)
+class _BackendStatus:
+    outcome: Literal["ok", "down", "never"] = "never"
+    reason: str = ""
+    latency_s: float | None = None
+    last_scrape_at: float = 0.0
+    last_success_at: float = 0.0
+    consecutive_failures: int = 0
+    scrapes_total: int = 0
+    failures_total: int = 0
+
+
+@dataclass(slots=True)
+class _Counters:
+    rounds_total: int = 0  # rounds this replica scraped
+    rounds_skipped_total: int = 0  # rounds skipped because another replica holds the lock
+    round_errors_total: int = 0  # unexpected exceptions caught by the loop
+    store_errors_total: int = 0  # StoreUnavailable on lock/put/mark_down
+    hook_errors_total: int = 0
+    last_round_at: float = 0.0
+    leader: bool = False
+    store_ok: bool = True
+    backends: dict[str, _BackendStatus] = field(default_factory=dict)
+
+
+class Collector:
+    """Scrape all configured backends every ``collector.scrape_interval_s`` into ``store``.
+
+    ``owner_id`` identifies this gateway replica for the shared lock; ``clock`` gives the
+    unix time stamped on reports (injectable for tests). Use ``start()``/``stop()`` for the
+    background task, or ``scrape_once()`` to run one round now.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        store: StateStore,
+        owner_id: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._owner = owner_id
+        self._clock = clock
+        self._client: httpx.AsyncClient | None = None
+        self._client_slots = 0
+        self._background: set[asyncio.Task[None]] = set()  # old clients being closed
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._c = _Counters()
+        self.on_report: list[ReportHook] = []
+
+    # --- configuration -----------------------------------------------------------------
+
+    @property
+    def interval_s(self) -> float:
+        return self._config.collector.scrape_interval_s
+
+    @property
+    def lock_ttl_s(self) -> float:
+        """About three intervals, and longer than a round with a timed-out scrape in it."""
+        cc = self._config.collector
+        return max(3.0 * cc.scrape_interval_s, cc.timeout_s + 2.0 * cc.scrape_interval_s)
+
+    def reconfigure(self, config: Config) -> None:
+        """Take a reloaded config; the next round scrapes the new backend list."""
+        self._config = config
+        names = {b.name for b in config.backends}
+        for gone in set(self._c.backends) - names:
+            del self._c.backends[gone]
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is not None and not self._task.done():
+            return
+        self._stopping = False
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"kvroute-collector-{self._owner}"
+        )
+
+    async def stop(self) -> None:
+        """Stop the loop, hand the lock back (so another replica takes over at once), close the client."""
+        task, self._task = self._task, None
+        if task is not None:
+            await self._finish(task)
+        if self._c.leader:
+            self._c.leader = False
+            try:
+                await self._store.unlock(LOCK_NAME, self._owner)
+            except StoreUnavailable:
+                self._c.store_errors_total += 1
+                log.warning(
+                    "collector: store unavailable while releasing the lock (it will expire)"
+                )
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    async def _finish(self, task: asyncio.Task[None]) -> None:
+        """Cancel the loop and wait for it, bounded.
+
+        Why not a bare ``await task``: timeout helpers in libraries below us (HTTP, Redis)
+        can turn a cancellation that races their own deadline into their timeout error and
+        swallow it; the loop then runs on and a bare await would never return. The
+        ``_stopping`` flag ends the loop at its next turn whatever happened to the
+        cancellation, and the cancellation is repeated until the task is done.
+        """
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + max(5.0, 3.0 * self._config.collector.timeout_s)
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.2)
+            if not task.done() and loop.time() > give_up_at:
+                log.error("collector: the scrape loop did not stop; leaving it behind")
+                return
+        if not task.cancelled() and task.exception() is not None:
+            log.error("collector: the scrape loop had failed", exc_info=task.exception())
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while not self._stopping:
+            try:
+                await self.scrape_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive anything one round does
+                self._c.round_errors_total += 1
+                log.exception("collector: round failed")
+            next_at += self.interval_s
+            now = loop.time()
+            if next_at < now:  # fell behind (slow round): start again from now, no burst
+                next_at = now
+            await asyncio.sleep(next_at - now)
+
+    # --- one round -----------------------------------------------------------------------
+
+    async def scrape_once(self) -> dict[str, ScrapeOutcome] | None:
+        """Run one round; ``None`` when another replica holds the lock and this one skipped."""
+        leader = await self._take_lock()
+        if leader is False:
+            self._c.rounds_skipped_total += 1
+            return None
+        backends = list(self._config.backends)
+        outcomes = await asyncio.gather(*(self._scrape(b) for b in backends))
+        await asyncio.gather(*(self._publish(o) for o in outcomes))
+        self._c.rounds_total += 1
+        self._c.last_round_at = self._clock()
+        return {o.name: o for o in outcomes}
+
+    async def _take_lock(self) -> bool | None:
+        """True: ours; False: another replica's; None: store unreachable (scrape locally anyway)."""
+        try:
+            got = await self._store.try_lock(LOCK_NAME, self._owner, self.lock_ttl_s)
+        except StoreUnavailable as exc:
+            self._store_failed("try_lock", exc)
+            self._c.leader = False
+            return None
+        self._store_recovered()
+        if got != self._c.leader:
+            log.info("collector: %s %s the scrape lock", self._owner, "took" if got else "lost")
+        self._c.leader = got
+        return got
+
+    def _http(self) -> httpx.AsyncClient:
+        """One client for all scrapes, sized to the fleet so no scrape waits for a connection."""
+        slots = len(self._config.backends) + 4
+        if self._client is not None and slots <= self._client_slots:
+            return self._client
+        old = self._client
+        cc = self._config.collector
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(cc.timeout_s),
+            limits=httpx.Limits(
+                max_connections=slots,
+                max_keepalive_connections=slots,
+                keepalive_expiry=2.0 * cc.scrape_interval_s
+                + 5.0,  # reuse connections across rounds
+            ),
+            headers={"Accept": ACCEPT, "User-Agent": "kvroute-collector"},
+            follow_redirects=False,
+            trust_env=False,  # backends are scraped directly, never through an environment proxy
+        )
+        self._client_slots = slots
+        if old is not None:
+            closing = asyncio.get_running_loop().create_task(old.aclose())
+            self._background.add(closing)
+            closing.add_done_callback(self._background.discard)
+        return self._client
+
+    async def _scrape(self, backend: BackendConfig) -> ScrapeOutcome:
+        path = (
+            backend.metrics_path
+            if backend.metrics_path.startswith("/")
+            else "/" + backend.metrics_path
+        )
+        url = backend.base_url + path
+        timeout_s = self._config.collector.timeout_s
+        client = self._http()
+        started = time.perf_counter()
+        deadline = started + timeout_s
+        try:
+            # Bounded by httpx's own per-phase timeouts (connect, send, each read) plus the
+            # deadline checked per chunk, which stops a server that drips its body. Not by
+            # asyncio.timeout: a native cancellation racing httpx's timeouts can be lost.
+            async with client.stream("GET", url) as resp:
+                if resp.status_code != 200:
+                    raise ScrapeError(f"HTTP {resp.status_code} from {path}")
+                body = bytearray()
+                async for chunk in resp.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_BODY_BYTES:
+                        raise ScrapeError(f"metrics body larger than {MAX_BODY_BYTES} bytes")
+                    if time.perf_counter() > deadline:
+                        raise ScrapeError(f"timeout after {timeout_s:g}s (body still arriving)")
+            text = body.decode("utf-8", errors="replace")  # the text format is UTF-8 by definition
+            report = parse_report(backend.kind, text, self._clock(), backend.capacity_tokens)
+        except ScrapeError as exc:
+            return self._failed(backend, exc.reason, started)
+        except httpx.TimeoutException:
+            return self._failed(backend, f"timeout after {timeout_s:g}s", started)
+        except httpx.ConnectError as exc:
+            return self._failed(backend, f"connect error: {exc or type(exc).__name__}", started)
+        except httpx.HTTPError as exc:
+            return self._failed(backend, f"{type(exc).__name__}: {exc}", started)
+        return ScrapeOutcome(backend.name, report, "", time.perf_counter() - started)
+
+    def _failed(self, backend: BackendConfig, reason: str, started: float) -> ScrapeOutcome:
+        return ScrapeOutcome(backend.name, None, reason, time.perf_counter() - started)
+
+    async def _publish(self, o: ScrapeOutcome) -> None:
+        st = self._c.backends.setdefault(o.name, _BackendStatus())
+        now = self._clock()
+        was = st.outcome
+        st.scrapes_total += 1
+        st.last_scrape_at = now
+        st.latency_s = o.latency_s
+        ttl = self._config.collector.report_ttl_s
+        if o.report is not None:
+            st.outcome, st.reason = "ok", ""
+            st.last_success_at = now
+            st.consecutive_failures = 0
+            if was == "down":
+                log.info("collector: backend %s is reachable again", o.name)
+            await self._store_call("put_report", self._store.put_report(o.name, o.report, ttl))
+            await self._run_hooks(o.name, o.report)
+        else:
+            st.outcome, st.reason = "down", o.reason
+            st.consecutive_failures += 1
+            st.failures_total += 1
+            if was != "down":
+                log.warning("collector: backend %s marked down: %s", o.name, o.reason)
+            await self._store_call("mark_down", self._store.mark_down(o.name, o.reason, ttl))
+
+    async def _store_call(self, what: str, call: Awaitable[None]) -> None:
+        try:
+            await call
+        except StoreUnavailable as exc:
+            self._store_failed(what, exc)
+        except Exception:  # a store bug: logged loudly, but the other backends still publish
+            self._c.round_errors_total += 1
+            log.exception("collector: store %s failed unexpectedly", what)
+        else:
+            self._store_recovered()
+
+    def _store_failed(self, what: str, exc: Exception) -> None:
+        self._c.store_errors_total += 1
+        if self._c.store_ok:
+            log.warning("collector: state store unavailable (%s): %s", what, exc)
+        self._c.store_ok = False
+
+    def _store_recovered(self) -> None:
+        if not self._c.store_ok:
+            log.info("collector: state store reachable again")
+        self._c.store_ok = True
+
+    async def _run_hooks(self, name: str, report: MemoryReport) -> None:
+        for hook in list(self.on_report):
+            try:
+                result = hook(name, report)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # a consumer's bug must not stop collection
+                self._c.hook_errors_total += 1
+                log.exception("collector: on_report hook %r failed for %s", hook, name)
+
+    # --- read-only view for metrics --------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot (a fresh dict) of counters and per-backend last outcomes, for /metrics.
+
+        Per backend: ``outcome`` (ok|down|never), ``reason``, ``latency_s`` of the last
+        scrape, ``last_scrape_at``/``last_success_at`` (unix), ``stale`` (no success within
+        ``stale_after_s``), ``consecutive_failures``, ``scrapes_total``, ``failures_total``.
+        Only the replica holding the lock scrapes, so the others show no per-backend data.
+        """
+        now = self._clock()
+        stale_after = self._config.collector.stale_after_s
+        backends: dict[str, dict[str, Any]] = {}
+        for name, st in self._c.backends.items():
+            d = asdict(st)
+            d["stale"] = st.last_success_at <= 0 or now - st.last_success_at > stale_after
+            backends[name] = d
+        return {
+            "owner_id": self._owner,
+            "running": self.running,
+            "leader": self._c.leader,
+            "store_ok": self._c.store_ok,
+            "rounds_total": self._c.rounds_total,
+            "rounds_skipped_total": self._c.rounds_skipped_total,
+            "round_errors_total": self._c.round_errors_total,
+            "store_errors_total": self._c.store_errors_total,
+            "hook_errors_total": self._c.hook_errors_total,
+            "last_round_at": self._c.last_round_at,
+            "backends": backends,
+        }

@@ -1,0 +1,112 @@
+"""The fleet as the router sees it: what each backend reported, plus the gateway's overlay.
+
+Pure data, no I/O: the gateway builds a ``FleetSnapshot`` from the state store, the offline
+simulator builds one from its allocator models, and the same policy code ranks both.
+All sizes are in tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+AllocatorKind = Literal["contiguous", "paged"]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """A backend's KV-cache state as it last reported it (scraped or pushed)."""
+
+    capacity_tokens: int
+    free_tokens: int
+    largest_free_block_tokens: int
+    allocator: AllocatorKind = "contiguous"
+    block_size: int = 1
+    running: int = 0
+    waiting: int = 0
+    started_at: float = 0.0
+    reported_at: float = 0.0
+
+    @property
+    def free_fraction(self) -> float:
+        return self.free_tokens / self.capacity_tokens if self.capacity_tokens > 0 else 0.0
+
+    @property
+    def largest_block_ratio(self) -> float:
+        """largest_contiguous_free_block_ratio: largest free block / total free (1.0 when nothing is free)."""
+        if self.free_tokens <= 0:
+            return 1.0
+        return min(1.0, self.largest_free_block_tokens / self.free_tokens)
+
+    @property
+    def fragmentation(self) -> float:
+        """1 - largest free block / total free: 0 for a fresh allocator, towards 1 when checkerboarded."""
+        return 1.0 - self.largest_block_ratio
+
+    def uptime(self, now: float) -> float:
+        return max(0.0, now - self.started_at) if self.started_at > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Overlay:
+    """What the gateway knows that the backend's report does not (yet) show."""
+
+    pending_tokens: int = 0  # reservations made after the report: not yet visible in it
+    reserved_tokens: int = 0  # all live reservations (for metrics)
+    inflight: int = 0  # live reservations count
+    draining: bool = False
+    cooldown_until: float = 0.0
+    ceiling_tokens: int | None = None  # learned: a request of this size or more failed here
+    ceiling_until: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """One backend as the policy sees it."""
+
+    name: str
+    pool: str = "general"
+    role: Literal["general", "long"] = "general"
+    up: bool = True
+    report: MemoryReport | None = None
+    overlay: Overlay = field(default_factory=Overlay)
+
+    def stale(self, now: float, stale_after_s: float) -> bool:
+        return self.report is None or now - self.report.reported_at > stale_after_s
+
+    def usable_block(self) -> int:
+        """The largest request this node can take now, by its report less pending reservations."""
+        if self.report is None:
+            return 0
+        return max(0, self.report.largest_free_block_tokens - self.overlay.pending_tokens)
+
+    def ceiling_active(self, now: float) -> bool:
+        return self.overlay.ceiling_tokens is not None and now < self.overlay.ceiling_until
+
+    def fits(self, demand: int, now: float, safety_margin: float = 0.0) -> bool:
+        if self.ceiling_active(now) and demand >= (self.overlay.ceiling_tokens or 0):
+            return False
+        need = demand * (1.0 + safety_margin)
+        if (
+            self.report is not None
+            and self.report.allocator == "paged"
+            and self.report.block_size > 1
+        ):
+            bs = self.report.block_size
+            need = -(-int(need) // bs) * bs  # whole blocks
+        return need <= self.usable_block()
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    nodes: tuple[NodeView, ...]
+    taken_at: float = 0.0
+
+    def by_name(self) -> dict[str, NodeView]:
+        return {n.name: n for n in self.nodes}
+
+    def total_free(self) -> int:
+        return sum(n.report.free_tokens for n in self.nodes if n.report is not None and n.up)
+
+    def total_capacity(self) -> int:
+        return sum(n.report.capacity_tokens for n in self.nodes if n.report is not None and n.up)

@@ -1,0 +1,199 @@
+"""Validate an OpenAI request body before anything is routed or reserved.
+
+Only what the gateway needs to size and route the request is checked strictly (model,
+messages/prompt, max tokens, stream); everything else passes through untouched for the
+backend to judge. Hand-written checks rather than a pydantic model on purpose: this runs
+on every request and must cost microseconds, and the error must name the exact param.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from proxy.errors import ApiError, bad_request
+
+Endpoint = Literal["chat", "completions"]
+_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
+_MAX_MESSAGES = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    body: dict[str, Any]
+    raw: bytes
+    endpoint: Endpoint
+    model: str
+    stream: bool
+    max_new_tokens: int | None  # None: not given, the configured default applies
+
+
+def _check_int(body: dict[str, Any], key: str, limit: int) -> int | None:
+    if key not in body or body[key] is None:
+        return None
+    v = body[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(
+            f"'{key}' must be an integer, got {type(v).__name__}", param=key, code="invalid_type"
+        )
+    if v < 1:
+        raise bad_request(f"'{key}' must be at least 1, got {v}", param=key, code="invalid_value")
+    if v > limit:
+        raise bad_request(
+            f"'{key}' is {v}, above this gateway's limit of {limit}",
+            param=key,
+            code="invalid_value",
+        )
+    return v
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list):
+        raise bad_request(
+            "'messages' must be an array of message objects", param="messages", code="invalid_type"
+        )
+    if not messages:
+        raise bad_request(
+            "'messages' must contain at least one message", param="messages", code="invalid_value"
+        )
+    if len(messages) > _MAX_MESSAGES:
+        raise bad_request(
+            f"'messages' has more than {_MAX_MESSAGES} entries",
+            param="messages",
+            code="invalid_value",
+        )
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{where}' must be an object", param=where, code="invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad_request(
+                f"'{where}.role' must be one of {sorted(_ROLES)}",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
+        content = m.get("content")
+        if content is None:
+            if role == "assistant":
+                continue  # assistant messages with tool_calls may have no content
+            raise bad_request(
+                f"'{where}.content' is required",
+                param=f"{where}.content",
+                code="missing_required_parameter",
+            )
+        if isinstance(content, str):
+            continue
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise bad_request(
+                        f"'{where}.content[{j}]' must be an object with a 'type'",
+                        param=f"{where}.content[{j}]",
+                        code="invalid_type",
+                    )
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"'{where}.content[{j}].text' must be a string",
+                        param=f"{where}.content[{j}].text",
+                        code="invalid_type",
+                    )
+            continue
+        raise bad_request(
+            f"'{where}.content' must be a string or an array of parts",
+            param=f"{where}.content",
+            code="invalid_type",
+        )
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return
+        if all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in prompt):
+            return
+        if all(
+            isinstance(p, list)
+            and p
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
+            for p in prompt
+        ):
+            return
+    raise bad_request(
+        "'prompt' must be a string, an array of strings, or an array of token ids",
+        param="prompt",
+        code="invalid_type",
+    )
+
+
+def parse_request(
+    raw: bytes, endpoint: Endpoint, max_tokens_limit: int, content_type: str | None = None
+) -> ParsedRequest:
+    """Parse and validate; raise ApiError (4xx, OpenAI format) on anything the gateway cannot route."""
+    if content_type is not None:
+        ct = content_type.split(";", 1)[0].strip().lower()
+        if ct and ct != "application/json" and not ct.endswith("+json"):
+            raise ApiError(
+                415,
+                f"Content-Type must be application/json, got {ct!r}",
+                code="unsupported_media_type",
+            )
+    if not raw:
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+        )
+
+    model = body.get("model")
+    if model is None:
+        raise bad_request(
+            "you must provide a model parameter", param="model", code="missing_required_parameter"
+        )
+    if not isinstance(model, str) or not model.strip():
+        raise bad_request("'model' must be a non-empty string", param="model", code="invalid_type")
+
+    if endpoint == "chat":
+        if "messages" not in body:
+            raise bad_request(
+                "'messages' is a required property",
+                param="messages",
+                code="missing_required_parameter",
+            )
+        _check_messages(body["messages"])
+    else:
+        if "prompt" not in body:
+            raise bad_request(
+                "'prompt' is a required property", param="prompt", code="missing_required_parameter"
+            )
+        _check_prompt(body["prompt"])
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", param="stream", code="invalid_type")
+
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > 128):
+        raise bad_request(
+            "'n' must be an integer between 1 and 128", param="n", code="invalid_value"
+        )
+
+    max_new = _check_int(body, "max_completion_tokens", max_tokens_limit)
+    mt = _check_int(body, "max_tokens", max_tokens_limit)
+    if max_new is None:
+        max_new = mt
+    if max_new is not None and isinstance(n, int) and n > 1:
+        max_new *= n  # n sequences each hold their own KV
+    return ParsedRequest(
+        body=body, raw=raw, endpoint=endpoint, model=model, stream=stream, max_new_tokens=max_new
+    )

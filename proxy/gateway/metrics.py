@@ -1,0 +1,177 @@
+"""The gateway's Prometheus metrics (names documented in docs/observability.md).
+
+Counters and histograms are updated on the request path; per-backend gauges are computed
+at scrape time from the latest fleet snapshot by a custom collector, so they cost nothing
+per request and can never go stale relative to what the router used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.core.fleet import FleetSnapshot
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class FleetCollector(Collector):
+    """Per-backend gauges derived from the snapshot the router last used."""
+
+    def __init__(
+        self, snapshot: Callable[[], FleetSnapshot | None], now: Callable[[], float]
+    ) -> None:
+        self._snapshot = snapshot
+        self._now = now
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        now = self._now()
+        lbl = ["backend", "pool"]
+        ratio = GaugeMetricFamily(
+            "largest_contiguous_free_block_ratio",
+            "Largest contiguous free KV block / total free KV memory",
+            labels=lbl,
+        )
+        frag = GaugeMetricFamily(
+            "kvroute_fragmentation_ratio", "1 - largest free block / total free", labels=lbl
+        )
+        free_frac = GaugeMetricFamily(
+            "kvroute_backend_free_fraction", "Free KV memory / capacity", labels=lbl
+        )
+        free = GaugeMetricFamily(
+            "kvroute_backend_free_tokens", "Free KV memory in tokens", labels=lbl
+        )
+        largest = GaugeMetricFamily(
+            "kvroute_backend_largest_free_block_tokens",
+            "Largest contiguous free block in tokens",
+            labels=lbl,
+        )
+        cap = GaugeMetricFamily(
+            "kvroute_backend_capacity_tokens", "KV capacity in tokens", labels=lbl
+        )
+        uptime = GaugeMetricFamily(
+            "kvroute_backend_uptime_seconds", "Seconds since the backend's last restart", labels=lbl
+        )
+        up = GaugeMetricFamily(
+            "kvroute_backend_up", "1 if the backend is reachable and reporting", labels=lbl
+        )
+        draining = GaugeMetricFamily(
+            "kvroute_backend_draining", "1 while the backend is drained", labels=lbl
+        )
+        reserved = GaugeMetricFamily(
+            "kvroute_reserved_tokens", "Tokens reserved by in-flight requests", labels=lbl
+        )
+        inflight = GaugeMetricFamily(
+            "kvroute_inflight_requests", "Requests in flight through the gateway", labels=lbl
+        )
+        fams = [
+            ratio,
+            frag,
+            free_frac,
+            free,
+            largest,
+            cap,
+            uptime,
+            up,
+            draining,
+            reserved,
+            inflight,
+        ]
+        if snap is not None:
+            for n in snap.nodes:
+                labels = [n.name, n.pool]
+                up.add_metric(labels, 1.0 if n.up else 0.0)
+                draining.add_metric(labels, 1.0 if n.overlay.draining else 0.0)
+                reserved.add_metric(labels, float(n.overlay.reserved_tokens))
+                inflight.add_metric(labels, float(n.overlay.inflight))
+                r = n.report
+                if r is None:
+                    continue
+                ratio.add_metric(labels, r.largest_block_ratio)
+                frag.add_metric(labels, r.fragmentation)
+                free_frac.add_metric(labels, r.free_fraction)
+                free.add_metric(labels, float(r.free_tokens))
+                largest.add_metric(labels, float(r.largest_free_block_tokens))
+                cap.add_metric(labels, float(r.capacity_tokens))
+                uptime.add_metric(labels, r.uptime(now))
+        yield from fams
+
+
+class GatewayMetrics:
+    """All request-path metrics in one registry of the gateway's own (several apps per process in tests)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvroute_requests",
+            "Requests by class, final backend and outcome",
+            ["class", "backend", "outcome"],
+            registry=r,
+        )
+        self.attempts = Counter(
+            "kvroute_attempts",
+            "Upstream attempts by backend and result",
+            ["backend", "result"],
+            registry=r,
+        )
+        self.allocation_failures = Counter(
+            "kvroute_allocation_failures",
+            "KV allocation failures (at a backend, or nothing fits at the gateway) by cause",
+            ["cause", "backend"],
+            registry=r,
+        )
+        self.failures_high_free = Counter(
+            "kvroute_allocation_failures_at_high_free_memory",
+            "Allocation failures while the fleet's aggregate free memory was above 25%",
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvroute_retries", "Attempts after the first, by reason", ["reason"], registry=r
+        )
+        self.rejected = Counter(
+            "kvroute_rejected", "Requests refused before routing, by reason", ["reason"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "kvroute_queue_depth", "Requests waiting for a node with a big enough block", registry=r
+        )
+        self.queue_wait = Histogram(
+            "kvroute_queue_wait_seconds",
+            "Time spent waiting in the admission queue",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.decision = Histogram(
+            "kvroute_routing_decision_seconds",
+            "Time to size, classify and rank a request (incl. tokenization)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "kvroute_request_duration_seconds",
+            "End-to-end request time through the gateway",
+            ["class"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.store_degraded = Gauge(
+            "kvroute_store_degraded",
+            "1 while the state store is unreachable and routing runs on a snapshot",
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "kvroute_store_errors", "State store calls that failed or timed out", ["op"], registry=r
+        )
+        self.active = Gauge(
+            "kvroute_active_requests", "Requests being handled by this gateway", registry=r
+        )
+
+    def attach_fleet(
+        self, snapshot: Callable[[], FleetSnapshot | None], now: Callable[[], float]
+    ) -> None:
+        self.registry.register(FleetCollector(snapshot, now))

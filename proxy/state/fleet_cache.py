@@ -1,0 +1,147 @@
+"""The router's view of the fleet: one store read shared by many requests, degraded mode.
+
+Reading the store once per request would put a Redis round trip on every request; the
+snapshot is instead refreshed at most every ``refresh_s`` by one reader (single flight).
+Ranking on a snapshot a few ms old is safe because the reservation that follows is atomic
+in the store and checks the live figures.
+
+When the store is unreachable the gateway keeps routing on its last snapshot up to
+``max_snapshot_age_s``, then by length only (pools, no memory figures), reports itself
+degraded, and recovers by itself on the next successful read. Reads go through the
+request path's circuit breaker (``self.breaker``, shared with the gateway), so a paused
+store costs one deadline per open interval rather than one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from proxy.config import Config
+from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView
+from proxy.state.base import BackendState, StateStore, StoreUnavailable
+from proxy.state.breaker import CircuitBreaker
+
+log = logging.getLogger("kvroute.fleet")
+
+
+def node_from_state(cfg: Config, name: str, st: BackendState | None, now: float) -> NodeView:
+    b = cfg.backend(name)
+    role = cfg.pool_role(b.pool)
+    if st is None:
+        return NodeView(name=name, pool=b.pool, role=role, up=True, report=None)
+    report = st.report
+    if (
+        report is not None
+        and b.capacity_tokens is not None
+        and report.capacity_tokens != b.capacity_tokens
+    ):
+        cap = b.capacity_tokens
+        report = MemoryReport(
+            capacity_tokens=cap,
+            free_tokens=min(report.free_tokens, cap),
+            largest_free_block_tokens=min(report.largest_free_block_tokens, cap),
+            allocator=report.allocator,
+            block_size=report.block_size,
+            running=report.running,
+            waiting=report.waiting,
+            started_at=report.started_at,
+            reported_at=report.reported_at,
+        )
+    return NodeView(
+        name=name,
+        pool=b.pool,
+        role=role,
+        up=st.status != "down",
+        report=report,
+        overlay=st.overlay(now, cfg.store.report_grace_s),
+    )
+
+
+class FleetCache:
+    """Holds the latest fleet snapshot; refreshes it from the store on demand."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        store: StateStore,
+        clock: Callable[[], float] = time.time,
+        refresh_s: float = 0.02,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.clock = clock
+        self.refresh_s = refresh_s
+        self.names = [b.name for b in cfg.backends]
+        self._snap: FleetSnapshot | None = None
+        self._last_ok: float = 0.0
+        self._inflight: asyncio.Future[FleetSnapshot] | None = None
+        self.degraded = False
+        self.store_errors = 0
+        self.on_degraded_change: list[Callable[[bool], None]] = []
+        self.breaker = CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
+
+    @property
+    def latest(self) -> FleetSnapshot | None:
+        return self._snap
+
+    def _set_degraded(self, value: bool) -> None:
+        if value != self.degraded:
+            self.degraded = value
+            log.warning(
+                "state store %s",
+                "unreachable: routing on the last snapshot" if value else "reachable again",
+            )
+            for cb in self.on_degraded_change:
+                cb(value)
+
+    def length_only(self, now: float) -> FleetSnapshot:
+        """No memory figures at all: every node unknown, the policy falls back to pools."""
+        return FleetSnapshot(
+            tuple(node_from_state(self.cfg, n, None, now) for n in self.names), taken_at=now
+        )
+
+    async def _read(self) -> FleetSnapshot:
+        now = self.clock()
+        try:
+            states = await self.breaker.call(lambda: self.store.read(self.names, now), "read")
+        except StoreUnavailable:
+            self.store_errors += 1
+            self._set_degraded(True)
+            if self._snap is not None and now - self._last_ok <= self.cfg.store.max_snapshot_age_s:
+                return self._snap
+            return self.length_only(now)
+        self._set_degraded(False)
+        snap = FleetSnapshot(
+            tuple(node_from_state(self.cfg, n, states.get(n), now) for n in self.names),
+            taken_at=now,
+        )
+        self._snap = snap
+        self._last_ok = now
+        return snap
+
+    async def snapshot(self, force: bool = False) -> FleetSnapshot:
+        now = self.clock()
+        if (
+            not force
+            and self._snap is not None
+            and not self.degraded
+            and now - self._snap.taken_at < self.refresh_s
+        ):
+            return self._snap
+        if self._inflight is not None:
+            return await asyncio.shield(self._inflight)
+        fut: asyncio.Future[FleetSnapshot] = asyncio.get_running_loop().create_future()
+        self._inflight = fut
+        try:
+            snap = await self._read()
+            fut.set_result(snap)
+            return snap
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved
+            raise
+        finally:
+            self._inflight = None
