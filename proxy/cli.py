@@ -44,13 +44,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     from proxy.config import ConfigError, load_config
+    from proxy.config_errors import redact_url
 
     try:
         cfg = load_config(args.file)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
-    store = cfg.store.redis_url or "embedded (in-process)"
+    store = redact_url(cfg.store.redis_url) if cfg.store.redis_url else "embedded (in-process)"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
     print(
         f"{args.file}: OK: {len(cfg.backends)} backends, pools {pools}, policy {cfg.routing.policy}, store {store}"
