@@ -27,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else cfg.listen.port
     setup_logging(args.log_level, args.log_format)
     uvicorn.run(
-        create_app(cfg),
+        create_app(cfg, config_path=args.config),
         host=host,
         port=port,
         loop="uvloop",

@@ -28,6 +28,8 @@ from starlette.routing import Route
 
 from proxy.api.admin import ops_router
 from proxy.api.limits import RequestGuard
+from proxy.api.reconfigure import follow, policy_for
+from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
@@ -37,7 +39,6 @@ from proxy.gateway.metrics import GatewayMetrics
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
-from proxy.routing.policy import PolicySettings, make_policy
 from proxy.state import open_store
 from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache
@@ -94,6 +95,7 @@ class Runtime:
     owner_id: str
     started_at: float = field(default_factory=time.time)
     models_cache: tuple[float, bytes] | None = None
+    reloader: Reloader | None = None
 
 
 def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]]:
@@ -142,8 +144,15 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool = True) -> FastAPI:
-    """Build the gateway app. A store passed in is used as is (tests); else one is opened from config."""
+def create_app(
+    cfg: Config,
+    store: StateStore | None = None,
+    run_collector: bool = True,
+    config_path: str | None = None,
+) -> FastAPI:
+    """Build the gateway app. A store passed in is used as is (tests); else one is opened from config.
+    With ``config_path``, SIGHUP and ``POST /admin/reload`` re-read that file (proxy.api.reload)."""
+    holder = ConfigHolder(cfg, config_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -155,14 +164,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         fleet = FleetCache(cfg, st)
         upstream = Upstream(cfg.upstream)
         await upstream.start()
-        settings = PolicySettings(
-            safety_margin=cfg.routing.safety_margin,
-            stale_after_s=cfg.collector.stale_after_s,
-            long_threshold_tokens=cfg.routing.long_threshold_tokens,
-        )
-        gateway = Gateway(
-            cfg, st, fleet, make_policy(cfg.routing.policy, settings), upstream, metrics
-        )
+        gateway = Gateway(cfg, st, fleet, policy_for(cfg), upstream, metrics)
         await gateway.start()  # active health checks (proxy.upstream.health)
         collector = Collector(cfg, st, owner) if run_collector else None
         metrics.attach_fleet(lambda: fleet.latest, time.time)
@@ -180,13 +182,17 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         metrics.registry.register(OpsCollector(ops, time.time))
         app.state.ops = ops
         ops.start()
+        runtime: Runtime = app.state.rt
+        follow(holder, gateway, fleet, collector, ops, lambda new: setattr(runtime, "cfg", new))
+        reloader = runtime.reloader = Reloader(holder, ReloadMetrics(metrics.registry))
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)
         log.info(
             "kvroute gateway ready: %d backends, policy %s", len(cfg.backends), cfg.routing.policy
         )
         try:
-            yield
+            with reloader.on_sighup():
+                yield
         finally:
             await ops.stop()
             if collector is not None:
@@ -199,9 +205,12 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
     app = FastAPI(
         title="kvroute", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
     )
+    # Header size, client API keys, concurrency limit (proxy.api.limits); follows reloads.
     app.add_middleware(
-        RequestGuard, cfg=cfg
-    )  # header size, client API keys, concurrency limit (proxy.api.limits)
+        RequestGuard,
+        cfg=cfg,
+        follow=lambda fn: holder.subscribe(lambda old, new: fn(new)),
+    )
     app.include_router(
         ops_router()
     )  # admin actions, /fleet/advice, /fleet/events, status page at /
@@ -302,6 +311,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
                 "taken_at": snap.taken_at,
                 "degraded": r.fleet.degraded,
                 "policy": r.cfg.routing.policy,
+                "config": r.reloader.describe() if r.reloader is not None else None,
                 "queue_depth": r.gateway.admission.depth,
                 "backends": snapshot_json(snap, now),
             }

@@ -10,6 +10,7 @@ API keys are compared in constant time, against every configured key, and never 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -44,14 +45,25 @@ def key_allowed(presented: bytes | None, keys: list[bytes]) -> bool:
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, cfg: Config) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        cfg: Config,
+        follow: Callable[[Callable[[Config], None]], None] | None = None,
+    ) -> None:
         self.app = app
+        self.inflight = 0
+        self.refused: dict[str, int] = {"headers": 0, "auth": 0, "concurrency": 0}
+        self.reconfigure(cfg)
+        if follow is not None:
+            # A config reload rotates client keys and limits at once.
+            follow(self.reconfigure)
+
+    def reconfigure(self, cfg: Config) -> None:
         self.max_header_bytes = cfg.limits.max_header_bytes
         self.max_concurrent = cfg.limits.max_concurrent_requests
         self.retry_after = str(cfg.limits.retry_after_s)
         self.keys = [k.encode() for k in cfg.auth.api_keys]
-        self.inflight = 0
-        self.refused: dict[str, int] = {"headers": 0, "auth": 0, "concurrency": 0}
 
     async def _refuse(
         self, err: ApiError, why: str, scope: Scope, receive: Receive, send: Send

@@ -66,6 +66,11 @@ class BackendHealth:
             st = self._s[name] = _State()
         return st
 
+    def retain(self, names: set[str]) -> None:
+        """After a config reload: forget backends that left (they no longer count toward panic)."""
+        for gone in set(self._s) - names:
+            del self._s[gone]
+
     # ------------------------------------------------------------- passive signals
     def success(self, name: str) -> None:
         self._st(name).consecutive_failures = 0
