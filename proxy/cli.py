@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (
         ("engine", "run a simulated inference engine whose KV cache fragments"),
         ("demo", "run the demo: engines + gateway + the problem statement's workload"),
+        ("local-fleet", "start the simulated engines a config file expects (one per backend)"),
         ("simulate", "simulate a fleet over days of uptime, per routing policy"),
         ("tune", "search config knobs in simulation and recommend values"),
     ):
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 _DELEGATED = {
     "engine": "loadtest.engine.server",
     "demo": "loadtest.demo",
+    "local-fleet": "loadtest.local_fleet",
     "simulate": "loadtest.sim.simulator",
     "tune": "loadtest.sim.tune",
 }

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.api.admin import ops_router
+from proxy.api.kind_check import KindCheck, kind_mismatch
 from proxy.api.limits import RequestGuard
 from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
@@ -98,7 +99,9 @@ class Runtime:
     reloader: Reloader | None = None
 
 
-def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]]:
+def snapshot_json(
+    snap: FleetSnapshot | None, now: float, cfg: Config | None = None
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if snap is None:
         return out
@@ -136,6 +139,9 @@ def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]
                 "largest_contiguous_free_block_ratio": round(r.largest_block_ratio, 4),
                 "fragmentation_ratio": round(r.fragmentation, 4),
             }
+            warning = kind_mismatch(cfg, n.name, r.allocator) if cfg is not None else None
+            if warning is not None:
+                item["warnings"] = [warning]
         out.append(item)
     return out
 
@@ -171,6 +177,7 @@ def create_app(
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
         if collector is not None:
             collector.on_report.append(lambda name, report: gateway.admission.notify())
+            collector.on_report.append(KindCheck(lambda: app.state.rt.cfg).on_report)
             collector.start()
         app.state.rt = Runtime(cfg, st, fleet, gateway, collector, upstream, metrics, owner)
         ops = Maintenance(
@@ -313,7 +320,7 @@ def create_app(
                 "policy": r.cfg.routing.policy,
                 "config": r.reloader.describe() if r.reloader is not None else None,
                 "queue_depth": r.gateway.admission.depth,
-                "backends": snapshot_json(snap, now),
+                "backends": snapshot_json(snap, now, r.cfg),
             }
         )
 
