@@ -7,6 +7,8 @@ without loading the simulator or matplotlib.
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 from collections.abc import Callable, Sequence
 
@@ -25,11 +27,23 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or cfg.listen.host
     port = args.port if args.port is not None else cfg.listen.port
+    # Bind before anything starts, so a busy port is one clear line and exit 1, never a
+    # "gateway ready" followed by uvicorn's bind error.
+    try:
+        sock = _bind(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            print(
+                f"kvroute serve: port {port} is in use on {host}; pick another with --port",
+                file=sys.stderr,
+            )
+        else:
+            print(f"kvroute serve: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+        return 1
     setup_logging(args.log_level, args.log_format)
-    uvicorn.run(
+    log_listen(host, sock)
+    config = uvicorn.Config(
         create_app(cfg, config_path=args.config),
-        host=host,
-        port=port,
         loop="uvloop",
         http="httptools",
         access_log=False,
@@ -39,7 +53,30 @@ def _serve(args: argparse.Namespace) -> int:
         backlog=4096,
         timeout_graceful_shutdown=30,
     )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket uvicorn would create (SO_REUSEADDR as uvicorn sets it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def log_listen(host: str, sock: socket.socket) -> None:
+    import logging
+
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    logging.getLogger("kvroute.app").info("listening on http://%s:%d", shown, port)
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -54,7 +91,7 @@ def _check_config(args: argparse.Namespace) -> int:
     store = redact_url(cfg.store.redis_url) if cfg.store.redis_url else "embedded (in-process)"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
     print(
-        f"{args.file}: OK: {len(cfg.backends)} backends, pools {pools}, policy {cfg.routing.policy}, store {store}"
+        f"{args.file}: OK: {len(cfg.backends)} backend{'' if len(cfg.backends) == 1 else 's'}, pools {pools}, policy {cfg.routing.policy}, store {store}"
     )
     return 0
 

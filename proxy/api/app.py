@@ -194,8 +194,12 @@ def create_app(
         reloader = runtime.reloader = Reloader(holder, ReloadMetrics(metrics.registry))
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)
+        n = len(cfg.backends)
         log.info(
-            "kvroute gateway ready: %d backends, policy %s", len(cfg.backends), cfg.routing.policy
+            "kvroute gateway ready: %d backend%s, policy %s",
+            n,
+            "" if n == 1 else "s",
+            cfg.routing.policy,
         )
         try:
             with reloader.on_sighup():

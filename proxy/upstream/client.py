@@ -72,7 +72,16 @@ class BodyTimeout(Exception):
 
 
 class UpstreamConnectError(Exception):
-    """The backend refused or dropped the connection before answering."""
+    """The backend refused or dropped the connection before answering.
+
+    ``kind`` tells the two apart for logs and metrics: ``connect_error`` (no connection:
+    refused, unreachable, DNS) or ``disconnected`` (connected, then closed before or while
+    answering), which points at a crash or a proxy in between rather than a dead address.
+    """
+
+    def __init__(self, message: str, kind: str = "connect_error") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(slots=True)
@@ -123,7 +132,14 @@ class Upstream:
             ) from None
         except TimeoutError:
             raise UpstreamTimeout(f"no response from {url} within {limit:g}s", "ttfb") from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamConnectError(f"{url}: {exc.__class__.__name__}: {exc}") from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            # Connected, then dropped (reset, closed mid-answer): not a connect failure.
+            raise UpstreamConnectError(
+                f"{url}: {exc.__class__.__name__}: {exc}", "disconnected"
+            ) from None
+        except OSError as exc:
             raise UpstreamConnectError(f"{url}: {exc.__class__.__name__}: {exc}") from None
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
