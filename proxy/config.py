@@ -214,6 +214,13 @@ class ListenConfig(_Strict):
     port: int = Field(default=8000, ge=0, le=65535)
 
 
+class LogConfig(_Strict):
+    access_log: bool = Field(
+        default=False,
+        description="one line per /v1 request: id, model, class, demand, backend, attempts, status, duration",
+    )
+
+
 class AdminConfig(_Strict):
     api_key: str | None = Field(default=None, description="absent: admin endpoints are disabled")
 
@@ -306,6 +313,7 @@ class Config(_Strict):
     auth: AuthConfig = AuthConfig()
     admin: AdminConfig = AdminConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
+    log: LogConfig = LogConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

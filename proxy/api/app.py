@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
 from proxy.api.kind_check import KindCheck, kind_mismatch
 from proxy.api.limits import RequestGuard
@@ -216,12 +217,14 @@ def create_app(
     app = FastAPI(
         title="kvroute", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
     )
-    # Header size, client API keys, concurrency limit (proxy.api.limits); follows reloads.
-    app.add_middleware(
-        RequestGuard,
-        cfg=cfg,
-        follow=lambda fn: holder.subscribe(lambda old, new: fn(new)),
-    )
+
+    # Both follow reloads. Added last = outermost: the access log times the whole request.
+    def follow_reloads(fn: Callable[[Config], None]) -> None:
+        holder.subscribe(lambda old, new: fn(new))
+
+    # Header size, client API keys, concurrency limit (proxy.api.limits).
+    app.add_middleware(RequestGuard, cfg=cfg, follow=follow_reloads)
+    app.add_middleware(AccessLog, cfg=cfg, follow=follow_reloads)
     app.include_router(
         ops_router()
     )  # admin actions, /fleet/advice, /fleet/events, status page at /
