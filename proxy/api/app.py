@@ -123,6 +123,9 @@ def snapshot_json(
             },
             "report": None,
         }
+        if cfg is not None:
+            with contextlib.suppress(KeyError):
+                item["kind"] = cfg.backend(n.name).kind
         if r is not None:
             item["report"] = {
                 "capacity_tokens": r.capacity_tokens,
