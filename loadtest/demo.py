@@ -125,14 +125,16 @@ def fragmented_note(policy: str, state: dict[str, Any]) -> Text:
     )
     if policy == "kvroute":
         line += Text(
-            "kvroute packs short chats into the general nodes' gaps on purpose, so their "
-            "largest/free ratio drops while the long pool's blocks stay whole for documents.",
+            "A low largest/free ratio alone fails nothing: kvroute packs short chats into gaps "
+            "on purpose and sends a document only to a node whose largest free block fits it "
+            "(or holds it briefly until one does), so its nodes can look fragmented while no "
+            "request fails.",
             style="dim",
         )
     else:
         line += Text(
-            f"{policy} sends chats and documents everywhere: every node's largest block "
-            "shrinks, and a document fails on a node that still has plenty of free memory.",
+            f"{policy} sends each request to the next node whatever its largest block: a "
+            "document fails on a node that still has plenty of free memory, just not in one piece.",
             style="dim",
         )
     return line
