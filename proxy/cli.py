@@ -76,7 +76,7 @@ def log_listen(host: str, sock: socket.socket) -> None:
 
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    logging.getLogger("kvroute.app").info("listening on http://%s:%d", shown, port)
+    logging.getLogger("kvroute.app").info("bound to http://%s:%d; starting", shown, port)
 
 
 def _check_config(args: argparse.Namespace) -> int:

@@ -149,7 +149,8 @@ class Reloader:
             "hash": h.hash,
             "generation": h.generation,
             "loaded_at": h.loaded_at,
-            "path": str(h.path) if h.path is not None else None,
+            # No file path: /fleet is open, and the path says nothing a client needs.
+            "reloadable": h.path is not None,
         }
 
     async def reload(self, source: str) -> ReloadOutcome:
