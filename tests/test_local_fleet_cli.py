@@ -69,3 +69,24 @@ def test_local_fleet_refuses_what_it_cannot_simulate(tmp_path: Path) -> None:
     )
     assert res.returncode == 2
     assert "kind 'vllm'" in res.stderr
+
+
+def test_readme_engine_commands_match_the_shipped_config() -> None:
+    """The README's by-hand commands start exactly the engines config/kvroute.yaml expects."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("To run the gateway in front of servers", 1)[1].split("## Commands", 1)[
+        0
+    ]
+    cmds = re.findall(
+        r"kvroute engine --port (\d+) --name (\S+)\s+--allocator (\S+) --capacity-tokens (\d+) --speedup (\d+)",
+        section,
+    )
+    wanted = specs_from_config(str(ROOT / "config" / "kvroute.yaml"), 10.0, 100_000)
+    assert [(int(p), n, a) for p, n, a, _, _ in cmds] == [
+        (port, spec.name, spec.allocator) for spec, port in wanted
+    ]
+    # Sped up, as local-fleet does: a real-time engine times long documents out.
+    assert all(int(speed) >= 10 for *_, speed in cmds)
+    assert "kvroute local-fleet --config config/kvroute.yaml" in section
