@@ -14,6 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
+# The error tree lives in proxy.errors; re-exported where callers have always found it.
+from proxy.errors import ConfigError as ConfigError
+
 BackendKind = Literal["vllm", "contiguous", "paged"]
 PoolRole = Literal["general", "long"]
 PolicyName = Literal["kvroute", "round_robin", "least_loaded", "most_free"]
@@ -324,10 +327,6 @@ class Config(_Strict):
             if b.name == name:
                 return b
         raise KeyError(name)
-
-
-class ConfigError(Exception):
-    """A config file that cannot be used; the message names each offending key and value."""
 
 
 # Environment variable -> dotted config key. Only what deployments typically inject.
