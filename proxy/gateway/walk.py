@@ -29,7 +29,6 @@ from starlette.responses import Response
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
-from proxy.core.tokens import count_prompt_async
 from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError, sse_error_event
 from proxy.gateway.admission import Admission
@@ -38,6 +37,7 @@ from proxy.gateway.metrics import GatewayMetrics
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.gateway.resilience_metrics import ResilienceCollector
 from proxy.gateway.retry_budget import RetryBudget
+from proxy.gateway.sizing import size_request
 from proxy.routing.policy import Policy, RequestClass, RouteRequest, classify, nothing_fits_reason
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
@@ -253,13 +253,8 @@ class Gateway:
     ) -> Response:
         rcfg = self.cfg.routing
         deadline = asyncio.get_running_loop().time() + self.cfg.upstream.total_timeout_s
-        prompt_tokens = await count_prompt_async(
-            parsed.body,
-            rcfg.tokenize_in_thread_chars,
-            rcfg.chat_tokens_per_message,
-            rcfg.chat_tokens_reply_priming,
-        )
-        demand = prompt_tokens + (parsed.max_new_tokens or rcfg.default_max_tokens)
+        sized = await size_request(parsed, self.cfg)
+        prompt_tokens, demand = sized.prompt_tokens, sized.total
         cls = classify(demand, rcfg.long_threshold_tokens)
         snap = await self.fleet.snapshot()
         cap = self._max_capacity(snap)
