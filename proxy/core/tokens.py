@@ -188,7 +188,8 @@ class PromptCounter:
     def embeds(self, b64: str) -> int:
         """Estimate: a tensor of N tokens x hidden x dtype bytes, base64 (4 chars per 3 bytes)."""
         per = max(1, self.rules.prompt_embeds_bytes_per_token)
-        return -(-(len(b64) * 3 // 4) // per)
+        decoded = len(b64) * 3 // 4 - (len(b64) - len(b64.rstrip("=")))
+        return -(-decoded // per)
 
 
 def work_chars(body: dict[str, Any], rules: SizingRules) -> int:
