@@ -18,7 +18,8 @@ import tiktoken
 from tokenizers import Tokenizer
 
 from proxy.config import parse_config
-from proxy.core.demand import Sizer
+from proxy.core.demand import ModelSizing, Sizer
+from proxy.core.tokenizer import TiktokenCounter
 from proxy.core.validation import parse_request
 from tests.test_tokens import build_word_tokenizer
 
@@ -327,17 +328,40 @@ def test_missing_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
         sizer(models={"x": {"tokenizer_file": str(tmp_path / "nope.json")}})
 
 
-def test_turn_20_costs_about_its_new_message() -> None:
-    s = sizer()
+class Spy:
+    """A counter that records what it was asked to tokenize."""
+
+    def __init__(self) -> None:
+        self.inner = TiktokenCounter()
+        self.seen: list[str] = []
+
+    @property
+    def id(self) -> str:
+        return self.inner.id
+
+    def count(self, text: str) -> int:
+        self.seen.append(text)
+        return self.inner.count(text)
+
+
+def test_turn_20_tokenizes_only_its_new_message() -> None:
+    spy = Spy()
+    s = Sizer(ModelSizing(spy))
     history: list[dict[str, Any]] = []
     for i in range(20):
         history.append(user(f"question {i}: " + "tell me more about caching " * 20))
         history.append({"role": "assistant", "content": f"answer {i}: " + "it helps a lot " * 30})
     body = {"messages": history, "tools": TOOLS, "max_tokens": 8}
     first = demand(body, s=s)
-    misses = s.cache.misses
-    history.append(user("and one more question " * 20))
+    spy.seen.clear()
+    new = "and one more question " * 20
+    history.append(user(new))
     second = demand(body, s=s)
-    # Only the new message (the one text over cache_min_chars) was tokenized again.
-    assert s.cache.misses - misses == 1
-    assert second - first == msg("user", t("and one more question " * 20))
+    # The old messages and the tool list came from the cache: only the new message was counted.
+    assert sorted(spy.seen) == sorted([new, "user"])
+    assert second - first == msg("user", t(new))
+    # A changed tool list is not taken from the cache: it is counted again, right.
+    tools = [*TOOLS[:-1], WEATHER]
+    assert demand({**body, "tools": tools}, s=s) == second - sum(t(js(x)) for x in TOOLS) + sum(
+        t(js(x)) for x in tools
+    )

@@ -110,7 +110,12 @@ class Sizer:
 
         def build(enc: str, path: str | None, **over: int | str | None) -> ModelSizing:
             if (enc, path) not in counters:
-                counters[enc, path] = load_counter(enc, path)
+                try:
+                    counters[enc, path] = load_counter(enc, path)
+                except Exception as exc:
+                    # tokenizers/tiktoken raise their own types; say which setting failed.
+                    what = f"tokenizer_file {path!r}" if path else f"tokenizer {enc!r}"
+                    raise ValueError(f"sizing: cannot load {what}: {exc}") from exc
             rules = SizingRules(
                 tokens_per_message=_pick(over.get("tokens_per_message"), r.chat_tokens_per_message),
                 reply_priming=_pick(over.get("reply_priming"), r.chat_tokens_reply_priming),

@@ -79,7 +79,9 @@ class HFCounter:
             return 0
         if len(text) <= _HF_BATCH_ABOVE_CHARS:
             return len(self._tok.encode(text, add_special_tokens=False).ids)
-        return len(self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+        # encode_batch_fast (tokenizers >= 0.20) skips offsets; both release the GIL.
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return len(batch([text], add_special_tokens=False)[0].ids)
 
 
 def load_counter(
@@ -107,10 +109,14 @@ class TokenCache:
         self.misses = 0
 
     @staticmethod
-    def key(counter_id: str, kind: str, text: str) -> bytes:
+    def key(counter_id: str, kind: str, *texts: str) -> bytes:
         h = hashlib.blake2b(digest_size=16)
-        h.update(f"{counter_id}\0{kind}\0".encode())
-        h.update(text.encode("utf-8", "surrogatepass"))
+        h.update(f"{counter_id}\0{kind}".encode())
+        for text in texts:
+            data = text.encode("utf-8", "surrogatepass")
+            # Length-prefixed: ("ab", "c") and ("a", "bc") must not share a key.
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
         return h.digest()
 
     def get(self, key: bytes) -> int | None:

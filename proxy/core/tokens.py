@@ -32,6 +32,8 @@ import orjson
 from proxy.core.tokenizer import Counter, TiktokenCounter, TokenCache
 
 _MEDIA_KINDS = ("image", "audio", "video", "file")
+#: A message with only these keys is cached as a whole (see ``PromptCounter.message``).
+_PLAIN_KEYS = frozenset({"role", "content", "name"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +140,27 @@ class PromptCounter:
         return total
 
     def message(self, m: dict[str, Any]) -> int:
+        content = m.get("content")
+        if (
+            self.cache is not None
+            and isinstance(content, str)
+            and len(content) >= self.rules.cache_min_chars
+            and len(content) <= self.rules.max_field_chars
+            and m.keys() <= _PLAIN_KEYS
+        ):
+            # The common message (role + text) is one cache entry: one hash, one lookup.
+            name = m.get("name")
+            key = self.cache.key(self.counter.id, "msg", str(m.get("role", "")), content)
+            if isinstance(name, str):
+                key = self.cache.key(self.counter.id, "named", key.hex(), name)
+            n = self.cache.get(key)
+            if n is None:
+                n = self._message(m)
+                self.cache.put(key, n)
+            return n
+        return self._message(m)
+
+    def _message(self, m: dict[str, Any]) -> int:
         n = self.rules.tokens_per_message + self.text(str(m.get("role", "")))
         n += self.content(m.get("content"))
         if isinstance(m.get("name"), str):
