@@ -211,7 +211,8 @@ class PromptCounter:
     def embeds(self, b64: str) -> int:
         """Estimate: a tensor of N tokens x hidden x dtype bytes, base64 (4 chars per 3 bytes)."""
         per = max(1, self.rules.prompt_embeds_bytes_per_token)
-        decoded = len(b64) * 3 // 4 - (len(b64) - len(b64.rstrip("=")))
+        padding = 2 if b64.endswith("==") else 1 if b64.endswith("=") else 0
+        decoded = len(b64) * 3 // 4 - padding
         return -(-decoded // per)
 
 

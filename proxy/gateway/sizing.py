@@ -24,6 +24,7 @@ from proxy.core.validation import ParsedRequest
 _lock = threading.Lock()
 # id(cfg) -> (cfg, sizer): the config is kept so that its id cannot be reused by another.
 _sizers: dict[int, tuple[Config, Sizer]] = {}
+_KEEP_SIZERS = 8
 
 
 def sizer_for(cfg: Config) -> Sizer:
@@ -33,6 +34,9 @@ def sizer_for(cfg: Config) -> Sizer:
         if hit is None or hit[0] is not cfg:
             hit = (cfg, Sizer.from_config(cfg))
             _sizers[id(cfg)] = hit
+            # A process sees one config, tests a few dozen: keep the newest few.
+            while len(_sizers) > _KEEP_SIZERS:
+                del _sizers[next(iter(_sizers))]
         return hit[1]
 
 
