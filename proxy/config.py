@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, mod
 from proxy import config_errors
 from proxy.config_errors import pydantic_problems
 
+# The error tree lives in proxy.errors; re-exported where callers have always found it.
+from proxy.errors import ConfigError as ConfigError
+
 BackendKind = Literal["vllm", "contiguous", "paged"]
 PoolRole = Literal["general", "long"]
 PolicyName = Literal["kvroute", "round_robin", "least_loaded", "most_free"]
@@ -70,6 +73,71 @@ class RoutingConfig(_Strict):
     tokenize_in_thread_chars: int = Field(
         default=8_192, ge=0, description="prompts longer than this are tokenized off the event loop"
     )
+
+
+class SizingConfig(_Strict):
+    """How requests are sized for every model (``models.<name>`` overrides per model)."""
+
+    tokenizer: str = Field(default="cl100k_base", description="tiktoken encoding name")
+    tokenizer_file: Path | None = Field(
+        default=None, description="a Hugging Face tokenizer.json (offline; wins over tokenizer)"
+    )
+    default_max_tokens: int | Literal["server"] | None = Field(
+        default=None, description="output assumed without max_tokens; none: routing's"
+    )
+    tokens_per_name: int = Field(default=1, ge=0)
+    tokens_per_tool: int = Field(default=3, ge=0)
+    tokens_per_tool_call: int = Field(default=3, ge=0)
+    image_part_tokens: int = Field(default=1024, ge=0)
+    audio_part_tokens: int = Field(default=750, ge=0)
+    video_part_tokens: int = Field(default=4096, ge=0)
+    file_part_tokens: int = Field(default=1024, ge=0)
+    prompt_embeds_bytes_per_token: int = Field(default=2048, gt=0)
+    max_field_chars: int = Field(
+        default=1_048_576, gt=0, description="a longer field counts its UTF-8 bytes, untokenized"
+    )
+    cache_entries: int = Field(default=16_384, ge=0)
+    cache_min_chars: int = Field(default=256, ge=0)
+
+    @model_validator(mode="after")
+    def _file_exists(self) -> SizingConfig:
+        _check_tokenizer_file(self.tokenizer_file)
+        if isinstance(self.default_max_tokens, int) and self.default_max_tokens < 1:
+            raise ValueError(
+                f"default_max_tokens must be at least 1 (got {self.default_max_tokens})"
+            )
+        return self
+
+
+class ModelConfig(_Strict):
+    """One model's sizing: its tokenizer, chat-template overhead and default output."""
+
+    tokenizer: str | None = None
+    tokenizer_file: Path | None = None
+    tokens_per_message: int | None = Field(default=None, ge=0)
+    reply_priming: int | None = Field(default=None, ge=0)
+    tokens_per_name: int | None = Field(default=None, ge=0)
+    tokens_per_tool: int | None = Field(default=None, ge=0)
+    image_part_tokens: int | None = Field(default=None, ge=0)
+    audio_part_tokens: int | None = Field(default=None, ge=0)
+    video_part_tokens: int | None = Field(default=None, ge=0)
+    prompt_embeds_bytes_per_token: int | None = Field(default=None, gt=0)
+    default_max_tokens: int | Literal["server"] | None = None
+    max_model_len: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _file_exists(self) -> ModelConfig:
+        _check_tokenizer_file(self.tokenizer_file)
+        if isinstance(self.default_max_tokens, int) and self.default_max_tokens < 1:
+            raise ValueError(
+                f"default_max_tokens must be at least 1 (got {self.default_max_tokens})"
+            )
+        return self
+
+
+def _check_tokenizer_file(path: Path | None) -> None:
+    if path is not None and not path.is_file():
+        raise ValueError(f"tokenizer_file: no such file (got {str(path)!r})")
 
 
 class StoreConfig(_Strict):
@@ -313,6 +381,8 @@ class Config(_Strict):
     auth: AuthConfig = AuthConfig()
     admin: AdminConfig = AdminConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
+    sizing: SizingConfig = SizingConfig()
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
     log: LogConfig = LogConfig()
 
     @model_validator(mode="after")
@@ -336,10 +406,6 @@ class Config(_Strict):
             if b.name == name:
                 return b
         raise KeyError(name)
-
-
-class ConfigError(Exception):
-    """A config file that cannot be used; the message names each offending key and value."""
 
 
 # Environment variable -> dotted config key. Only what deployments typically inject.

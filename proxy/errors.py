@@ -1,14 +1,133 @@
-"""OpenAI-format error bodies, so every client library shows the gateway's errors properly."""
+"""Every kvroute error, drawn in one place, and the OpenAI-format bodies the client sees.
+
+The hierarchy (the httpx ``_exceptions.py`` habit: one base, the whole tree in one module)::
+
+    KvrouteError
+    ├── ConfigError            a config file that cannot be used (names key and value)
+    ├── StoreUnavailable       the state store did not answer within its deadline
+    ├── ScrapeError            a backend's metrics could not become a memory report
+    ├── RestartRefused         a manual restart/drain that cannot start now (``reason``)
+    ├── UpstreamError          a backend failed us before anything reached the client
+    │   ├── UpstreamTimeout        no response headers in time (connect or TTFB)
+    │   ├── UpstreamConnectError   refused or dropped before answering
+    │   ├── BodyTimeout            the body stalled (idle gap) or ran past the total limit
+    │   └── UpstreamBroken         the connection broke while the body was being read
+    └── ApiError               an error answered to the client as OpenAI-format JSON
+
+Library errors (aiohttp, OSError) are translated into ``UpstreamError`` inside
+``proxy.upstream.client``; nothing above it catches a library's exceptions. Only ``ApiError``
+carries an HTTP status: the domain errors carry a kind, and the layer that answers HTTP maps
+the kind to a status (``UPSTREAM_ANSWERS`` below, ``proxy.api.admin`` for restarts).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from starlette.responses import Response
 
 
-class ApiError(Exception):
+class KvrouteError(Exception):
+    """Base of every error kvroute raises on purpose."""
+
+
+class ConfigError(KvrouteError):
+    """A config file that cannot be used; the message names each offending key and value."""
+
+
+class StoreUnavailable(KvrouteError):
+    """The store did not answer within its deadline (after one retry)."""
+
+
+class ScrapeError(KvrouteError):
+    """A backend's metrics could not be turned into a memory report; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+RefusalReason = Literal["unknown_backend", "conflict", "store_unavailable"]
+
+
+class RestartRefused(KvrouteError):
+    """A manual restart or drain that cannot happen now; ``reason`` says which kind of no."""
+
+    def __init__(self, reason: RefusalReason, message: str) -> None:
+        super().__init__(message)
+        self.reason: RefusalReason = reason
+        self.message = message
+
+
+# What went wrong with one upstream attempt; keys of UPSTREAM_ANSWERS.
+UpstreamFailure = Literal[
+    "connect_timeout",
+    "ttfb_timeout",
+    "connect_error",
+    "idle_timeout",
+    "total_timeout",
+    "first_event_timeout",
+    "broken",
+    "bad_response",
+]
+
+
+class UpstreamError(KvrouteError):
+    """A backend failed before anything reached the client; ``failure`` names how."""
+
+    failure: UpstreamFailure = "broken"
+
+
+class UpstreamTimeout(UpstreamError):
+    """A timeout before anything reached the client: ``phase`` is "connect" or "ttfb"."""
+
+    def __init__(self, message: str, phase: Literal["connect", "ttfb"] = "ttfb") -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.failure = "connect_timeout" if phase == "connect" else "ttfb_timeout"
+
+
+class UpstreamConnectError(UpstreamError):
+    """The backend refused or dropped the connection before answering."""
+
+    failure: UpstreamFailure = "connect_error"
+
+
+class BodyTimeout(UpstreamError):
+    """The body stopped: ``phase`` is "idle" (gap between chunks) or "total" (whole request)."""
+
+    def __init__(self, message: str, phase: Literal["idle", "total"]) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.failure = "idle_timeout" if phase == "idle" else "total_timeout"
+
+
+class UpstreamBroken(UpstreamError):
+    """The connection broke mid-body; ``cause`` names the library's exception class."""
+
+    failure: UpstreamFailure = "broken"
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+# Upstream failure -> (HTTP status, error code) of the client's answer.
+UPSTREAM_ANSWERS: dict[UpstreamFailure, tuple[int, str]] = {
+    "connect_timeout": (504, "upstream_connect_timeout"),
+    "ttfb_timeout": (504, "upstream_timeout"),
+    "connect_error": (502, "upstream_unavailable"),
+    "idle_timeout": (504, "upstream_idle_timeout"),
+    "total_timeout": (504, "upstream_total_timeout"),
+    # Before the first event a stream's timeout is one kind, whatever the phase.
+    "first_event_timeout": (504, "upstream_timeout"),
+    "broken": (502, "upstream_broken"),
+    "bad_response": (502, "upstream_bad_response"),
+}
+
+
+class ApiError(KvrouteError):
     """An error answered to the client as ``{"error": {message, type, param, code}}``."""
 
     def __init__(
@@ -51,6 +170,12 @@ class ApiError(Exception):
             media_type="application/json",
             headers=h,
         )
+
+
+def upstream_answer(failure: UpstreamFailure, message: str) -> Response:
+    """The client's answer for an upstream failure, status and code from ``UPSTREAM_ANSWERS``."""
+    status, code = UPSTREAM_ANSWERS[failure]
+    return ApiError(status, message, type="upstream_error", code=code).response()
 
 
 def bad_request(

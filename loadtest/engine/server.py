@@ -51,7 +51,8 @@ from loadtest.engine.protocol import (
     usage_chunk,
 )
 from proxy.core import backend_contract as contract
-from proxy.core.tokens import count_prompt_async, encoding
+from proxy.core.tokens import encoding
+from proxy.gateway.sizing import count_prompt_async
 
 log = logging.getLogger("kvroute.engine")
 

@@ -18,8 +18,8 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proxy.errors import ApiError
-from proxy.ops.maintenance import Maintenance, RestartRefused
+from proxy.errors import ApiError, RefusalReason, RestartRefused
+from proxy.ops.maintenance import Maintenance
 from proxy.state.base import StoreUnavailable
 
 STATUS_PAGE_CSP = (
@@ -78,9 +78,18 @@ def check_admin(request: Request) -> Response | None:
     return None
 
 
+# Why a restart or drain was refused -> (HTTP status, error type and code). The domain error
+# carries no status; this is the one place that turns it into HTTP.
+REFUSAL_ANSWERS: dict[RefusalReason, tuple[int, str]] = {
+    "unknown_backend": (404, "not_found"),
+    "conflict": (409, "conflict"),
+    "store_unavailable": (503, "conflict"),
+}
+
+
 def _refused(exc: RestartRefused) -> Response:
-    kind = "not_found" if exc.status == 404 else "conflict"
-    return ApiError(exc.status, exc.message, type=kind, code=kind).response()
+    status, kind = REFUSAL_ANSWERS[exc.reason]
+    return ApiError(status, exc.message, type=kind, code=kind).response()
 
 
 @lru_cache(maxsize=1)
@@ -121,7 +130,7 @@ def ops_router() -> APIRouter:
         if name in ops.restarting and not _flag(request, "force"):
             return _refused(
                 RestartRefused(
-                    409,
+                    "conflict",
                     f"{name} is being restarted; it returns to service by itself (add ?force=true to undrain now)",
                 )
             )

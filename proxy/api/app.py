@@ -35,9 +35,9 @@ from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
-from proxy.core.tokens import encoding
 from proxy.errors import ApiError
 from proxy.gateway.metrics import GatewayMetrics
+from proxy.gateway.sizing import load_sizer
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
@@ -166,8 +166,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Load the tokenizer now, off the loop: lazily, the first request would stall the loop ~0.4 s.
-        await asyncio.to_thread(encoding)
+        # Load the tokenizers now, off the loop: lazily, the first request would stall the loop ~0.4 s.
+        await load_sizer(cfg)
         st = store if store is not None else open_store(cfg.store)
         owner = f"{socket.gethostname()}:{os.getpid()}:{id(app):x}"
         metrics = GatewayMetrics()

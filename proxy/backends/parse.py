@@ -29,15 +29,10 @@ from proxy.config import BackendKind
 from proxy.core import backend_contract as bc
 from proxy.core.fleet import AllocatorKind, MemoryReport
 
+# The error tree lives in proxy.errors; re-exported where callers have always found it.
+from proxy.errors import ScrapeError as ScrapeError
+
 _ALLOCATORS: frozenset[str] = frozenset(get_args(AllocatorKind))
-
-
-class ScrapeError(Exception):
-    """A backend's metrics could not be turned into a memory report; ``reason`` says why."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from proxy.ops.diagnosis import (
     TrendSettings,
     failure_from_hook,
 )
+from proxy.errors import RestartRefused
 from proxy.ops.restart_hooks import NoHook, RestartHook, make_hook
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
@@ -85,15 +86,6 @@ def bookkeeping(events: Sequence[Mapping[str, Any]], now: float, max_age_s: floa
             ):
                 in_progress[name] = dict(ev)
     return Bookkeeping(in_progress, last_started, last_failed)
-
-
-class RestartRefused(Exception):
-    """A manual restart that cannot start now; ``status`` is the HTTP status to answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class _Failed(Exception):
@@ -315,47 +307,49 @@ class Maintenance:
     async def request_restart(self, name: str, force: bool = False) -> dict[str, Any]:
         """Start a restart of ``name`` now (by hand). Raises RestartRefused when it cannot start."""
         if name not in self.urls:
-            raise RestartRefused(404, f"no backend named {name!r}")
+            raise RestartRefused("unknown_backend", f"no backend named {name!r}")
         if isinstance(self.hook, NoHook):
             raise RestartRefused(
-                409,
+                "conflict",
                 "no restart hook configured (maintenance.hook.type is 'none'): drain it and restart it yourself",
             )
         if name in self._tasks:
-            raise RestartRefused(409, f"{name} is already being restarted")
+            raise RestartRefused("conflict", f"{name} is already being restarted")
         now = self.clock()
         books = await self._read_books(now)
         if name in books.in_progress:
             raise RestartRefused(
-                409, f"{name} is already being restarted by {books.in_progress[name].get('by')}"
+                "conflict",
+                f"{name} is already being restarted by {books.in_progress[name].get('by')}",
             )
         if not await self._lock():
             raise RestartRefused(
-                409,
+                "conflict",
                 "another gateway holds the maintenance lock (a restart is under way there); try again later",
             )
         busy = self._busy(books)
         if len(busy) >= self.m.max_concurrent_restarts:
             raise RestartRefused(
-                409,
+                "conflict",
                 f"{len(busy)} node(s) already restarting ({', '.join(sorted(busy))}); max_concurrent_restarts is {self.m.max_concurrent_restarts}",
             )
         snap = await self.fleet.snapshot(force=True)
         ok, why = can_take_out(snap, name, now, self.m, self.cfg.collector.stale_after_s, busy)
         if not ok and not force:
             raise RestartRefused(
-                409, f"not safe to take {name} out now: {why} (add ?force=true to restart anyway)"
+                "conflict",
+                f"not safe to take {name} out now: {why} (add ?force=true to restart anyway)",
             )
         rid = self._spawn(name, "manual")
         return {"backend": name, "restart_id": rid, "status": "started", "capacity_check": why}
 
     async def set_draining(self, name: str, draining: bool, by: str = "admin") -> None:
         if name not in self.urls:
-            raise RestartRefused(404, f"no backend named {name!r}")
+            raise RestartRefused("unknown_backend", f"no backend named {name!r}")
         try:
             await self.store.set_draining(name, draining)
         except StoreUnavailable:
-            raise RestartRefused(503, "state store unavailable") from None
+            raise RestartRefused("store_unavailable", "state store unavailable") from None
         await self._event("drain" if draining else "undrain", name, by=by)
 
     # ------------------------------------------------------------------ one restart

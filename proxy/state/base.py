@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 from proxy.core.fleet import MemoryReport, Overlay
 
+# The error tree lives in proxy.errors; re-exported where callers have always found it.
+from proxy.errors import StoreUnavailable as StoreUnavailable
+
 Status = Literal["up", "down", "unknown"]
 
 
@@ -176,10 +179,6 @@ def reservation_fits(
     if report is None:
         return True
     return pending + tokens * (1.0 + headroom) <= report.largest_free_block_tokens
-
-
-class StoreUnavailable(Exception):
-    """The store did not answer within its deadline (after one retry)."""
 
 
 class StateStore(abc.ABC):

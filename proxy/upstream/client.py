@@ -8,12 +8,25 @@ httpx stays where convenience matters more (scraping, hooks, tests).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 
 from proxy.config import UpstreamConfig
+from proxy.errors import (
+    BodyTimeout as BodyTimeout,
+)
+from proxy.errors import (
+    UpstreamBroken as UpstreamBroken,
+)
+from proxy.errors import (
+    UpstreamConnectError as UpstreamConnectError,
+)
+from proxy.errors import (
+    UpstreamTimeout as UpstreamTimeout,
+)
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus fields the proxy recomputes itself.
 HOP_BY_HOP = frozenset(
@@ -55,33 +68,17 @@ def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-class UpstreamTimeout(Exception):
-    """A timeout before anything reached the client: ``phase`` is "connect" or "ttfb"."""
-
-    def __init__(self, message: str, phase: str = "ttfb") -> None:
-        super().__init__(message)
-        self.phase = phase
+# Library errors that mean "the connection broke" while a body was being read.
+_BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError)
 
 
-class BodyTimeout(Exception):
-    """The body stopped: ``phase`` is "idle" (gap between chunks) or "total" (whole request)."""
-
-    def __init__(self, message: str, phase: str) -> None:
-        super().__init__(message)
-        self.phase = phase
-
-
-class UpstreamConnectError(Exception):
-    """The backend refused or dropped the connection before answering.
-
-    ``kind`` tells the two apart for logs and metrics: ``connect_error`` (no connection:
-    refused, unreachable, DNS) or ``disconnected`` (connected, then closed before or while
-    answering), which points at a crash or a proxy in between rather than a dead address.
-    """
-
-    def __init__(self, message: str, kind: str = "connect_error") -> None:
-        super().__init__(message)
-        self.kind = kind
+@contextlib.contextmanager
+def _map_broken() -> Iterator[None]:
+    """Translate aiohttp's and the socket's errors into UpstreamBroken (the httpx mapping habit)."""
+    try:
+        yield
+    except _BROKEN as exc:
+        raise UpstreamBroken(exc.__class__.__name__) from exc
 
 
 @dataclass(slots=True)
@@ -135,9 +132,10 @@ class Upstream:
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamConnectError(f"{url}: {exc.__class__.__name__}: {exc}") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            # Connected, then dropped (reset, closed mid-answer): not a connect failure.
-            raise UpstreamConnectError(
-                f"{url}: {exc.__class__.__name__}: {exc}", "disconnected"
+            # Connected, then dropped before the headers (a crash, a reset): "broken", not a
+            # failure to connect, so logs and kvroute_attempts_total{result} tell them apart.
+            raise UpstreamBroken(
+                f"{url}: closed the connection before answering ({exc.__class__.__name__})"
             ) from None
         except OSError as exc:
             raise UpstreamConnectError(f"{url}: {exc.__class__.__name__}: {exc}") from None
@@ -152,25 +150,19 @@ async def read_limited(resp: aiohttp.ClientResponse, limit: int = 1 << 20) -> by
     """Read an error body, at most `limit` bytes (an upstream must not make us buffer gigabytes)."""
     chunks: list[bytes] = []
     size = 0
-    async for chunk in resp.content.iter_any():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= limit:
-            break
+    with _map_broken():
+        async for chunk in resp.content.iter_any():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= limit:
+                break
     return b"".join(chunks)[:limit]
-
-
-async def iter_body(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """Yield the upstream body as it arrives (SSE events are relayed the moment they come)."""
-    async for chunk in resp.content.iter_any():
-        if chunk:
-            yield chunk
 
 
 async def next_chunk(resp: aiohttp.ClientResponse, idle_s: float, deadline: float) -> bytes:
     """The next piece of the body (b"" at its end) within the idle gap and the total deadline.
 
-    ``deadline`` is on the loop's clock. Raises BodyTimeout, or aiohttp's errors when the
+    ``deadline`` is on the loop's clock. Raises BodyTimeout, or UpstreamBroken when the
     connection breaks.
     """
     loop = asyncio.get_running_loop()
@@ -180,7 +172,8 @@ async def next_chunk(resp: aiohttp.ClientResponse, idle_s: float, deadline: floa
     phase = "idle" if idle_s < left else "total"
     try:
         async with asyncio.timeout(min(idle_s, left)):
-            return await resp.content.readany()
+            with _map_broken():
+                return await resp.content.readany()
     except TimeoutError:
         if phase == "idle":
             raise BodyTimeout(f"no data for {idle_s:g}s", "idle") from None

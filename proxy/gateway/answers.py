@@ -1,0 +1,173 @@
+"""Step 6 for answers that are not a stream: a backend's error status, or a whole 2xx body.
+
+An error status is classified (``proxy.upstream.classify``): the client's own mistake is
+relayed as is; an allocation failure diverts and teaches the fleet a ceiling; overload and
+server errors divert and, when nobody else serves, become the answer. A 2xx body is read in
+full before anything reaches the client, so a body that stalls or breaks can still divert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import ClientResponse
+from starlette.responses import Response
+
+from proxy.core.fleet import FleetSnapshot
+from proxy.errors import ApiError, UpstreamBroken, UpstreamFailure, upstream_answer
+from proxy.gateway.context import FAILURE_RESULTS, AttemptResult, RequestContext
+from proxy.gateway.divert import divert, record_allocation_failure
+from proxy.upstream.classify import UpstreamVerdict, classify_response, is_json_object
+from proxy.upstream.client import BodyTimeout, read_body, read_limited, response_headers
+
+if TYPE_CHECKING:
+    from proxy.gateway.walk import Gateway
+
+log = logging.getLogger("kvroute.gateway")
+
+# Of a failed backend's headers, only Retry-After reaches the client.
+_RETRY_AFTER = frozenset({"retry-after"})
+
+
+def broken_answer(
+    gw: Gateway,
+    ctx: RequestContext,
+    backend: str,
+    resp: ClientResponse,
+    failure: UpstreamFailure,
+    message: str,
+) -> None:
+    """The backend's answer broke before reaching the client: drop its connection and divert."""
+    resp.close()
+    answer = upstream_answer(failure, message)
+    divert(gw, ctx, backend, answer, result=FAILURE_RESULTS[failure], broken=message)
+
+
+async def error_answer(
+    gw: Gateway, ctx: RequestContext, backend: str, resp: ClientResponse
+) -> Response | None:
+    """A 4xx/5xx from ``backend``: relay the client's own mistake, divert anything else."""
+    try:
+        async with asyncio.timeout(gw.cfg.upstream.idle_timeout_s):
+            body = await read_limited(resp)
+    except (UpstreamBroken, TimeoutError):
+        body = b""
+    finally:
+        resp.close()
+    verdict = classify_response(resp.status, body, resp.headers.get("retry-after"))
+    if verdict.verdict == "client_error":
+        gw.metrics.attempts.labels(backend, verdict.verdict).inc()
+        gw.health.success(backend)
+        await gw.ledger.release(backend, ctx.reservation_id)
+        gw.metrics.requests.labels(ctx.cls, backend, "rejected").inc()
+        headers = ctx.answer_headers(backend, response_headers(resp.headers))
+        return Response(body, status_code=resp.status, headers=headers)
+    if verdict.verdict == "allocation":
+        return _allocation_failed(gw, ctx, backend, resp, body, verdict)
+    _failed_or_busy(gw, ctx, backend, resp, body, verdict)
+    return None
+
+
+def _allocation_failed(
+    gw: Gateway,
+    ctx: RequestContext,
+    backend: str,
+    resp: ClientResponse,
+    body: bytes,
+    verdict: UpstreamVerdict,
+) -> Response | None:
+    """The backend could not fit the request: divert; on the last attempt its answer is ours."""
+    divert(
+        gw, ctx, backend, None, result="allocation", full=True, retry_after_s=verdict.retry_after_s
+    )
+    cause = cause_at_backend(verdict, ctx.demand, backend, ctx.snap)
+    record_allocation_failure(gw, backend, cause, ctx.demand, ctx.snap)
+    log.info(
+        "request %s: %s could not allocate %d tokens (%s); diverting",
+        ctx.request_id,
+        backend,
+        ctx.demand,
+        cause,
+    )
+    if ctx.attempts < gw.cfg.retry.max_attempts:
+        return None
+    gw.metrics.requests.labels(ctx.cls, backend, "allocation_failure").inc()
+    headers = ctx.answer_headers(backend, response_headers(resp.headers), only=_RETRY_AFTER)
+    return Response(body, status_code=resp.status, headers=headers, media_type="application/json")
+
+
+def _failed_or_busy(
+    gw: Gateway,
+    ctx: RequestContext,
+    backend: str,
+    resp: ClientResponse,
+    body: bytes,
+    verdict: UpstreamVerdict,
+) -> None:
+    """Overload (429/503) or another 5xx: a failure of this backend; another may serve."""
+    kept = {k: v for k, v in response_headers(resp.headers).items() if k.lower() in _RETRY_AFTER}
+    answer: Response
+    if is_json_object(body):
+        answer = Response(
+            body, status_code=resp.status, headers=kept, media_type="application/json"
+        )
+    else:
+        status = resp.status if resp.status in (429, 503) else 502
+        answer = ApiError(
+            status,
+            f"backend {backend} answered HTTP {resp.status}",
+            type="upstream_error",
+            code="upstream_server_error",
+            headers=kept,
+        ).response()
+    result: AttemptResult = "overload" if verdict.verdict == "overload" else "server_error"
+    # A 429 is busy, not broken: no ejection, but still try another.
+    broken = f"HTTP {resp.status}" if resp.status >= 500 else None
+    divert(
+        gw, ctx, backend, answer, result=result, broken=broken, retry_after_s=verdict.retry_after_s
+    )
+
+
+def cause_at_backend(
+    verdict: UpstreamVerdict, demand: int, backend: str, snap: FleetSnapshot
+) -> str:
+    """Fragmentation when the backend had enough free memory in total, else capacity."""
+    free = verdict.free_tokens
+    if free is None:
+        node = snap.by_name().get(backend)
+        free = node.report.free_tokens if node is not None and node.report is not None else None
+    return "fragmentation" if free is not None and free >= demand else "capacity"
+
+
+async def whole_answer(
+    gw: Gateway, ctx: RequestContext, backend: str, resp: ClientResponse, started: float
+) -> Response | None:
+    """A non-streamed 2xx: read it all (nothing reached the client yet, so a failure may still divert)."""
+    try:
+        body = await read_body(resp, gw.cfg.upstream.idle_timeout_s, ctx.deadline)
+    except BodyTimeout as exc:
+        message = f"backend {backend} stopped answering: {exc}"
+        broken_answer(gw, ctx, backend, resp, exc.failure, message)
+        return None
+    except UpstreamBroken as exc:
+        message = f"backend {backend} broke off its answer: {exc.cause}"
+        broken_answer(gw, ctx, backend, resp, "broken", message)
+        return None
+    resp.release()
+    if not is_json_object(body):
+        message = f"backend {backend} sent an answer that is not a JSON object"
+        answer = upstream_answer("bad_response", message)
+        divert(gw, ctx, backend, answer, result="garbage", broken=message)
+        return None
+    gw.metrics.attempts.labels(backend, "ok").inc()
+    gw.health.success(backend)
+    ctx.backend = backend
+    # Off the answer's path (a Redis round trip).
+    gw.release_later(ctx, backend)
+    gw.metrics.requests.labels(ctx.cls, backend, "success").inc()
+    gw.metrics.duration.labels(ctx.cls).observe(time.perf_counter() - started)
+    headers = ctx.answer_headers(backend, response_headers(resp.headers))
+    return Response(body, status_code=resp.status, headers=headers)

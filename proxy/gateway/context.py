@@ -1,0 +1,107 @@
+"""The per-request values of one walk through the gateway (uvicorn's ``RequestResponseCycle`` habit).
+
+Everything that used to travel as 7-8 positional arguments between the gateway's steps lives
+here: what the client sent, what it costs, where it may still go, and what to answer if no
+other backend serves it. The ``Gateway`` keeps only what outlives a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.core.fleet import FleetSnapshot
+from proxy.core.validation import ParsedRequest
+from proxy.errors import UpstreamFailure
+from proxy.routing.policy import RequestClass
+
+# Label values of kvroute_attempts_total{result}: how one attempt on one backend ended.
+AttemptResult = Literal[
+    "ok",
+    "timeout",
+    "connect_error",
+    "broken",
+    "garbage",
+    "allocation",
+    "overload",
+    "server_error",
+    "client_error",
+]
+
+# How each upstream failure is counted on kvroute_attempts_total.
+FAILURE_RESULTS: dict[UpstreamFailure, AttemptResult] = {
+    "connect_timeout": "timeout",
+    "ttfb_timeout": "timeout",
+    "connect_error": "connect_error",
+    "idle_timeout": "timeout",
+    "total_timeout": "timeout",
+    "first_event_timeout": "timeout",
+    "broken": "broken",
+    "bad_response": "garbage",
+}
+
+# Label values of kvroute_requests_total{outcome}: how the whole request ended.
+RequestResult = Literal[
+    "success",
+    "rejected",
+    "allocation_failure",
+    "upstream_error",
+    "upstream_timeout",
+    "client_disconnect",
+    "no_fit",
+]
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One request's walk: set up by intake, advanced by placement and each attempt."""
+
+    request: Request
+    parsed: ParsedRequest
+    # Our reservation id in the store: a fresh uuid, never a client-chosen string.
+    reservation_id: str
+    # The id the client sees in x-request-id (its own header, or the reservation id).
+    request_id: str
+    started: float  # perf_counter at arrival
+    deadline: float  # the loop's clock: the whole request's time limit
+    prompt_tokens: int
+    demand: int
+    cls: RequestClass
+    snap: FleetSnapshot
+    retry_key: str | None
+    upstream_headers: dict[str, str]
+    exclude: set[str] = field(default_factory=set)
+    failed_on: list[str] = field(default_factory=list)
+    backend: str = ""
+    attempts: int = 0
+    # Retries taken from the retry budget (given back when the request ends).
+    retries: int = 0
+    # The routing decision's latency is observed once, at the first ranking.
+    decided: bool = False
+    # When waiting in the admission queue must end (set on first entry, monotonic clock).
+    queue_deadline: float | None = None
+    # The answer if we stop now after an upstream failure; None while nothing failed.
+    failure: Response | None = None
+
+    def answer_headers(
+        self,
+        backend: str,
+        upstream: Mapping[str, str] | None = None,
+        only: frozenset[str] | None = None,
+    ) -> dict[str, str]:
+        """The headers of any answer: the upstream's (optionally only ``only``), then ours on top."""
+        merged = {k: v for k, v in (upstream or {}).items() if only is None or k.lower() in only}
+        merged.update(
+            {
+                "x-kvroute-backend": backend,
+                "x-kvroute-class": self.cls,
+                "x-kvroute-demand-tokens": str(self.demand),
+                "x-kvroute-attempts": str(self.attempts),
+                "x-request-id": self.request_id,
+            }
+        )
+        return merged

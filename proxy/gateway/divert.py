@@ -1,0 +1,113 @@
+"""Diversion bookkeeping, written once: what happens when an attempt fails before any byte
+reached the client and the request moves on to another backend.
+
+Whatever the reason (a timeout, a broken connection, a garbage answer, a 5xx, a 429, an
+allocation failure) the same rules hold: free the reservation, count the attempt, remember
+the backend for the client's own retry, keep the answer to give if nobody else serves. Only
+the backend's health differs: broken counts toward ejection, full or busy does not.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from starlette.responses import Response
+
+from proxy.core.fleet import FleetSnapshot
+from proxy.gateway.context import AttemptResult, RequestContext
+
+if TYPE_CHECKING:
+    from proxy.gateway.walk import Gateway
+
+log = logging.getLogger("kvroute.gateway")
+
+# The problem statement's line: an allocation failure above it is not exhaustion.
+HIGH_FREE_FRACTION = 0.25
+
+
+class AllocationFailureHook(Protocol):
+    """Told about every allocation failure (``backend`` is "" when nothing fit at the gateway)."""
+
+    def __call__(
+        self, backend: str, cause: str, demand: int, fleet_free_fraction: float
+    ) -> None: ...
+
+
+def divert(
+    gw: Gateway,
+    ctx: RequestContext,
+    backend: str,
+    answer: Response | None,
+    *,
+    result: AttemptResult,
+    broken: str | None = None,
+    full: bool = False,
+    retry_after_s: float | None = None,
+) -> None:
+    """Book an attempt on ``backend`` that failed before reaching the client.
+
+    ``answer`` is what the client gets if no other backend serves (None: decided later).
+    ``broken`` (the reason) marks a backend fault: it counts toward ejection and is logged.
+    ``full`` marks an allocation failure: the backend is alive, and its ceiling is learned.
+    ``retry_after_s`` is the backend's own Retry-After, honoured as a cooldown.
+    """
+    if retry_after_s is not None and retry_after_s > 0:
+        cool_down(gw, backend, retry_after_s)
+    gw.release_later(ctx, backend)
+    gw.metrics.attempts.labels(backend, result).inc()
+    if broken is not None:
+        gw.health.failure(backend)
+    elif full:
+        # Alive and answering: not a fault, just full.
+        gw.health.success(backend)
+    _remember_failed(gw, ctx, backend)
+    if full:
+        _learn_ceiling(gw, backend, ctx.demand)
+    if broken is not None:
+        log.warning("request %s: %s failed (%s): %s", ctx.request_id, backend, result, broken)
+        gw.metrics.requests.labels(ctx.cls, backend, "upstream_error").inc()
+    if answer is not None:
+        answer.headers.update(ctx.answer_headers(backend))
+        ctx.failure = answer
+
+
+def _remember_failed(gw: Gateway, ctx: RequestContext, backend: str) -> None:
+    """The client's own retry (same key) must not go back to ``backend``."""
+    ctx.failed_on.append(backend)
+    if ctx.retry_key is not None:
+        key = ctx.retry_key
+        ttl = gw.cfg.retry.retry_key_ttl_s
+        gw.spawn(gw.store_quietly("add_failed", lambda: gw.store.add_failed(key, backend, ttl)))
+
+
+def _learn_ceiling(gw: Gateway, backend: str, demand: int) -> None:
+    """Remember "``backend`` cannot fit ``demand`` now" until its next report or the TTL."""
+    now = gw.clock()
+    until = now + gw.cfg.retry.ceiling_ttl_s
+    gw.spawn(
+        gw.store_quietly("set_ceiling", lambda: gw.store.set_ceiling(backend, demand, now, until))
+    )
+
+
+def cool_down(gw: Gateway, backend: str, retry_after_s: float) -> None:
+    """Honour a backend's Retry-After: no traffic from this replica (and, via the store, any) for a while."""
+    seconds = min(retry_after_s, gw.cfg.retry.max_retry_after_s)
+    if seconds <= 0:
+        return
+    gw.health.cooldown(backend, seconds)
+    until = gw.clock() + seconds
+    gw.spawn(gw.store_quietly("set_cooldown", lambda: gw.store.set_cooldown(backend, until)))
+
+
+def record_allocation_failure(
+    gw: Gateway, backend: str, cause: str, demand: int, snap: FleetSnapshot
+) -> None:
+    """Count an allocation failure and tell the hooks (the fleet operations' diagnosis)."""
+    cap = snap.total_capacity()
+    free_frac = snap.total_free() / cap if cap else 0.0
+    gw.metrics.allocation_failures.labels(cause, backend or "none").inc()
+    if free_frac > HIGH_FREE_FRACTION:
+        gw.metrics.failures_high_free.inc()
+    for hook in gw.on_allocation_failure:
+        hook(backend=backend, cause=cause, demand=demand, fleet_free_fraction=free_frac)

@@ -1,0 +1,118 @@
+"""Steps 1-3 of the walk: read and validate the body, size it in KV tokens, classify it.
+
+Bad input is answered here, before any state is touched: a body over the limit is a 413, a
+request larger than any backend's whole cache a 400 (``context_length_exceeded``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+
+from proxy.config import Config
+from proxy.core.fleet import FleetSnapshot
+from proxy.core.validation import Endpoint, ParsedRequest, parse_request
+from proxy.errors import ApiError
+from proxy.gateway.context import RequestContext
+from proxy.gateway.sizing import size_request
+from proxy.routing.policy import classify
+from proxy.state.base import StoreUnavailable
+from proxy.upstream.client import forward_headers
+
+if TYPE_CHECKING:
+    from proxy.gateway.walk import Gateway
+
+
+async def read_and_parse(cfg: Config, request: Request, endpoint: Endpoint) -> ParsedRequest:
+    """Read the body within ``limits.max_body_bytes`` (declared or streamed) and validate it."""
+    limit = cfg.limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(
+            413,
+            f"request body is {declared} bytes, above the limit of {limit}",
+            code="request_too_large",
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(
+                413,
+                f"request body is above the limit of {limit} bytes",
+                code="request_too_large",
+            )
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    return parse_request(
+        raw, endpoint, cfg.routing.max_tokens_limit, request.headers.get("content-type")
+    )
+
+
+def retry_key(cfg: Config, request: Request, raw: bytes) -> str | None:
+    """What identifies the client's retry of this request (to keep it off nodes that failed it)."""
+    key = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
+    if key:
+        return key[:200]
+    if cfg.retry.hash_body:
+        return "body:" + hashlib.blake2b(raw, digest_size=16).hexdigest()
+    return None
+
+
+def max_capacity(cfg: Config, snap: FleetSnapshot) -> int | None:
+    """The largest KV cache any backend has (configured or reported); None while unknown."""
+    caps = [b.capacity_tokens for b in cfg.backends if b.capacity_tokens is not None]
+    caps += [n.report.capacity_tokens for n in snap.nodes if n.report is not None]
+    return max(caps) if caps else None
+
+
+async def open_request(
+    gw: Gateway,
+    request: Request,
+    parsed: ParsedRequest,
+    reservation_id: str,
+    request_id: str,
+    started: float,
+) -> RequestContext:
+    """Size and classify a valid request, refuse one no backend could ever hold, recall its failures."""
+    rcfg = gw.cfg.routing
+    deadline = asyncio.get_running_loop().time() + gw.cfg.upstream.total_timeout_s
+    sized = await size_request(parsed, gw.cfg)
+    prompt_tokens, demand = sized.prompt_tokens, sized.total
+    cls = classify(demand, rcfg.long_threshold_tokens)
+    snap = await gw.fleet.snapshot()
+    cap = max_capacity(gw.cfg, snap)
+    need = demand * (1.0 + rcfg.safety_margin) if gw.policy.checks_fit else float(demand)
+    if cap is not None and need > cap:
+        raise ApiError(
+            400,
+            f"this request needs {demand} tokens of KV cache ({prompt_tokens} prompt + "
+            f"{demand - prompt_tokens} max new), more than any backend holds ({cap}); shorten the prompt or lower max_tokens",
+            param="messages" if parsed.endpoint == "chat" else "prompt",
+            code="context_length_exceeded",
+        )
+    key = retry_key(gw.cfg, request, parsed.raw)
+    ctx = RequestContext(
+        request=request,
+        parsed=parsed,
+        reservation_id=reservation_id,
+        request_id=request_id,
+        started=started,
+        deadline=deadline,
+        prompt_tokens=prompt_tokens,
+        demand=demand,
+        cls=cls,
+        snap=snap,
+        retry_key=key,
+        upstream_headers=forward_headers(request.headers),
+    )
+    if key is not None:
+        try:
+            ctx.exclude |= await gw.store_call("failed_on", lambda: gw.store.failed_on(key))
+        except StoreUnavailable:
+            pass
+    return ctx
