@@ -161,7 +161,9 @@ def test_add_remove_and_invalid_under_load(
         assert metric(url, 'kvroute_config_reload_total{result="ok"}').endswith(" 2.0")
         assert f'hash="{before["hash"]}"' in metric(url, "kvroute_config_info")
         time.sleep(0.3)
-    assert before["generation"] == first["generation"] + 2 and before["hash"] != first["hash"]
+    assert before["generation"] == first["generation"] + 2
+    # The hash is of the content: back to {a, b} (when c was removed) is the first hash again.
+    assert (before["hash"] == first["hash"]) == (victim == "c")
     statuses = [s for _, s, _ in load.results]
     assert len(statuses) > 20 and set(statuses) == {200}, statuses
 
@@ -205,3 +207,19 @@ def test_sighup_reloads_a_served_gateway(tmp_path: Path, engines: dict[str, Any]
     assert "config reloaded (SIGHUP)" in out
     assert "config reload (SIGHUP) refused, the running config is kept" in out
     assert "'nowhere' is not a defined pool" in out
+
+
+def test_a_config_whose_tokenizer_cannot_load_is_refused(
+    gateway: tuple[str, Path], engines: dict[str, Any], tmp_path: Path
+) -> None:
+    url, path = gateway
+    before = fleet_state(url)["config"]
+    write_config(path, {"a": engines["a"], "b": engines["b"]})
+    missing = tmp_path / "no-such-tokenizer.json"
+    path.write_text(path.read_text() + f"sizing: {{tokenizer_file: '{missing}'}}\n")
+    res = reload(url)
+    assert res.status_code == 422, res.text
+    assert "tokenizer" in res.json()["error"]
+    assert fleet_state(url)["config"] == before
+    ok = httpx.post(url + "/v1/chat/completions", json=chat(), timeout=10)
+    assert ok.status_code == 200

@@ -195,7 +195,9 @@ def create_app(
         ops.start()
         runtime: Runtime = app.state.rt
         follow(holder, gateway, fleet, collector, ops, lambda new: setattr(runtime, "cfg", new))
-        reloader = runtime.reloader = Reloader(holder, ReloadMetrics(metrics.registry))
+        reloader = runtime.reloader = Reloader(
+            holder, ReloadMetrics(metrics.registry), prepare=[load_sizer]
+        )
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)
         n = len(cfg.backends)

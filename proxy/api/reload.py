@@ -24,7 +24,7 @@ import hashlib
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -137,9 +137,17 @@ class ReloadOutcome:
 class Reloader:
     """Serializes reloads (a SIGHUP during an admin reload waits its turn)."""
 
-    def __init__(self, holder: ConfigHolder, metrics: ReloadMetrics) -> None:
+    def __init__(
+        self,
+        holder: ConfigHolder,
+        metrics: ReloadMetrics,
+        prepare: Sequence[Callable[[Config], Awaitable[object]]] = (),
+    ) -> None:
         self.holder = holder
         self.metrics = metrics
+        # Work a new config needs before it may serve (tokenizers): done before the swap, so
+        # the first request after a reload does not pay for it, and a failure is "invalid".
+        self.prepare = list(prepare)
         self._lock = asyncio.Lock()
         metrics.loaded(holder)
 
@@ -166,6 +174,11 @@ class Reloader:
             new = await asyncio.to_thread(load_config, h.path)
         except ConfigError as exc:
             return self._invalid(str(exc), source)
+        for step in self.prepare:
+            try:
+                await step(new)
+            except Exception as exc:  # whatever a step raises, the running config stays
+                return self._invalid(f"{h.path}: {exc}", source)
         old = h.current
         changed = changed_sections(old, new)
         if not changed:
