@@ -38,7 +38,10 @@ def test_minimal_config_gets_defaults() -> None:
             {"backends": [{"name": "a", "url": "http://x:1", "pool": "nope"}]},
             "backends[0] (name: a).pool: 'nope' is not a defined pool",
         ),
-        ({"backends": [{"name": "a", "url": "http://x:1", "kind": "tgi"}]}, "backends[0] (name: a).kind"),
+        (
+            {"backends": [{"name": "a", "url": "http://x:1", "kind": "tgi"}]},
+            "backends[0] (name: a).kind",
+        ),
         (
             {"backends": [{"name": "a", "url": "http://x:1"}, {"name": "a", "url": "http://x:2"}]},
             "duplicate backend name 'a'",
