@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
-BackendKind = Literal["vllm", "contiguous", "paged"]
+BackendKind = Literal["vllm", "sglang", "tgi", "contiguous", "paged"]
 PoolRole = Literal["general", "long"]
 PolicyName = Literal["kvroute", "round_robin", "least_loaded", "most_free"]
 

@@ -153,7 +153,7 @@ vllm:gpu_cache_usage_perc{model_name="base"} 0.5
 vllm:gpu_cache_usage_perc{model_name="base-lora-sql"} 0.5
 """
 
-# Data parallel: one series per engine, each engine its own cache.
+# Data parallel: one series per engine; cache_config_info repeats the all-engine totals.
 VLLM_DP = """\
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
@@ -219,10 +219,14 @@ def test_vllm_deprecated_usage_name_and_summed_label_sets() -> None:
 
 def test_vllm_data_parallel_engines() -> None:
     r = parse_report("vllm", VLLM_DP, NOW)
-    assert r.capacity_tokens == 2 * 16_000
-    assert r.free_tokens == 8_000 + 12_000
-    assert r.largest_free_block_tokens == 12_000  # one request lives on one engine
-    assert r.running == 5
+    # num_gpu_blocks on cache_config_info is the front end's sum over both engines,
+    # repeated on each engine's series: 1000 blocks in all, 500 per engine.
+    assert r.capacity_tokens == 1000 * 16
+    assert r.engine_free_tokens == (250 * 16, 375 * 16)
+    assert r.free_tokens == 4_000 + 6_000
+    # vLLM picks the engine by queue length: only the smallest engine's room surely fits.
+    assert r.largest_free_block_tokens == 4_000
+    assert (r.engines, r.running) == (2, 5)
 
 
 def test_vllm_kind_prefers_kvroute_gauges_when_present() -> None:

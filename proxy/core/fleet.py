@@ -26,6 +26,19 @@ class MemoryReport:
     waiting: int = 0
     started_at: float = 0.0
     reported_at: float = 0.0
+    # Cumulative preemptions (vLLM recomputes a running request when a decode step finds no
+    # block); a rise between reports is the signal, not the level.
+    preemptions: int = 0
+    # Data parallel: engines behind this one URL, and each engine's free tokens. The server
+    # picks the engine (by queue length, not KV), so a request fits only if it fits the
+    # engine with the least room: ``largest_free_block_tokens`` is that engine's figure.
+    engines: int = 1
+    engine_free_tokens: tuple[int, ...] = ()
+    max_num_seqs: int = 0  # 0: not known
+    # The server queues work it cannot place and allocates KV as prefill and decode proceed
+    # (vLLM, SGLang, TGI), instead of failing at admission (kvroute's contiguous engine).
+    queueing: bool = False
+    sleeping: bool = False  # vLLM sleep mode: near-zero usage that must not look empty
 
     @property
     def free_fraction(self) -> float:
