@@ -641,3 +641,37 @@ async def test_reconfigure_changes_the_backends_scraped(metrics_server: MetricsS
     assert set(collector.status()["backends"]) == set(outcomes)  # "a" is gone from the status
     b = (await store.read(["b"], NOW))["b"].report
     assert b is not None and b.largest_free_block_tokens == 1_200
+
+
+async def test_models_are_fetched_cached_refreshed_and_kept_on_failure(
+    metrics_server: MetricsServer,
+) -> None:
+    models = '{"object":"list","data":[{"id":"llama-8b","object":"model","max_model_len":32768}]}'
+    metrics_server.pages = {"/metrics": (200, VLLM_V1), "/v1/models": (200, models)}
+    cfg = make_config(
+        [
+            {"name": "v", "url": metrics_server.url(), "kind": "vllm"},
+            {"name": "pinned", "url": metrics_server.url(), "kind": "vllm", "models": ["a", "b"]},
+        ],
+        models_refresh_s=30.0,
+    )
+    clock = Clock()
+    collector = Collector(cfg, InProcessStore(), "gw-1", clock=clock)
+    try:
+        await collector.scrape_once()
+        info = collector.models("v")
+        assert info is not None and info.ids == ("llama-8b",)
+        assert info.max_model_len("llama-8b") == 32_768
+        assert collector.served_models(cfg.backends[0]) == ("llama-8b",)
+        assert collector.served_models(cfg.backends[1]) == ("a", "b")  # config wins
+        hits = metrics_server.hits["/v1/models"]
+        await collector.scrape_once()
+        assert metrics_server.hits["/v1/models"] == hits  # cached within models_refresh_s
+        metrics_server.pages["/v1/models"] = (500, "boom")
+        clock.t += 31
+        await collector.scrape_once()
+        assert metrics_server.hits["/v1/models"] == hits + 2  # both backends asked again
+        kept = collector.models("v")
+        assert kept is not None and kept.ids == ("llama-8b",)  # a failure keeps the last list
+    finally:
+        await collector.stop()

@@ -88,6 +88,27 @@ async def test_report_round_trip(store: StateStore) -> None:
     assert st.name == "n1"
 
 
+async def test_report_round_trip_queue_and_engine_fields(store: StateStore) -> None:
+    r = MemoryReport(
+        capacity_tokens=64_000,
+        free_tokens=20_000,
+        largest_free_block_tokens=8_000,
+        allocator="paged",
+        block_size=16,
+        running=30,
+        waiting=4,
+        reported_at=T0,
+        preemptions=12,
+        engines=2,
+        engine_free_tokens=(8_000, 12_000),
+        max_num_seqs=256,
+        queueing=True,
+        sleeping=True,
+    )
+    await store.put_report("dp", r, ttl_s=60)
+    assert (await one(store, "dp", T0 + 1)).report == r
+
+
 async def test_newer_report_replaces_older(store: StateStore) -> None:
     await store.put_report("n1", rep(30_000, T0), ttl_s=60)
     await store.put_report("n1", rep(5_000, T0 + 1), ttl_s=60)

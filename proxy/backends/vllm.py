@@ -52,7 +52,16 @@ SLEEP_STATE = "vllm:engine_sleep_state"
 START_TIME = "process_start_time_seconds"
 
 WANTED: frozenset[str] = frozenset(
-    {KV_USAGE, KV_USAGE_REMOVED, RUNNING, WAITING, PREEMPTIONS, CACHE_CONFIG, SLEEP_STATE, START_TIME}
+    {
+        KV_USAGE,
+        KV_USAGE_REMOVED,
+        RUNNING,
+        WAITING,
+        PREEMPTIONS,
+        CACHE_CONFIG,
+        SLEEP_STATE,
+        START_TIME,
+    }
 )
 
 

@@ -65,6 +65,8 @@ DEFAULT_MAX_CONNECTIONS = 64
 RES_KEY_SLACK_MS = 60_000
 
 REPORT_INT_FIELDS = ("capacity_tokens", "free_tokens", "largest_free_block_tokens")
+# Optional, written by this version: queue, preemption and data-parallel figures.
+REPORT_EXTRA_FIELDS = ("preemptions", "engines", "engine_free", "max_num_seqs", "flags")
 REPORT_FIELDS = (
     *REPORT_INT_FIELDS,
     "reported_at",
@@ -73,6 +75,7 @@ REPORT_FIELDS = (
     "running",
     "waiting",
     "started_at",
+    *REPORT_EXTRA_FIELDS,
 )
 ALLOCATORS: tuple[AllocatorKind, ...] = ("contiguous", "paged")
 
@@ -293,6 +296,9 @@ def _parse_report_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport |
         if s is None or s < 0:
             return None, f"bad report: started_at={h['started_at']!r}"
         started_at = s
+    more = _parse_extra(h)
+    if isinstance(more, str):
+        return None, more
     report = MemoryReport(
         capacity_tokens=ints["capacity_tokens"],
         free_tokens=ints["free_tokens"],
@@ -303,8 +309,31 @@ def _parse_report_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport |
         waiting=extra["waiting"],
         started_at=started_at,
         reported_at=reported_at,
+        **more,
     )
     return report, ""
+
+
+def _parse_extra(h: dict[str, str]) -> dict[str, Any] | str:
+    """The optional fields of ``REPORT_EXTRA_FIELDS`` as MemoryReport keywords, or a reason."""
+    out: dict[str, Any] = {}
+    for key, minimum in (("preemptions", 0), ("engines", 1), ("max_num_seqs", 0)):
+        if key in h:
+            v = _count(h[key], minimum)
+            if v is None:
+                return f"bad report: {key}={h[key]!r}"
+            out[key] = v
+    if h.get("engine_free"):
+        parts = [_count(p) for p in h["engine_free"].split(",")]
+        if any(p is None for p in parts):
+            return f"bad report: engine_free={h['engine_free']!r}"
+        out["engine_free_tokens"] = tuple(p for p in parts if p is not None)
+    flags = h.get("flags", "")
+    if flags.strip("qs"):
+        return f"bad report: flags={flags!r}"
+    out["queueing"] = "q" in flags
+    out["sleeping"] = "s" in flags
+    return out
 
 
 def report_fields(report: MemoryReport) -> dict[str, str]:
@@ -319,6 +348,12 @@ def report_fields(report: MemoryReport) -> dict[str, str]:
         "waiting": str(int(report.waiting)),
         "started_at": _f(report.started_at),
         "reported_at": _f(report.reported_at),
+        "preemptions": str(int(report.preemptions)),
+        "engines": str(int(report.engines)),
+        "engine_free": ",".join(str(int(f)) for f in report.engine_free_tokens),
+        "max_num_seqs": str(int(report.max_num_seqs)),
+        # One letter per true flag: q = queueing, s = sleeping.
+        "flags": ("q" if report.queueing else "") + ("s" if report.sleeping else ""),
     }
 
 
