@@ -66,7 +66,7 @@ def report(samples: sm.Samples, now: float, capacity_override: int | None) -> Me
     per_rank: list[int] = []
     for r in ranks:
         u = sm.fraction(TOKEN_USAGE, usage.get(r, 0.0))
-        per_rank.append(math.floor(int(caps[r]) * (1.0 - u)))
+        per_rank.append(round(int(caps[r]) * (1.0 - u)))
     capacity, free, largest = sm.clamped(
         int(sum(caps.values())), sum(per_rank), min(per_rank), capacity_override
     )

@@ -28,7 +28,6 @@ What vLLM exports (``vllm/v1/metrics/loggers.py``, ``vllm/config/cache.py``) and
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from proxy.backends import kvroute
 from proxy.backends import samples as sm
@@ -127,7 +126,7 @@ def _engine_free(geo: Geometry, engine_capacity: int, engines: int, usage: float
     if geo.kv_cache_size_tokens is None and geo.block_size and geo.num_gpu_blocks:
         blocks = geo.num_gpu_blocks // engines
         return round((1.0 - usage) * blocks) * geo.block_size
-    return math.floor((1.0 - usage) * engine_capacity)
+    return round((1.0 - usage) * engine_capacity)
 
 
 def report(samples: sm.Samples, now: float, capacity_override: int | None) -> MemoryReport:
