@@ -8,7 +8,7 @@ they compare cannot move during the ~0.1 s a scrape takes (a margin far above 5x
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import orjson
@@ -129,12 +129,10 @@ async def started(servers: list[BehaviourServer], **kw: object) -> BehaviourServ
     return srv
 
 
-async def wait_for(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.01)
+async def wait_for(pred: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5.0):
+        while not pred():
+            await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize(
