@@ -130,8 +130,9 @@ async def started(servers: list[BehaviourServer], **kw: object) -> BehaviourServ
 
 
 async def wait_for(pred: Callable[[], bool]) -> None:
+    """Poll the engine's state (it has no event to wait on for "all requests arrived")."""
     async with asyncio.timeout(5.0):
-        while not pred():
+        while not pred():  # noqa: ASYNC110
             await asyncio.sleep(0.01)
 
 
