@@ -189,11 +189,11 @@ class VllmAdapter:
     ) -> MemoryReport:
         samples = sm.parse_selected(text, WANTED | kvroute.WANTED)
         if kvroute.has_gauges(samples):
+            # Exact gauges, taken with the exporter's own semantics: a server that exports
+            # them (the simulated kvroute engine) allocates at admission, so not "queueing".
             exact = kvroute.report(samples, "vllm", now, capacity_override)
             return dataclasses.replace(
-                exact,
-                queueing=True,
-                preemptions=sm.count(PREEMPTIONS, sm.optional_sum(samples, PREEMPTIONS)),
+                exact, preemptions=sm.count(PREEMPTIONS, sm.optional_sum(samples, PREEMPTIONS))
             )
         if not has_gauges(samples):
             raise sm.ScrapeError(

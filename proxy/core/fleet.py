@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.core.lazy import lazy_headroom
+
 AllocatorKind = Literal["contiguous", "paged"]
 
 
@@ -71,6 +73,9 @@ class Overlay:
     cooldown_until: float = 0.0
     ceiling_tokens: int | None = None  # learned: a request of this size or more failed here
     ceiling_until: float = 0.0
+    # Why the node is full for new work whatever its KV says (proxy.core.pressure):
+    # "queue", "slots", "preemption", "asleep"; empty when it may take work.
+    pressure: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +93,17 @@ class NodeView:
         return self.report is None or now - self.report.reported_at > stale_after_s
 
     def usable_block(self) -> int:
-        """The largest request this node can take now, by its report less pending reservations."""
+        """The largest request this node can take now.
+
+        Contiguous (allocates at admission): its report less the reservations newer than it.
+        Lazily allocating servers (``report.queueing``): every live reservation counts at
+        its full demand (``proxy.core.lazy``), since their reports show only what is
+        already cached.
+        """
         if self.report is None:
             return 0
+        if self.report.queueing:
+            return lazy_headroom(self.report, self.overlay.reserved_tokens)
         return max(0, self.report.largest_free_block_tokens - self.overlay.pending_tokens)
 
     def ceiling_active(self, now: float) -> bool:
@@ -98,6 +111,8 @@ class NodeView:
 
     def fits(self, demand: int, now: float, safety_margin: float = 0.0) -> bool:
         if self.ceiling_active(now) and demand >= (self.overlay.ceiling_tokens or 0):
+            return False
+        if self.overlay.pressure:
             return False
         need = demand * (1.0 + safety_margin)
         if (
