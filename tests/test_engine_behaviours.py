@@ -235,3 +235,61 @@ async def test_streaming_delivers_every_token(serve: list[BehaviourServer]) -> N
     )
     assert len(text.split()) == 40
     assert srv.front.state()["engines"][0]["free_tokens"] == 64 * BS
+
+
+async def test_collector_reads_a_mixed_fleet_by_kind(serve: list[BehaviourServer]) -> None:
+    """vLLM (data parallel 2), SGLang and TGI engines scraped by the real collector."""
+    from proxy.backends.collector import Collector
+    from proxy.config import Config
+    from proxy.state import InProcessStore
+
+    kinds = {"v": ("vllm", 2), "s": ("sglang", 1), "t": ("tgi", 1)}
+    servers = {
+        name: await started(
+            serve, behaviour=b, capacity_tokens=32 * BS, data_parallel=dp, max_model_len=400
+        )
+        for name, (b, dp) in kinds.items()
+    }
+    async with httpx.AsyncClient(timeout=30) as client:
+        calls = [
+            asyncio.create_task(
+                client.post(
+                    f"{srv.url}/v1/completions",
+                    json={"model": "m", "prompt": "one two " * 60, "max_tokens": 8},
+                )
+            )
+            for srv in servers.values()
+            for _ in range(3)
+        ]
+        await wait_for(
+            lambda: all(
+                sum(e["running"] for e in s.front.state()["engines"]) == 3 for s in servers.values()
+            )
+        )
+        cfg = Config.model_validate(
+            {
+                "backends": [
+                    {"name": n, "url": s.url, "kind": kinds[n][0]} for n, s in servers.items()
+                ]
+            }
+        )
+        store = InProcessStore()
+        collector = Collector(cfg, store, "gw")
+        try:
+            await collector.scrape_once()
+            truth = {n: s.front.state()["engines"] for n, s in servers.items()}
+        finally:
+            await collector.stop()
+        for t in calls:
+            t.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+    states = await store.read(list(servers), 0.0)
+    for name in servers:
+        report = states[name].report
+        engines = truth[name]
+        assert report is not None, states[name].status_reason
+        assert report.free_tokens == sum(e["free_tokens"] for e in engines) < report.capacity_tokens
+        assert report.running == 3 and report.queueing
+        info = collector.models(name)
+        assert info is not None and info.ids == ("m",)
+    assert states["v"].report is not None and states["v"].report.engines == 2
