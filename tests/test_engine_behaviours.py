@@ -293,3 +293,30 @@ async def test_collector_reads_a_mixed_fleet_by_kind(serve: list[BehaviourServer
         info = collector.models(name)
         assert info is not None and info.ids == ("m",)
     assert states["v"].report is not None and states["v"].report.engines == 2
+
+
+def test_cli_starts_a_vllm_engine_and_refuses_bad_flags() -> None:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "proxy.cli", "engine", "--behaviour", "vllm", "--port", "0"]
+    argv += ["--data-parallel", "2", "--capacity-tokens", "4096", "--model", "m"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "(vllm) listening on" in line, line
+        url = line.split("listening on ", 1)[1].strip()
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        r = adapter_for("vllm").parse_metrics(text, 0.0)
+        assert (r.capacity_tokens, r.engines) == (8192, 2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    bad = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "engine", "--behaviour", "tgi", "--data-parallel", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "data-parallel" in bad.stderr
