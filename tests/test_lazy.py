@@ -107,8 +107,13 @@ def test_lazy_accounting_never_over_admits(
 # --- pressure ---------------------------------------------------------------------------------
 
 
+_CLOCK = iter(range(1, 10**6))
+
+
 def busy(**kw: object) -> MemoryReport:
-    return replace(lazy_report(1_000, used=500), **kw)  # type: ignore[arg-type]
+    """A fresh report each call (a later reported_at), half full."""
+    base = replace(lazy_report(1_000, used=500), reported_at=float(next(_CLOCK)))
+    return replace(base, **kw)  # type: ignore[arg-type]
 
 
 def test_triggers() -> None:
@@ -134,7 +139,9 @@ def test_hysteresis_holds_a_full_node_for_hold_s() -> None:
 def test_tracker_sees_preemptions_rise_between_reports() -> None:
     t = PressureTracker(PressureConfig(hold_s=5.0))
     assert not t.observe("v", busy(preemptions=10), 1.0).full  # first sight: no baseline
-    assert t.observe("v", busy(preemptions=12), 2.0).reason == "preemption"
+    twelve = busy(preemptions=12)
+    assert t.observe("v", twelve, 2.0).reason == "preemption"
+    assert t.observe("v", twelve, 2.5).reason == "preemption"  # the same report again: no change
     assert t.reason("v", 3.0) == "preemption"
     assert t.reason("v", 8.0) == ""  # no trigger for hold_s
     assert (

@@ -36,6 +36,7 @@ class NodePressure:
     reason: Reason = ""
     last_trigger_at: float = 0.0
     preemptions: int | None = None  # the counter at the previous report
+    reported_at: float = -1.0  # the report last taken in (the same report is taken once)
 
     @property
     def full(self) -> bool:
@@ -59,17 +60,25 @@ def next_pressure(
     prev: NodePressure, report: MemoryReport, now: float, cfg: PressureConfig
 ) -> NodePressure:
     """The node's state after one more report (pure: the tracker below keeps the map)."""
+    if report.reported_at <= prev.reported_at:
+        return prev
+    seen = report.preemptions, report.reported_at
     reason = trigger(report, prev.preemptions)
     if reason:
-        return NodePressure(reason, now, report.preemptions)
+        return NodePressure(reason, now, *seen)
     if prev.full and now - prev.last_trigger_at < cfg.hold_s:
-        return NodePressure(prev.reason, prev.last_trigger_at, report.preemptions)
-    return NodePressure("", prev.last_trigger_at, report.preemptions)
+        return NodePressure(prev.reason, prev.last_trigger_at, *seen)
+    return NodePressure("", prev.last_trigger_at, *seen)
 
 
 @dataclass
 class PressureTracker:
-    """Per-node pressure across reports; feed it every fresh report (the collector's hook)."""
+    """Per-node pressure across reports.
+
+    Feed it every report the gateway reads (from the store or the collector's hook): a
+    report already taken in (same ``reported_at``) changes nothing, so calling it on every
+    fleet snapshot is safe.
+    """
 
     config: PressureConfig = field(default_factory=PressureConfig)
     nodes: dict[str, NodePressure] = field(default_factory=dict)
