@@ -131,6 +131,17 @@ class Vllm:
             lambda c: c.usage,
         )
         yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            lambda c: c.stats.prompt_tokens,
+        )
+        # The simulation reuses no prefixes: hits stay 0 (freed cached blocks are free).
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            lambda c: 0,
+        )
+        yield counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
             lambda c: c.stats.preemptions,
