@@ -104,11 +104,13 @@ local function count(s, min)
   return n
 end
 
--- Returns largest_free_block_tokens, reported_at of a valid report, or nil.
+-- Returns largest_free_block_tokens, reported_at and (for a queueing report) a table
+-- {cap, frees} of a valid report, or nil.
 local function read_report(key)
   local f = redis.call('HMGET', key, 'capacity_tokens', 'free_tokens',
     'largest_free_block_tokens', 'reported_at', 'allocator', 'block_size',
-    'running', 'waiting', 'started_at')
+    'running', 'waiting', 'started_at', 'engine_free', 'flags', 'preemptions', 'engines',
+    'max_num_seqs')
   if count(f[1], 0) == nil or count(f[2], 0) == nil then return nil end
   local largest = count(f[3], 0)
   local reported_at = num(f[4])
@@ -121,7 +123,43 @@ local function read_report(key)
     local s = num(f[9])
     if s == nil or s < 0 then return nil end
   end
-  return largest, reported_at
+  if f[12] and count(f[12], 0) == nil then return nil end
+  if f[13] and count(f[13], 1) == nil then return nil end
+  if f[14] and count(f[14], 0) == nil then return nil end
+  if f[11] and string.find(f[11], '[^qs]') then return nil end
+  local frees = {}
+  if f[10] and f[10] ~= '' then
+    if string.find(f[10], ',,', 1, true) or string.sub(f[10], 1, 1) == ','
+        or string.sub(f[10], -1) == ',' then
+      return nil
+    end
+    for p in string.gmatch(f[10], '[^,]+') do
+      local v = count(p, 0)
+      if v == nil then return nil end
+      frees[#frees + 1] = v
+    end
+  end
+  local lazy = nil
+  if f[11] and string.find(f[11], 'q', 1, true) then
+    if #frees == 0 then frees[1] = count(f[2], 0) end
+    lazy = {cap = count(f[1], 0), frees = frees}
+  end
+  return largest, reported_at, lazy
+end
+
+-- The twin of proxy.core.lazy.lazy_headroom: the smallest engine's capacity less
+-- max(its used, all reserved), never above the report's largest block.
+local function lazy_room(lazy, reserved, largest)
+  local per = math.floor(lazy.cap / #lazy.frees)
+  local room = nil
+  for _, fe in ipairs(lazy.frees) do
+    local committed = per - fe
+    if reserved > committed then committed = reserved end
+    if room == nil or per - committed < room then room = per - committed end
+  end
+  if largest < room then room = largest end
+  if room < 0 then room = 0 end
+  return room
 end
 """
 
@@ -136,8 +174,9 @@ local headroom = tonumber(ARGV[6])
 local grace = tonumber(ARGV[7])
 local key_ttl = tonumber(ARGV[8])
 
-local largest, reported_at = read_report(KEYS[1])
+local largest, reported_at, lazy = read_report(KEYS[1])
 local pending = 0
+local reserved = 0
 local dead = {}
 local flat = redis.call('HGETALL', KEYS[2])
 for i = 1, #flat, 2 do
@@ -146,15 +185,23 @@ for i = 1, #flat, 2 do
   t, c, e = count(t, 0), num(c), num(e)
   if t == nil or c == nil or e == nil or e <= now then
     dead[#dead + 1] = rid
-  elseif rid ~= id and (largest == nil or c >= reported_at - grace) then
-    pending = pending + t
+  elseif rid ~= id then
+    reserved = reserved + t
+    if largest == nil or c >= reported_at - grace then
+      pending = pending + t
+    end
   end
 end
 for i = 1, #dead, 500 do
   redis.call('HDEL', KEYS[2], unpack(dead, i, math.min(i + 499, #dead)))
 end
-if ARGV[5] == '1' and largest ~= nil and pending + tokens * (1.0 + headroom) > largest then
-  return 0
+if ARGV[5] == '1' and largest ~= nil then
+  local need = tokens * (1.0 + headroom)
+  if lazy ~= nil then
+    if need > lazy_room(lazy, reserved, largest) then return 0 end
+  elseif pending + need > largest then
+    return 0
+  end
 end
 redis.call('HSET', KEYS[2], id, ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4])
 if redis.call('PTTL', KEYS[2]) < key_ttl then
