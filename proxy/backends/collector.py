@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -28,8 +27,8 @@ from typing import Any, Literal
 import httpx
 
 from proxy.backends.base import ModelsInfo
+from proxy.backends.models import ModelsDirectory
 from proxy.backends.parse import ScrapeError, parse_report
-from proxy.backends.registry import adapter_for
 from proxy.config import BackendConfig, Config
 from proxy.core.fleet import MemoryReport
 from proxy.state.base import StateStore, StoreUnavailable
@@ -40,7 +39,6 @@ log = logging.getLogger("kvroute.collector")
 
 LOCK_NAME = "collector"
 MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any real /metrics page; stops a runaway body
-MAX_MODELS_BYTES = 1024 * 1024  # a model list is a few kB even with hundreds of LoRA adapters
 ACCEPT = (
     "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # the classic text format that the parser reads
 )
@@ -73,15 +71,6 @@ class _BackendStatus:
     consecutive_failures: int = 0
     scrapes_total: int = 0
     failures_total: int = 0
-
-
-@dataclass(slots=True)
-class _ModelsCache:
-    """Per backend: the last good ``/v1/models`` answer, when it was asked, the last error."""
-
-    info: dict[str, ModelsInfo] = field(default_factory=dict)
-    fetched_at: dict[str, float] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -123,7 +112,7 @@ class Collector:
         self._stopping = False
         self._c = _Counters()
         self.on_report: list[ReportHook] = []
-        self._models = _ModelsCache()
+        self._models = ModelsDirectory()
 
     # --- configuration -----------------------------------------------------------------
 
@@ -144,7 +133,7 @@ class Collector:
         for gone in set(self._c.backends) - names:
             del self._c.backends[gone]
         # URLs or kinds may have changed: ask every backend for its models again.
-        self._models = _ModelsCache()
+        self._models = ModelsDirectory()
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -381,43 +370,11 @@ class Collector:
 
     def served_models(self, backend: BackendConfig) -> tuple[str, ...]:
         """The model ids a backend serves: its configured ``models``, else what it lists."""
-        if backend.models:
-            return backend.models
-        info = self._models.info.get(backend.name)
-        return info.ids if info is not None else ()
+        return self._models.served(backend)
 
     async def _refresh_models(self, backends: list[BackendConfig]) -> None:
-        now = self._clock()
         every = self._config.collector.models_refresh_s
-        due = [b for b in backends if now - self._models.fetched_at.get(b.name, -math.inf) >= every]
-        for b in due:
-            self._models.fetched_at[b.name] = now
-        await asyncio.gather(*(self._fetch_models(b) for b in due))
-
-    async def _fetch_models(self, backend: BackendConfig) -> None:
-        """Read one backend's model list; a failure keeps the last good list and is logged."""
-        path = (
-            backend.models_path
-            if backend.models_path.startswith("/")
-            else "/" + backend.models_path
-        )
-        try:
-            async with self._http().stream("GET", backend.base_url + path) as resp:
-                if resp.status_code != 200:
-                    raise ValueError(f"HTTP {resp.status_code} from {path}")
-                body = bytearray()
-                async for chunk in resp.aiter_bytes():
-                    body += chunk
-                    if len(body) > MAX_MODELS_BYTES:
-                        raise ValueError(f"{path} body larger than {MAX_MODELS_BYTES} bytes")
-            info = adapter_for(backend.kind).parse_models(bytes(body))
-        except (ValueError, httpx.HTTPError) as exc:
-            if self._models.errors.get(backend.name) != str(exc):
-                log.info("collector: %s %s unreadable: %s", backend.name, path, exc)
-            self._models.errors[backend.name] = str(exc)
-            return
-        self._models.errors.pop(backend.name, None)
-        self._models.info[backend.name] = info
+        await self._models.refresh(self._http(), backends, self._clock(), every)
 
     # --- read-only view for metrics --------------------------------------------------------
 
