@@ -320,3 +320,28 @@ def test_cli_starts_a_vllm_engine_and_refuses_bad_flags() -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "data-parallel" in bad.stderr
+
+
+@pytest.mark.parametrize(("allocator", "kind"), [("contiguous", "contiguous"), ("paged", "paged")])
+async def test_default_kvroute_mode_metrics_parse_to_its_own_state(
+    allocator: str, kind: str
+) -> None:
+    """The default behaviour: the kvroute gauges, read by the kvroute adapter."""
+    from loadtest.engine.server import EngineConfig, EngineServer
+
+    srv = EngineServer(EngineConfig(port=0, allocator=allocator, capacity_tokens=10_000))
+    await srv.start()
+    try:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=10) as client:
+            await client.post("/admin/hold", json={"tokens": 1_000, "count": 3})
+            text = (await client.get("/metrics")).text
+        fig = srv.engine.figures()
+    finally:
+        await srv.stop()
+    r = adapter_for(kind).parse_metrics(text, 0.0)
+    assert (r.capacity_tokens, r.free_tokens, r.largest_free_block_tokens) == (
+        fig["capacity_tokens"],
+        fig["free_tokens"],
+        fig["largest_free_block_tokens"],
+    )
+    assert r.free_tokens < r.capacity_tokens and not r.queueing
