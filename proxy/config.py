@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, mod
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
 
-BackendKind = Literal["vllm", "contiguous", "paged"]
+BackendKind = Literal["vllm", "sglang", "tgi", "contiguous", "paged"]
 PoolRole = Literal["general", "long"]
 PolicyName = Literal["kvroute", "round_robin", "least_loaded", "most_free"]
 
@@ -42,6 +42,11 @@ class BackendConfig(_Strict):
         default=None, gt=0, description="for backends that report bytes"
     )
     metrics_path: str = "/metrics"
+    models: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(
+        default=(),
+        description="model ids served here; empty: discovered from the backend's /v1/models",
+    )
+    models_path: str = "/v1/models"
 
     @property
     def base_url(self) -> str:
@@ -168,6 +173,9 @@ class CollectorConfig(_Strict):
     stale_after_s: float = Field(default=5.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
     report_ttl_s: float = Field(default=60.0, gt=0)
+    models_refresh_s: float = Field(
+        default=30.0, gt=0, description="how often each backend's /v1/models is read again"
+    )
 
     @model_validator(mode="after")
     def _stale_after_interval(self) -> CollectorConfig:

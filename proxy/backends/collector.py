@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import httpx
 
+from proxy.backends.base import ModelsInfo
+from proxy.backends.models import ModelsDirectory
 from proxy.backends.parse import ScrapeError, parse_report
 from proxy.config import BackendConfig, Config
 from proxy.core.fleet import MemoryReport
@@ -110,6 +112,7 @@ class Collector:
         self._stopping = False
         self._c = _Counters()
         self.on_report: list[ReportHook] = []
+        self._models = ModelsDirectory()
 
     # --- configuration -----------------------------------------------------------------
 
@@ -129,6 +132,8 @@ class Collector:
         names = {b.name for b in config.backends}
         for gone in set(self._c.backends) - names:
             del self._c.backends[gone]
+        # URLs or kinds may have changed: ask every backend for its models again.
+        self._models = ModelsDirectory()
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -205,11 +210,17 @@ class Collector:
     async def scrape_once(self) -> dict[str, ScrapeOutcome] | None:
         """Run one round; ``None`` when another replica holds the lock and this one skipped."""
         leader = await self._take_lock()
+        backends = list(self._config.backends)
+        # Every replica keeps its own model list (it is not in the store): refresh it
+        # alongside the scrapes, or alone when another replica holds the lock.
+        models = self._refresh_models(backends)
         if leader is False:
+            await models
             self._c.rounds_skipped_total += 1
             return None
-        backends = list(self._config.backends)
-        outcomes = await asyncio.gather(*(self._scrape(b) for b in backends))
+        outcomes, _ = await asyncio.gather(
+            asyncio.gather(*(self._scrape(b) for b in backends)), models
+        )
         await asyncio.gather(*(self._publish(o) for o in outcomes))
         self._c.rounds_total += 1
         self._c.last_round_at = self._clock()
@@ -350,6 +361,20 @@ class Collector:
             except Exception:  # a consumer's bug must not stop collection
                 self._c.hook_errors_total += 1
                 log.exception("collector: on_report hook %r failed for %s", hook, name)
+
+    # --- served models (GET /v1/models, cached) ------------------------------------------------
+
+    def models(self, name: str) -> ModelsInfo | None:
+        """What backend ``name``'s ``/v1/models`` last said (ids, max_model_len), or None."""
+        return self._models.info.get(name)
+
+    def served_models(self, backend: BackendConfig) -> tuple[str, ...]:
+        """The model ids a backend serves: its configured ``models``, else what it lists."""
+        return self._models.served(backend)
+
+    async def _refresh_models(self, backends: list[BackendConfig]) -> None:
+        every = self._config.collector.models_refresh_s
+        await self._models.refresh(self._http(), backends, self._clock(), every)
 
     # --- read-only view for metrics --------------------------------------------------------
 

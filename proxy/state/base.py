@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from proxy.core.fleet import MemoryReport, Overlay
+from proxy.core.lazy import lazy_headroom
 
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import StoreUnavailable as StoreUnavailable
@@ -170,15 +171,21 @@ def build_overlay(
 
 
 def reservation_fits(
-    report: MemoryReport | None, pending: int, tokens: int, headroom: float
+    report: MemoryReport | None, pending: int, tokens: int, headroom: float, reserved: int = 0
 ) -> bool:
     """The atomic reserve's check: pending + demand x (1 + headroom) within the largest free block.
 
-    With no report there is nothing to check against, so the reservation is allowed.
+    For a lazily allocating server (``report.queueing``) the demand must instead fit beside
+    every live reservation at its full demand (``reserved``; ``proxy.core.lazy``), since
+    its report shows only what is already cached. With no report there is nothing to check
+    against, so the reservation is allowed.
     """
     if report is None:
         return True
-    return pending + tokens * (1.0 + headroom) <= report.largest_free_block_tokens
+    need = tokens * (1.0 + headroom)
+    if report.queueing:
+        return need <= lazy_headroom(report, reserved)
+    return pending + need <= report.largest_free_block_tokens
 
 
 class StateStore(abc.ABC):

@@ -131,9 +131,9 @@ class InProcessStore(StateStore):
             entry = self._state(name)
             report = entry.report if entry is not None else None
             others = [r for rid, r in live.items() if rid != reservation_id]
-            if not reservation_fits(
-                report, pending_tokens(report, others, now, grace_s), tokens, headroom
-            ):
+            pending = pending_tokens(report, others, now, grace_s)
+            reserved = sum(r.tokens for r in others)
+            if not reservation_fits(report, pending, tokens, headroom, reserved):
                 return False
         now = float(now)
         self._res.setdefault(name, live)[reservation_id] = Reservation(
