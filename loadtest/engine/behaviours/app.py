@@ -36,7 +36,7 @@ from loadtest.engine.protocol import (
     parse_body,
     usage_chunk,
 )
-from proxy.core.tokens import count_prompt_async
+from proxy.gateway.sizing import count_prompt_async
 
 JSON = "application/json"
 
