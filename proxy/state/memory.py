@@ -112,6 +112,27 @@ class InProcessStore(StateStore):
     async def known_backends(self) -> set[str]:
         return set(self._known)
 
+    def adopt(self, state: BackendState, ttl_s: float) -> None:
+        """Take another store's view of a backend (report, status, flags), not its reservations.
+
+        The degraded-mode wrapper (proxy.state.degraded) mirrors the shared store here so that,
+        the moment Redis stops answering, this replica already holds the latest known figures.
+        A report older than the one held is ignored: a local scrape may be newer.
+        """
+        check_ttl(ttl_s)
+        entry = self._state(state.name)
+        held = entry.report if entry is not None else None
+        report = state.report
+        if held is not None and (report is None or held.reported_at > report.reported_at):
+            report = held
+        if state.status != "unknown" or report is not None:
+            status: Status = state.status if state.status != "unknown" else "up"
+            self._states[state.name] = _Entry(
+                report, status, state.status_reason, self._clock() + ttl_s
+            )
+            self._known.add(state.name)
+        self._flags[state.name] = state.flags
+
     # --- reservations ---
     async def reserve(
         self,
