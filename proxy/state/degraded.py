@@ -74,6 +74,8 @@ class DegradedStore(StateStore):
         self.shared = shared
         self.local = local if local is not None else InProcessStore()
         self.breaker = breaker
+        # This store runs the breaker around each Redis call; callers' call() passes through.
+        breaker.delegated = True
         self.reservation_ttl_s = reservation_ttl_s
         self.report_ttl_s = report_ttl_s
         self.clock_refresh_s = clock_refresh_s
@@ -106,7 +108,7 @@ class DegradedStore(StateStore):
     async def _shared(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """One call to Redis through the breaker; a failure marks this replica degraded."""
         try:
-            return await self.breaker.call(fn, what)
+            return await self.breaker.guard(fn, what)
         except StoreUnavailable:
             self.shared_errors += 1
             self._set_degraded(True)

@@ -85,7 +85,13 @@ class FleetCache:
         self.degraded = False
         self.store_errors = 0
         self.on_degraded_change: list[Callable[[bool], None]] = []
-        self.breaker = CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
+        own = getattr(store, "breaker", None)
+        # A degraded-mode store brings the breaker it runs around Redis: one circuit, not two.
+        self.breaker = (
+            own
+            if isinstance(own, CircuitBreaker)
+            else CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
+        )
 
     @property
     def latest(self) -> FleetSnapshot | None:
