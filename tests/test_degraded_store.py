@@ -59,7 +59,10 @@ async def stores(instance: RedisInstance) -> AsyncIterator[tuple[DegradedStore, 
 
 def report(largest: int, at: float) -> MemoryReport:
     return MemoryReport(
-        capacity_tokens=30_000, free_tokens=largest, largest_free_block_tokens=largest, reported_at=at
+        capacity_tokens=30_000,
+        free_tokens=largest,
+        largest_free_block_tokens=largest,
+        reported_at=at,
     )
 
 

@@ -47,7 +47,8 @@ class ReservationLedger:
         self.on_error = on_error
         self.retry_interval_s = retry_interval_s
         self.clock = clock
-        self.held: dict[Key, bool] = {}  # -> the reserve was sent (so it may be in the store)
+        self.held: dict[Key, bool] = {}  # reservations that are (or may be) in the store
+        self.unsent: set[Key] = set()  # reserves the breaker stopped: nothing to release
         self.pending: dict[Key, float] = {}  # releases to retry -> give up at
         self._flusher: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[object]] = set()
@@ -58,7 +59,11 @@ class ReservationLedger:
         ``sent=False``: the reserve never reached the store (breaker open), so its release
         is a no-op rather than a queued retry.
         """
-        self.held[(rid, backend)] = sent
+        if sent:
+            self.held[(rid, backend)] = True
+            self.unsent.discard((rid, backend))
+        else:
+            self.unsent.add((rid, backend))
 
     async def reserve(self, backend: str, rid: str, call: Callable[[], Awaitable[bool]]) -> bool:
         """Run one reserve call through the breaker and hold whatever it may have reserved.
@@ -82,8 +87,7 @@ class ReservationLedger:
             raise
         except StoreUnavailable:
             self.on_error("reserve")
-            if sent:
-                self.hold(backend, rid)
+            self.hold(backend, rid, sent=sent)
             raise
         if ok:
             self.hold(backend, rid)
@@ -101,23 +105,36 @@ class ReservationLedger:
             landed = bool(task.result())
         if landed:
             self.hold(backend, rid)
-            self._spawn(self.release(backend, rid))
+            self._spawn(self.release(backend, rid, unsure=True))
 
     def _spawn(self, coro: Awaitable[object]) -> None:
         t = asyncio.ensure_future(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
-    async def release(self, backend: str, rid: str) -> None:
+    async def release(self, backend: str, rid: str, *, unsure: bool = False) -> None:
+        """Release one reservation; a failed release is queued and retried.
+
+        ``unsure``: the reserve's outcome is unknown (it timed out, or may still be on its
+        way), so the store is told to ``forget`` the id: a reserve landing later is refused.
+        """
         key = (rid, backend)
-        if self.held.pop(key, True) is False:
+        self.held.pop(key, None)
+        if key in self.unsent:
+            self.unsent.discard(key)
             return  # the reserve never reached the store: nothing there to release
         try:
-            await self.breaker.call(lambda: self.store.release(backend, rid), "release")
+            await self.breaker.call(lambda: self._drop(backend, rid, unsure), "release")
         except StoreUnavailable:
             self.on_error("release")
             self.pending[key] = self.clock() + self.ttl_s
             self._ensure_flusher()
+
+    async def _drop(self, backend: str, rid: str, unsure: bool) -> None:
+        if unsure:
+            await self.store.forget(backend, rid, self.store.now() + self.ttl_s)
+        else:
+            await self.store.release(backend, rid)
 
     def _ensure_flusher(self) -> None:
         if self._flusher is None or self._flusher.done():
@@ -134,8 +151,9 @@ class ReservationLedger:
                 continue
             rid, backend = key
             try:
+                # A queued release may answer a reserve that lands later still: forget the id.
                 await self.breaker.call(
-                    functools.partial(self.store.release, backend, rid), "release"
+                    functools.partial(self._drop, backend, rid, True), "release"
                 )
             except StoreUnavailable:
                 return  # still down: the next round tries again

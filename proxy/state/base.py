@@ -243,6 +243,16 @@ class StateStore(abc.ABC):
     async def release(self, name: str, reservation_id: str) -> None:
         """Remove a reservation; releasing an unknown id is a no-op."""
 
+    async def forget(self, name: str, reservation_id: str, until: float) -> None:
+        """Release, and refuse this id until ``until`` (store clock); idempotent.
+
+        For a reserve whose outcome is unknown (timed out, or its request was cancelled while
+        it was in flight): a plain release can reach the store before that reserve does and
+        then leaves it behind; after ``forget`` the late reserve is refused. This default
+        (a plain release) is for stores where a call cannot arrive late.
+        """
+        await self.release(name, reservation_id)
+
     @abc.abstractmethod
     async def reservations(self, name: str, now: float) -> list[Reservation]:
         """Live (unexpired) reservations on a backend."""

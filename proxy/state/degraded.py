@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 from proxy.config import Config
@@ -253,8 +254,17 @@ class DegradedStore(StateStore):
 
     async def release(self, name: str, reservation_id: str) -> None:
         """Never raises: a release Redis must see but cannot take now is sent once it answers."""
+        await self._drop(name, reservation_id, None)
+
+    async def forget(self, name: str, reservation_id: str, until: float) -> None:
+        await self._drop(name, reservation_id, until)
+
+    async def _drop(self, name: str, reservation_id: str, until: float | None) -> None:
         key = (name, reservation_id)
-        await self.local.release(name, reservation_id)
+        if until is None:
+            await self.local.release(name, reservation_id)
+        else:
+            await self.local.forget(name, reservation_id, until)
         state = self._unsynced.get(key)
         if state == "local":
             del self._unsynced[key]
@@ -265,7 +275,12 @@ class DegradedStore(StateStore):
             return
         self._unsynced.pop(key, None)
         try:
-            await self._shared("release", lambda: self.shared.release(name, reservation_id))
+            if until is None:
+                await self._shared("release", lambda: self.shared.release(name, reservation_id))
+            else:
+                await self._shared(
+                    "forget", lambda: self.shared.forget(name, reservation_id, until)
+                )
         except StoreUnavailable:
             self._releases[key] = time.monotonic() + self.reservation_ttl_s
 
@@ -296,7 +311,9 @@ class DegradedStore(StateStore):
                 self._releases.pop(key, None)  # expired in Redis by now
                 continue
             name, rid = key
-            await self._shared("release", lambda n=name, r=rid: self.shared.release(n, r))  # type: ignore[misc]
+            # A forget, not a plain release: the reserve it answers may itself arrive late.
+            until = self.now() + self.reservation_ttl_s
+            await self._shared("forget", partial(self.shared.forget, name, rid, until))
             self._releases.pop(key, None)
 
     async def _reregister(self) -> None:
@@ -313,17 +330,11 @@ class DegradedStore(StateStore):
             self._unsynced[key] = "syncing"
             try:
                 # Its own times: a reservation older than a report is already counted in it.
-                await self._shared(
-                    "reserve",
-                    lambda r=r, n=name: self.shared.reserve(  # type: ignore[misc]
-                        n,
-                        r.id,
-                        r.tokens,
-                        r.created_at,
-                        r.expires_at - r.created_at,
-                        check_fit=False,
-                    ),
+                ttl = r.expires_at - r.created_at
+                again = partial(
+                    self.shared.reserve, name, rid, r.tokens, r.created_at, ttl, check_fit=False
                 )
+                await self._shared("reserve", again)
             except StoreUnavailable:
                 if self._unsynced.get(key) == "released":
                     self._unsynced.pop(key, None)
@@ -333,7 +344,7 @@ class DegradedStore(StateStore):
                 raise
             if self._unsynced.pop(key, None) == "released":
                 try:
-                    await self._shared("release", lambda n=name, i=rid: self.shared.release(n, i))  # type: ignore[misc]
+                    await self._shared("release", partial(self.shared.release, name, rid))
                 except StoreUnavailable:
                     self._releases[key] = time.monotonic() + self.reservation_ttl_s
                     raise

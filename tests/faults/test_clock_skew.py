@@ -89,9 +89,7 @@ async def two_big(first: str, second: str) -> list[tuple[int, str, str]]:
 
 
 @pytest.mark.parametrize("order", ["behind_then_true", "true_then_ahead"])
-def test_shifted_replica_never_overcommits(
-    skewed: tuple[FaultFleet, str, str], order: str
-) -> None:
+def test_shifted_replica_never_overcommits(skewed: tuple[FaultFleet, str, str], order: str) -> None:
     """Two requests that cannot share the node: the second waits for the first, on any clock."""
     fleet, ahead, behind = skewed
     for url in (fleet.url, ahead, behind):

@@ -22,7 +22,16 @@ import pytest
 
 from loadtest.local_fleet import EngineSpec
 from loadtest.workload import make_prompt
-from tests.faults.harness import RESULTS, FaultFleet, Tally, body, new_client, record, send, wait_for
+from tests.faults.harness import (
+    RESULTS,
+    FaultFleet,
+    Tally,
+    body,
+    new_client,
+    record,
+    send,
+    wait_for,
+)
 
 pytestmark = pytest.mark.faults
 
