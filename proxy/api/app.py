@@ -38,9 +38,8 @@ from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
 from proxy.routing.policy import PolicySettings, make_policy
-from proxy.state import open_store
+from proxy.state import open_store, with_local_fallback
 from proxy.state.base import StateStore
-from proxy.state.degraded import with_local_fallback
 from proxy.state.fleet_cache import FleetCache
 from proxy.upstream.client import Upstream
 

@@ -1,9 +1,8 @@
 """Degraded mode: the shared Redis store, with this replica's own state behind it.
 
-Measured on the plain Redis store: with Redis frozen (SIGSTOP) or killed for 15 s, 934 of
-937 requests went to one engine, because every request ranked on one frozen snapshot with
-no local accounting, and after ``collector.stale_after_s`` the frozen reports counted as
-stale and requests that fit got 503 "fragmentation".
+Measured on the plain Redis store, Redis frozen or killed for 15 s: 934 of 937 requests
+went to one engine (one frozen snapshot, no local accounting), and once the frozen reports
+were stale, requests that fit got 503 "fragmentation".
 
 ``DegradedStore`` composes the shared store with an embedded ``InProcessStore`` behind the
 same ``StateStore`` interface:
@@ -36,7 +35,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, Literal, TypeVar
 
-from proxy.config import Config
 from proxy.core.fleet import MemoryReport
 from proxy.state.base import (
     BackendState,
@@ -414,17 +412,4 @@ class DegradedStore(StateStore):
         return len(self._releases)
 
 
-def with_local_fallback(store: StateStore, cfg: Config) -> StateStore:
-    """The store the gateway runs on: a shared store gets degraded mode (store.degraded_mode)."""
-    if isinstance(store, InProcessStore | DegradedStore) or cfg.store.degraded_mode != "local":
-        return store
-    breaker = CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
-    return DegradedStore(
-        store,
-        breaker,
-        reservation_ttl_s=cfg.store.reservation_ttl_s,
-        report_ttl_s=cfg.collector.report_ttl_s,
-    )
-
-
-__all__ = ["DegradedStore", "with_local_fallback"]
+__all__ = ["DegradedStore"]
