@@ -109,3 +109,39 @@ async def test_cancelled_while_reserving_leaves_no_reservation() -> None:
     assert await store.reservations("a", now) == []
     assert request.cancelled()
     await ledger.close()
+
+
+async def test_a_frozen_snapshot_is_not_used_once_its_reports_are_stale() -> None:
+    """degraded_mode: snapshot. Past collector.stale_after_s every node of the frozen snapshot
+    would count as stale (a request that fits gets 503): route by length only instead."""
+    from proxy.config import StoreConfig
+    from proxy.core.fleet import MemoryReport
+    from proxy.state.redis_store import RedisStore
+    from tests.support.redis_server import RedisInstance
+
+    c = cfg()
+    clock = [time.time()]
+    with RedisInstance() as redis_server:
+        store = RedisStore(StoreConfig(redis_url=redis_server.url, op_timeout_s=0.1))
+        cache = FleetCache(c, store, clock=lambda: clock[0])
+        try:
+            report = MemoryReport(
+                capacity_tokens=1_000,
+                free_tokens=1_000,
+                largest_free_block_tokens=1_000,
+                reported_at=clock[0],
+            )
+            await store.put_report("a", report, 60)
+            assert (await cache.snapshot(force=True)).by_name()["a"].report is not None
+            redis_server.pause()
+            try:
+                clock[0] += c.collector.stale_after_s / 2  # still fresh: the snapshot bridges
+                assert (await cache.snapshot(force=True)).by_name()["a"].report is not None
+                clock[0] += c.collector.stale_after_s  # stale now, yet < max_snapshot_age_s
+                assert clock[0] - report.reported_at < c.store.max_snapshot_age_s
+                snap = await cache.snapshot(force=True)
+                assert cache.degraded and snap.by_name()["a"].report is None
+            finally:
+                redis_server.resume()
+        finally:
+            await store.close()
