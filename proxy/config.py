@@ -166,6 +166,11 @@ class StoreConfig(_Strict):
         gt=0,
         description="an open circuit fails store calls at once for this long, then lets one probe through",
     )
+    degraded_mode: Literal["local", "snapshot"] = Field(
+        default="local",
+        description="with Redis unreachable: local (scrape and reserve in this replica) or "
+        "snapshot (the last shared snapshot, then length only)",
+    )
 
 
 class CollectorConfig(_Strict):
@@ -175,6 +180,12 @@ class CollectorConfig(_Strict):
     report_ttl_s: float = Field(default=60.0, gt=0)
     models_refresh_s: float = Field(
         default=30.0, gt=0, description="how often each backend's /v1/models is read again"
+    )
+    fall: int = Field(
+        default=2, ge=1, description="failed scrapes in a row before a backend is marked down"
+    )
+    rise: int = Field(
+        default=1, ge=1, description="good scrapes in a row before a down backend is marked up"
     )
 
     @model_validator(mode="after")

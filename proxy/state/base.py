@@ -2,13 +2,17 @@
 
 Both implementations pass one contract suite (tests/test_state_contract.py). Times are
 passed in by the caller (unix seconds) so that behaviour is deterministic under test and
-identical between the two stores; hosts are expected to keep clocks in sync (NTP).
+identical between the two stores. Times that cross replicas (reservation, report, ceiling
+and cooldown times) are on the store's clock: ``StateStore.now()`` is this host's clock plus
+``clock_offset``, which the Redis store measures against Redis ``TIME`` (``sync_clock``), so
+a replica whose clock is off still compares like with like. The embedded store's offset is 0.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -191,6 +195,23 @@ def reservation_fits(
 class StateStore(abc.ABC):
     """Per-backend reported state, the gateway's overlay, retry memory, locks and events."""
 
+    #: Seconds to add to this host's clock to get the store's clock (see ``now``).
+    clock_offset: float = 0.0
+
+    # --- the shared clock ---
+    def now(self) -> float:
+        """Unix time on the store's clock: use it for every time another replica compares."""
+        return time.time() + self.clock_offset
+
+    async def sync_clock(self) -> float:
+        """Measure ``clock_offset`` again; returns it. One process's store has nothing to sync."""
+        return self.clock_offset
+
+    @property
+    def degraded(self) -> bool:
+        """True while a shared store is unreachable and this replica runs on local state."""
+        return False
+
     # --- reports (written by the collector, or pushed by custom servers into Redis) ---
     @abc.abstractmethod
     async def put_report(self, name: str, report: MemoryReport, ttl_s: float) -> None:
@@ -227,6 +248,16 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def release(self, name: str, reservation_id: str) -> None:
         """Remove a reservation; releasing an unknown id is a no-op."""
+
+    async def forget(self, name: str, reservation_id: str, until: float) -> None:
+        """Release, and refuse this id until ``until`` (store clock); idempotent.
+
+        For a reserve whose outcome is unknown (timed out, or its request was cancelled while
+        it was in flight): a plain release can reach the store before that reserve does and
+        then leaves it behind; after ``forget`` the late reserve is refused. This default
+        (a plain release) is for stores where a call cannot arrive late.
+        """
+        await self.release(name, reservation_id)
 
     @abc.abstractmethod
     async def reservations(self, name: str, now: float) -> list[Reservation]:

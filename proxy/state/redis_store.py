@@ -4,7 +4,8 @@ Key schema (documented for outside writers in docs/redis-schema.md), with P = ke
 
     P:backend:{name}:state   HASH  report fields + status/status_reason, PEXPIRE report TTL
     P:backends               SET   every backend that ever reported
-    P:backend:{name}:res     HASH  reservation id -> "tokens created_at expires_at", key TTL refreshed on reserve
+    P:backend:{name}:res     HASH  reservation id -> "tokens created_at expires_at", key TTL refreshed on reserve;
+                                   "~<id>" -> "~ <until>": a forgotten id, refused by reserve until then
     P:backend:{name}:flags   HASH  draining, cooldown_until, ceiling_tokens, ceiling_set_at, ceiling_until
     P:retry:{key}            SET   backends a client retry already failed on, with TTL
     P:lock:{name}            STRING owner, PX
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import lru_cache
@@ -174,6 +176,9 @@ local headroom = tonumber(ARGV[6])
 local grace = tonumber(ARGV[7])
 local key_ttl = tonumber(ARGV[8])
 
+-- A forgotten id ("~" .. id, see forget): this reserve arrived after its release.
+local tomb = num(string.match(redis.call('HGET', KEYS[2], '~' .. id) or '', '^~ (%S+)$'))
+if tomb ~= nil and tomb > now then return 0 end
 local largest, reported_at, lazy = read_report(KEYS[1])
 local pending = 0
 local reserved = 0
@@ -181,14 +186,19 @@ local dead = {}
 local flat = redis.call('HGETALL', KEYS[2])
 for i = 1, #flat, 2 do
   local rid, v = flat[i], flat[i + 1]
-  local t, c, e = string.match(v, '^(%S+) (%S+) (%S+)$')
-  t, c, e = count(t, 0), num(c), num(e)
-  if t == nil or c == nil or e == nil or e <= now then
-    dead[#dead + 1] = rid
-  elseif rid ~= id then
-    reserved = reserved + t
-    if largest == nil or c >= reported_at - grace then
-      pending = pending + t
+  if string.sub(rid, 1, 1) == '~' then
+    local u = num(string.match(v, '^~ (%S+)$'))
+    if u == nil or u <= now then dead[#dead + 1] = rid end
+  else
+    local t, c, e = string.match(v, '^(%S+) (%S+) (%S+)$')
+    t, c, e = count(t, 0), num(c), num(e)
+    if t == nil or c == nil or e == nil or e <= now then
+      dead[#dead + 1] = rid
+    elseif rid ~= id then
+      reserved = reserved + t
+      if largest == nil or c >= reported_at - grace then
+        pending = pending + t
+      end
     end
   end
 end
@@ -210,6 +220,17 @@ end
 return 1
 """
 )
+
+# KEYS: res.  ARGV: id, until, key_ttl_ms.  Release, and leave "~id" = "~ <until>" so that
+# a reserve of that id arriving later is refused (proxy.state.base.StateStore.forget).
+_LUA_FORGET = r"""
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[1], '~' .. ARGV[1], '~ ' .. ARGV[2])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return 1
+"""
 
 # KEYS: flags, state.  ARGV: tokens, now, until.  Mirrors base.merge_ceiling.
 _LUA_SET_CEILING = (
@@ -491,6 +512,7 @@ class RedisStore(StateStore):
         self._try_lock = self._r.register_script(_LUA_TRY_LOCK)
         self._unlock = self._r.register_script(_LUA_UNLOCK)
         self._read = self._r.register_script(_LUA_READ)
+        self._forget = self._r.register_script(_LUA_FORGET)
 
     # --- keys ---
     def _k_state(self, name: str) -> str:
@@ -632,6 +654,14 @@ class RedisStore(StateStore):
     async def release(self, name: str, reservation_id: str) -> None:
         await self._call("release", lambda: self._r.hdel(self._k_res(name), reservation_id))
 
+    async def forget(self, name: str, reservation_id: str, until: float) -> None:
+        check_finite(until=until)
+        keys = [self._k_res(name)]
+        # The key must outlive the tombstone (its until is on the store's clock, as the TTL is).
+        ttl_ms = _ms(max(0.0, until - self.now())) + RES_KEY_SLACK_MS
+        args = [reservation_id, _f(until), str(ttl_ms)]
+        await self._call("forget", lambda: self._forget(keys=keys, args=args))
+
     async def reservations(self, name: str, now: float) -> list[Reservation]:
         h = await self._call("reservations", lambda: self._r.hgetall(self._k_res(name)))
         return list(live_reservations(_parse_reservations(cast(dict[str, str], h)), now))
@@ -716,6 +746,29 @@ class RedisStore(StateStore):
             if isinstance(item, dict):
                 out.append(item)
         return out
+
+    # --- the shared clock ---
+    async def server_time(self) -> float:
+        """Redis ``TIME`` as unix seconds: the one clock every replica compares shared times on."""
+        sec, usec = await self._call("time", lambda: self._r.time())
+        return float(sec) + float(usec) / 1e6
+
+    async def sync_clock(self, samples: int = 3) -> float:
+        """Measure ``clock_offset`` (Redis clock minus ours), keeping the lowest-RTT sample.
+
+        The server read its clock somewhere inside the round trip; assuming the middle, the
+        error is at most half the RTT, so the quickest of a few samples is the most exact.
+        """
+        best: tuple[float, float] | None = None
+        for _ in range(samples):
+            t0 = time.time()
+            server = await self.server_time()
+            t1 = time.time()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, server - (t0 + t1) / 2.0)
+        assert best is not None
+        self.clock_offset = best[1]
+        return self.clock_offset
 
     # --- lifecycle ---
     async def ping(self) -> bool:
