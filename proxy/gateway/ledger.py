@@ -49,6 +49,7 @@ class ReservationLedger:
         self.clock = clock
         self.held: dict[Key, bool] = {}  # reservations that are (or may be) in the store
         self.unsent: set[Key] = set()  # reserves the breaker stopped: nothing to release
+        self.unsure: set[Key] = set()  # reserves that timed out once sent: release with forget
         self.pending: dict[Key, float] = {}  # releases to retry -> give up at
         self._flusher: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[object]] = set()
@@ -88,6 +89,9 @@ class ReservationLedger:
         except StoreUnavailable:
             self.on_error("reserve")
             self.hold(backend, rid, sent=sent)
+            if sent:
+                # A timed-out reserve may still land after our release: release it "unsure".
+                self.unsure.add((rid, backend))
             raise
         if ok:
             self.hold(backend, rid)
@@ -120,6 +124,9 @@ class ReservationLedger:
         """
         key = (rid, backend)
         self.held.pop(key, None)
+        if key in self.unsure:
+            self.unsure.discard(key)
+            unsure = True
         if key in self.unsent:
             self.unsent.discard(key)
             return  # the reserve never reached the store: nothing there to release
