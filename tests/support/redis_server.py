@@ -193,7 +193,9 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 # --------------------------------------------------------------------------- HA topologies
 def _binary(name: str, package: str) -> str:
-    found = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else None)
+    found = shutil.which(name) or (
+        f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else None
+    )
     if found is None:
         pytest.fail(f"{name} is not installed: `apt-get install {package}`", pytrace=False)
     return found
@@ -261,10 +263,14 @@ class RedisClusterProcs:
             check=False,
         )
         if out.returncode != 0:
-            pytest.fail(f"redis-cli --cluster create failed: {out.stdout[-1500:]}{out.stderr[-500:]}")
+            pytest.fail(
+                f"redis-cli --cluster create failed: {out.stdout[-1500:]}{out.stderr[-500:]}"
+            )
         _wait(
             "cluster_state:ok on every node",
-            lambda: all("cluster_state:ok" in _command(n.port, "cluster", "info") for n in self.nodes),
+            lambda: all(
+                "cluster_state:ok" in _command(n.port, "cluster", "info") for n in self.nodes
+            ),
         )
         return self
 
