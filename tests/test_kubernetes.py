@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from proxy.config import parse_config
-from tests.test_deploy_files import promtool as promtool_fixture  # noqa: F401  (the fixture)
+from tests.test_deploy_files import PROMTOOL_APT
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -49,6 +49,16 @@ def kubectl() -> str:
                 "kubectl is not on PATH and KVROUTE_REQUIRE_KUBECTL=1 (apt-get install kubectl)"
             )
         pytest.skip("kubectl not installed (apt-get install kubectl)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("KVROUTE_REQUIRE_PROMTOOL") == "1":
+            pytest.fail(f"promtool is not on PATH and KVROUTE_REQUIRE_PROMTOOL=1 ({PROMTOOL_APT})")
+        pytest.skip(f"promtool not installed ({PROMTOOL_APT})")
     return path
 
 
