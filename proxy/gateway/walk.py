@@ -134,6 +134,17 @@ class Gateway:
             self.checker = ActiveChecker(self.health, urls, self._probe, ac.interval_s)
             self.checker.start()
 
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed backend list (discovery). URLs of removed backends are kept, so a
+        request already placed on one still reaches it; probes cover the current list only."""
+        self.cfg = cfg
+        self.urls.update({b.name: b.base_url for b in cfg.backends})
+        self.health.retain([b.name for b in cfg.backends])
+        if self.checker is not None:
+            path = cfg.health.active.path
+            path = path if path.startswith("/") else "/" + path
+            self.checker.urls = {b.name: b.base_url + path for b in cfg.backends}
+
     async def _probe(self, url: str) -> bool:
         status, _ = await self.upstream.get(url, self.cfg.health.active.timeout_s)
         return 200 <= status < 300

@@ -166,6 +166,11 @@ class Maintenance:
     def restarting(self) -> list[str]:
         return sorted(self._tasks)
 
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed backend list (discovery); a restart in progress keeps its URL."""
+        self.cfg = cfg
+        self.urls.update({b.name: b.base_url for b in cfg.backends})
+
     # ------------------------------------------------------------------ hooks from the gateway
     def on_allocation_failure(
         self, backend: str, cause: str, demand: int, fleet_free_fraction: float

@@ -83,6 +83,11 @@ class FleetCache:
         self.on_degraded_change: list[Callable[[bool], None]] = []
         self.breaker = CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
 
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed backend list (discovery); the next snapshot reads the new names."""
+        self.cfg = cfg
+        self.names = [b.name for b in cfg.backends]
+
     @property
     def latest(self) -> FleetSnapshot | None:
         return self._snap

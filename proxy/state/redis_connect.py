@@ -84,7 +84,7 @@ def _sentinel(cfg: StoreConfig, max_connections: int) -> RedisClient:
     }
     if sc.sentinel_password:
         sentinel_kwargs["password"] = sc.sentinel_password
-    sentinel = Sentinel(sc.addresses(), sentinel_kwargs=sentinel_kwargs)
+    sentinel = Sentinel(sc.addresses(), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
     client = sentinel.master_for(
         sc.master,
         max_connections=max_connections,

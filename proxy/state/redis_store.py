@@ -449,7 +449,7 @@ class RedisStore(StateStore):
 
         async def op() -> None:
             async with self._r.pipeline(transaction=not self._cluster) as pipe:
-                pipe.hset(self._k_state(name), mapping=fields)  # type: ignore[arg-type]
+                pipe.hset(self._k_state(name), mapping=fields)
                 pipe.pexpire(self._k_state(name), _ms(ttl_s))
                 pipe.sadd(self._k_backends, name)
                 await pipe.execute()
@@ -513,7 +513,9 @@ class RedisStore(StateStore):
             async with self._r.pipeline() as pipe:
                 for group in groups:
                     keys = [
-                        k for n in group for k in (self._k_state(n), self._k_res(n), self._k_flags(n))
+                        k
+                        for n in group
+                        for k in (self._k_state(n), self._k_res(n), self._k_flags(n))
                     ]
                     pipe.eval(_LUA_READ, len(keys), *keys)
                 return cast(list[Any], await pipe.execute())
