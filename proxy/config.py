@@ -319,6 +319,8 @@ class RestartHookConfig(_Strict):
     def _complete(self) -> RestartHookConfig:
         if self.type == "kubernetes" and not self.pod_selector:
             raise ValueError("hook.pod_selector is required when hook.type is 'kubernetes'")
+        if self.pod_selector and ("(" in self.pod_selector or " in " in self.pod_selector):
+            raise ValueError("hook.pod_selector: only equality selectors (a=b,c!=d) are supported")
         if self.type == "http" and not self.url:
             raise ValueError("hook.url is required when hook.type is 'http'")
         if self.type == "command" and not self.argv:

@@ -438,7 +438,10 @@ class Maintenance:
             )
             if not result.ok:
                 raise _Failed(f"restart hook failed: {result.detail}")
-            after = await self._wait_fresh(name, old_started, hook_at)
+            # A deleted pod comes back under a new name (its ReplicaSet's replacement): wait
+            # for that one to report, so the next restart starts only after it serves.
+            fresh = result.replaced_by or name
+            after = await self._wait_fresh(fresh, old_started, hook_at)
             if after is None:
                 raise _Failed(
                     f"not up with a fresh allocator within healthy_timeout_s ({self.m.healthy_timeout_s:g}s)"
