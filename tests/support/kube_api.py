@@ -105,6 +105,7 @@ class FakeKubeApi:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
+        self._closing = False
 
     @property
     def url(self) -> str:
@@ -181,7 +182,7 @@ class FakeKubeApi:
             return resp
         deadline = time.monotonic() + timeout
         sent = since
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._closing:
             with self._lock:
                 if sent < self.compacted_below:
                     status = _status(410, "Expired", "too old resource version")
@@ -259,7 +260,6 @@ class FakeKubeApi:
             loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
             started.set()
             loop.run_forever()
-            loop.run_until_complete(self._runner.cleanup())
             loop.close()
 
         self._thread = threading.Thread(target=main, daemon=True)
@@ -268,7 +268,9 @@ class FakeKubeApi:
         return self
 
     def stop(self) -> None:
-        if self._loop is not None:
+        self._closing = True
+        if self._loop is not None and self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=10)
