@@ -16,16 +16,16 @@ from typing import Any
 import dns.asyncresolver
 import httpx
 import pytest
-from dnslib import AAAA, QTYPE, RR, SRV, A, DNSRecord
+from dnslib import RR, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from loadtest.local_fleet import free_port
 from proxy.backends.discovery_dns import DnsDiscovery
 from proxy.backends.discovery_kubernetes import KubernetesDiscovery, slice_backends
 from proxy.config import DiscoveryConfig, parse_config
-from tests.support.kube_api import TOKEN, FakeKubeApi, endpoint_slice
 from tests.support.engines import start_engine, wait_until
 from tests.support.gateway import run_gateway
+from tests.support.kube_api import TOKEN, FakeKubeApi, endpoint_slice
 
 POOLS = {"general", "long"}
 FLEET = {"kvroute.io/fleet": "inference"}
@@ -59,9 +59,10 @@ def kube_cfg(api: FakeKubeApi, token: Path, **kw: Any) -> DiscoveryConfig:
     return DiscoveryConfig(**fields)
 
 
-async def until(pred: Any, what: str, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not pred():
+async def until(pred: Any, what: str, limit_s: float = 10.0) -> None:
+    """Poll a condition another thread makes true (the API server's thread), with a deadline."""
+    async with asyncio.timeout(limit_s):
+        while not pred():  # noqa: ASYNC110  (set by another thread's server, no event to await)
             await asyncio.sleep(0.02)
 
 
@@ -89,26 +90,35 @@ def test_slice_backends_reads_the_documented_shape() -> None:
     # A numeric port is used as is; an unknown pool label falls back to the default pool.
     obj["metadata"]["labels"]["kvroute.io/pool"] = "nope"
     got = slice_backends(DiscoveryConfig(type="kubernetes", port=9000), obj, POOLS)
-    assert {(b.base_url, b.pool) for b in got} == {("http://10.0.0.1:9000", "general"), ("http://10.0.0.3:9000", "general")}
+    assert {(b.base_url, b.pool) for b in got} == {
+        ("http://10.0.0.1:9000", "general"),
+        ("http://10.0.0.3:9000", "general"),
+    }
     v6 = endpoint_slice("v6", [("p", "fd00::1", True)], port=8000)
     (b,) = slice_backends(cfg, v6, POOLS)
     assert b.base_url == "http://[fd00::1]:8000"
 
 
 def test_config_accepts_discovery_without_static_backends() -> None:
-    cfg = parse_config({"discovery": {"type": "dns", "name": "vllm.inference.svc", "port": 8000}}, environ={})
+    cfg = parse_config(
+        {"discovery": {"type": "dns", "name": "vllm.inference.svc", "port": 8000}}, environ={}
+    )
     assert cfg.backends == [] and cfg.discovery.type == "dns"
     with pytest.raises(Exception, match="backends"):
         parse_config({}, environ={})
-    with pytest.raises(Exception, match="discovery.name"):
+    with pytest.raises(Exception, match=r"discovery\.name"):
         parse_config({"discovery": {"type": "dns"}}, environ={})
     with pytest.raises(Exception, match="pool"):
         parse_config({"discovery": {"type": "kubernetes", "pool": "missing"}}, environ={})
 
 
 # --------------------------------------------------------------------------- kubernetes
-async def test_kubernetes_list_then_watch_follows_the_fleet(kube: FakeKubeApi, token_file: Path) -> None:
-    kube.put_slice(endpoint_slice("vllm-a", [("vllm-0", "127.0.0.10", True)], port=8000, labels=FLEET))
+async def test_kubernetes_list_then_watch_follows_the_fleet(
+    kube: FakeKubeApi, token_file: Path
+) -> None:
+    kube.put_slice(
+        endpoint_slice("vllm-a", [("vllm-0", "127.0.0.10", True)], port=8000, labels=FLEET)
+    )
     kube.put_slice(
         endpoint_slice("other", [("db-0", "127.0.0.99", True)], port=5432, labels={"app": "db"})
     )
@@ -122,12 +132,18 @@ async def test_kubernetes_list_then_watch_follows_the_fleet(kube: FakeKubeApi, t
         # Scale up: a new ready endpoint in the slice (MODIFIED) and a new slice (ADDED).
         kube.put_slice(
             endpoint_slice(
-                "vllm-a", [("vllm-0", "127.0.0.10", True), ("vllm-1", "127.0.0.11", True)], port=8000, labels=FLEET
+                "vllm-a",
+                [("vllm-0", "127.0.0.10", True), ("vllm-1", "127.0.0.11", True)],
+                port=8000,
+                labels=FLEET,
             )
         )
         kube.put_slice(
             endpoint_slice(
-                "vllm-long", [("long-0", "127.0.0.20", True)], port=8000, labels={**FLEET, "kvroute.io/pool": "long"}
+                "vllm-long",
+                [("long-0", "127.0.0.20", True)],
+                port=8000,
+                labels={**FLEET, "kvroute.io/pool": "long"},
             )
         )
         await until(lambda: names(d) == {"vllm-0", "vllm-1", "long-0"}, "scale up")
@@ -135,7 +151,10 @@ async def test_kubernetes_list_then_watch_follows_the_fleet(kube: FakeKubeApi, t
         # A pod failing readiness leaves; a deleted slice takes its endpoints along.
         kube.put_slice(
             endpoint_slice(
-                "vllm-a", [("vllm-0", "127.0.0.10", False), ("vllm-1", "127.0.0.11", True)], port=8000, labels=FLEET
+                "vllm-a",
+                [("vllm-0", "127.0.0.10", False), ("vllm-1", "127.0.0.11", True)],
+                port=8000,
+                labels=FLEET,
             )
         )
         kube.delete_slice("vllm-long")
@@ -148,7 +167,9 @@ async def test_kubernetes_list_then_watch_follows_the_fleet(kube: FakeKubeApi, t
 
 
 async def test_kubernetes_watch_410_gone_relists(kube: FakeKubeApi, token_file: Path) -> None:
-    kube.put_slice(endpoint_slice("vllm-a", [("vllm-0", "127.0.0.10", True)], port=8000, labels=FLEET))
+    kube.put_slice(
+        endpoint_slice("vllm-a", [("vllm-0", "127.0.0.10", True)], port=8000, labels=FLEET)
+    )
     d = KubernetesDiscovery(kube_cfg(kube, token_file), [], POOLS)
     await d.start()
     try:
@@ -156,7 +177,9 @@ async def test_kubernetes_watch_410_gone_relists(kube: FakeKubeApi, token_file: 
         assert d.relists == 1
         # The change happens while history is compacted: the watch gets ERROR 410 and only a
         # new list can see the change.
-        kube.put_slice(endpoint_slice("vllm-a", [("vllm-9", "127.0.0.19", True)], port=8000, labels=FLEET))
+        kube.put_slice(
+            endpoint_slice("vllm-a", [("vllm-9", "127.0.0.19", True)], port=8000, labels=FLEET)
+        )
         kube.compact()
         await until(lambda: names(d) == {"vllm-9"}, "relist after 410")
         assert d.relists >= 2
@@ -164,10 +187,14 @@ async def test_kubernetes_watch_410_gone_relists(kube: FakeKubeApi, token_file: 
         await d.stop()
 
 
-async def test_kubernetes_unauthorized_is_retried_not_fatal(kube: FakeKubeApi, tmp_path: Path) -> None:
+async def test_kubernetes_unauthorized_is_retried_not_fatal(
+    kube: FakeKubeApi, tmp_path: Path
+) -> None:
     bad = tmp_path / "token"
     bad.write_text("wrong")
-    kube.put_slice(endpoint_slice("vllm-a", [("vllm-0", "127.0.0.10", True)], port=8000, labels=FLEET))
+    kube.put_slice(
+        endpoint_slice("vllm-a", [("vllm-0", "127.0.0.10", True)], port=8000, labels=FLEET)
+    )
     d = KubernetesDiscovery(kube_cfg(kube, bad), [], POOLS)
     await d.start()  # a failed first list does not stop the gateway from starting
     try:
@@ -223,7 +250,9 @@ def dns_server() -> Iterator[tuple[Records, dns.asyncresolver.Resolver]]:
 
 async def test_dns_a_records_follow_changes(dns_server: tuple[Records, Any]) -> None:
     records, resolver = dns_server
-    records.set("vllm.test. 5 IN A 127.0.0.10\nvllm.test. 5 IN A 127.0.0.11\nvllm.test. 5 IN AAAA ::1")
+    records.set(
+        "vllm.test. 5 IN A 127.0.0.10\nvllm.test. 5 IN A 127.0.0.11\nvllm.test. 5 IN AAAA ::1"
+    )
     cfg = DiscoveryConfig(type="dns", name="vllm.test", port=8000, interval_s=0.05)
     d = DnsDiscovery(cfg, [], resolver=resolver)
     await d.start()
@@ -271,7 +300,9 @@ def test_gateway_follows_discovered_backends(kube: FakeKubeApi, token_file: Path
     e1 = start_engine(capacity_tokens=50_000)
     e2 = start_engine(capacity_tokens=50_000)
     try:
-        kube.put_slice(endpoint_slice("vllm-a", [("pod-1", "127.0.0.1", True)], port=e1.port, labels=FLEET))
+        kube.put_slice(
+            endpoint_slice("vllm-a", [("pod-1", "127.0.0.1", True)], port=e1.port, labels=FLEET)
+        )
         cfg = parse_config(
             {
                 "discovery": kube_cfg(kube, token_file).model_dump(),
@@ -285,7 +316,9 @@ def test_gateway_follows_discovered_backends(kube: FakeKubeApi, token_file: Path
             def fleet() -> dict[str, Any]:
                 return {b["name"]: b for b in c.get("/fleet").json()["backends"]}
 
-            wait_until(lambda: (fleet().get("pod-1") or {}).get("report") is not None, what="pod-1 reports")
+            wait_until(
+                lambda: (fleet().get("pod-1") or {}).get("report") is not None, what="pod-1 reports"
+            )
             kube.put_slice(
                 endpoint_slice(
                     "vllm-a",

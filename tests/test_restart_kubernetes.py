@@ -29,7 +29,9 @@ def kube() -> Iterator[FakeKubeApi]:
 def api_cfg(kube: FakeKubeApi, tmp_path: Path) -> KubernetesApiConfig:
     token = tmp_path / "token"
     token.write_text(TOKEN)
-    return KubernetesApiConfig(api_url=kube.url, token_path=str(token), ca_path=None, namespace="ns")
+    return KubernetesApiConfig(
+        api_url=kube.url, token_path=str(token), ca_path=None, namespace="ns"
+    )
 
 
 def replica_set(kube: FakeKubeApi, delay_s: float, ready: bool = True) -> None:
@@ -63,7 +65,9 @@ async def test_deletes_the_pod_and_waits_for_a_ready_replacement(
     assert "vllm-1" in kube.pods  # the other pod is untouched
 
 
-async def test_refuses_a_pod_outside_the_selector(kube: FakeKubeApi, api_cfg: KubernetesApiConfig) -> None:
+async def test_refuses_a_pod_outside_the_selector(
+    kube: FakeKubeApi, api_cfg: KubernetesApiConfig
+) -> None:
     kube.add_pod(pod("redis-0", {"app.kubernetes.io/name": "redis"}))
     hook = KubernetesHook(api_cfg, "app.kubernetes.io/name=vllm", timeout_s=5, poll_s=0.05)
     try:
@@ -89,7 +93,9 @@ async def test_missing_pod_and_no_replacement_fail_with_reasons(
         await hook.close()
 
 
-async def test_uid_precondition_protects_a_namesake(kube: FakeKubeApi, api_cfg: KubernetesApiConfig) -> None:
+async def test_uid_precondition_protects_a_namesake(
+    kube: FakeKubeApi, api_cfg: KubernetesApiConfig
+) -> None:
     """Between the read and the delete a StatefulSet recreated the pod: it is not deleted."""
     kube.add_pod(pod("vllm-0", VLLM, uid="old"))
     api = KubernetesHook(api_cfg, "app.kubernetes.io/name=vllm", timeout_s=2).api
@@ -114,6 +120,9 @@ def test_config_builds_the_hook_and_checks_the_selector() -> None:
     for bad in ({"type": "kubernetes"}, {"type": "kubernetes", "pod_selector": "app in (a,b)"}):
         with pytest.raises(Exception, match="pod_selector"):
             parse_config(
-                {"backends": [{"name": "a", "url": "http://127.0.0.1:1"}], "maintenance": {"hook": bad}},
+                {
+                    "backends": [{"name": "a", "url": "http://127.0.0.1:1"}],
+                    "maintenance": {"hook": bad},
+                },
                 environ={},
             )
