@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -269,8 +270,6 @@ def test_servicemonitor_and_dashboard_match_the_gateway() -> None:
     assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
     cm = find(docs, "ConfigMap", "kvroute-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-    import json
-
     source = json.loads((ROOT / "config" / "grafana" / "dashboards" / "kvroute.json").read_text())
     assert json.loads(cm["data"]["kvroute.json"]) == source
 
