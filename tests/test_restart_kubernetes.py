@@ -126,3 +126,77 @@ def test_config_builds_the_hook_and_checks_the_selector() -> None:
                 },
                 environ={},
             )
+
+
+def test_gateway_restarts_a_pod_and_waits_for_its_replacement(
+    kube: FakeKubeApi, api_cfg: KubernetesApiConfig, tmp_path: Path
+) -> None:
+    """Maintenance end to end: drain pod-1, delete it through the API, the "ReplicaSet" starts
+    pod-2 (a fresh engine) which discovery adds; the restart completes on pod-2's fresh report."""
+    import httpx
+
+    from tests.support.engines import start_engine, wait_until
+    from tests.support.gateway import run_gateway
+    from tests.support.kube_api import endpoint_slice
+
+    fleet = {"kvroute.io/fleet": "inference"}
+    old = start_engine(name="old", capacity_tokens=50_000)
+    fresh = start_engine(name="fresh", capacity_tokens=50_000)
+    try:
+        kube.add_pod(pod("pod-1", VLLM))
+        kube.put_slice(
+            endpoint_slice("s", [("pod-1", "127.0.0.1", True)], port=old.port, labels=fleet)
+        )
+
+        def replica_set_starts_pod_2(name: str) -> None:
+            kube.add_pod(pod("pod-2", VLLM))
+            kube.put_slice(
+                endpoint_slice("s", [("pod-2", "127.0.0.1", True)], port=fresh.port, labels=fleet)
+            )
+
+        kube.on_delete = replica_set_starts_pod_2
+        access = api_cfg.model_dump()
+        cfg = parse_config(
+            {
+                "discovery": {
+                    "type": "kubernetes",
+                    "label_selector": "kvroute.io/fleet=inference",
+                    **access,
+                },
+                "collector": {"scrape_interval_s": 0.1, "stale_after_s": 2.0},
+                "admin": {"api_key": "k"},
+                "maintenance": {
+                    "healthy_timeout_s": 15,
+                    "drain_settle_s": 0,
+                    "hook": {
+                        "type": "kubernetes",
+                        "pod_selector": "app.kubernetes.io/name=vllm",
+                        "kubernetes": access,
+                    },
+                },
+            },
+            environ={},
+        )
+        with run_gateway(cfg) as url, httpx.Client(base_url=url, timeout=10) as c:
+            wait_until(
+                lambda: any(b["report"] for b in c.get("/fleet").json()["backends"]),
+                what="pod-1 reports",
+            )
+            r = c.post(
+                "/admin/backends/pod-1/restart?force=true", headers={"Authorization": "Bearer k"}
+            )
+            assert r.status_code == 202, r.text
+
+            def done() -> list[dict[str, object]]:
+                evs = c.get("/fleet/events", params={"limit": "100"}).json()["events"]
+                return [e for e in evs if e["type"] in ("restart_done", "restart_failed")]
+
+            wait_until(lambda: bool(done()), 20, "the restart to finish")
+            (result,) = done()
+            assert result["type"] == "restart_done", result
+            assert kube.deleted == ["pod-1"]
+            backends = {b["name"] for b in c.get("/fleet").json()["backends"]}
+            assert backends == {"pod-2"}
+    finally:
+        old.stop()
+        fresh.stop()
