@@ -54,8 +54,9 @@ def _check_config(args: argparse.Namespace) -> int:
     if cfg.store.sentinel is not None:
         store = f"sentinel master {cfg.store.sentinel.master!r}"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
+    found = "" if cfg.discovery.type == "static" else f" + {cfg.discovery.type} discovery"
     print(
-        f"{args.file}: OK: {len(cfg.backends)} backends, pools {pools}, policy {cfg.routing.policy}, store {store}"
+        f"{args.file}: OK: {len(cfg.backends)} backends{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
     )
     return 0
 
