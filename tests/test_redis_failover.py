@@ -6,8 +6,9 @@ Sentinel; three simulated engines. The master is SIGKILLed while clients send re
 whose demand makes reservations matter (three at most fit on a node at once).
 
 Asserted: at least 99% of requests served; no node over-committed once the new master is in
-service (no allocation failure on any engine from then on, and the reservations the store
-holds for a node never exceed its capacity); no reservation outlives its TTL. The measured
+service (the engines' contiguous allocators refuse what does not fit, and none refuses a
+request from then on, while more clients than fit keep asking); no reservation outlives its
+TTL. The measured
 failover window is printed and recorded in docs/reliability.md.
 """
 
@@ -30,7 +31,8 @@ from tests.support.redis_server import SentinelGroup
 CAPACITY = 60_000
 PROMPT_TOKENS = 15_000  # + max_tokens: three requests fit on a node, a fourth does not
 RES_TTL_S = 4.0
-WORKERS = 6
+# More clients than nodes x 3: without shared reservations nodes would be over-committed.
+WORKERS = 12
 
 
 def fleet(url: str) -> dict[str, Any]:
@@ -113,6 +115,7 @@ def test_sentinel_failover_under_traffic() -> None:
                 time.sleep(2.0)
                 old_port = group.master.port
                 assert group.master.proc is not None
+                failures_at_kill = {e.name: e.state()["lifetime_allocation_failures"] for e in engines}
                 t_kill = time.monotonic()
                 group.master.proc.kill()  # SIGKILL: no goodbye to clients or sentinels
                 wait_until(lambda: group.master_port() == group.replica.port, 20, "promotion")
@@ -145,13 +148,15 @@ def test_sentinel_failover_under_traffic() -> None:
             f"{t_promoted - t_kill:.2f}s; both gateways off degraded mode after {t_back - t_kill:.2f}s; "
             f"{len(results)} requests in {t_end - t_kill + 2.0:.1f}s, served {served:.2%} "
             f"({len(during)} during the window, {sum(1 for s in during if s == 200)} served); "
-            f"codes {dict(codes)}; peak reserved after {dict(peak)}"
+            f"codes {dict(codes)}; peak reserved after {dict(peak)}; allocation failures at kill "
+            f"{failures_at_kill}, when back {failures_at_back}, at the end {failures_after}"
         )
         assert len(during) > 0, "no traffic during the failover window"
         assert served >= 0.99, codes
         assert failures_after == failures_at_back  # no over-commit once the new master serves
-        assert all(tokens <= CAPACITY for tokens in peak.values()), peak
-        assert sum(peak.values()) > 0  # reservations were being made on the new master
+        # Reservations were being made on the new master, and they were what kept the nodes
+        # full but never over-full (several nodes held three at once).
+        assert sum(1 for tokens in peak.values() if tokens >= 3 * PROMPT_TOKENS) >= 2, peak
         assert leaked == dict.fromkeys(names, 0)
     finally:
         for e in engines:

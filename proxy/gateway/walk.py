@@ -120,9 +120,15 @@ class Gateway:
             cfg.store.reservation_ttl_s,
             on_error=lambda op: metrics.store_errors.labels(op).inc(),
         )
+        # A store outage (failover) may have lost reservations the store acknowledged.
+        fleet.on_degraded_change.append(self._store_lost)
         self.checker: ActiveChecker | None = None
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
+
+    def _store_lost(self, degraded: bool) -> None:
+        if degraded:
+            self.ledger.mark_unsure()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -359,6 +365,8 @@ class Gateway:
         self, ranked: list[str], rid: str, demand: int, now: float
     ) -> str | None:
         """Reserve on the best candidate that accepts; a lost race moves on to the next."""
+        # After a store outage, first tell the store what this gateway already placed.
+        await self.ledger.reassert()
         for name in ranked:
             try:
                 reserve = functools.partial(
@@ -374,12 +382,13 @@ class Gateway:
                 )
                 ok = await self._store_call("reserve", reserve)
             except StoreUnavailable:
-                self.ledger.hold(
-                    name, rid
-                )  # the reserve may still land (a paused store): release it later
+                # The reserve may still land (a paused store): release it later; and re-assert
+                # it once the store answers, in case it did not.
+                self.ledger.hold(name, rid, demand, now)
+                self.ledger.mark_unsure()
                 return name  # degraded: route without a shared reservation rather than fail
             if ok:
-                self.ledger.hold(name, rid)
+                self.ledger.hold(name, rid, demand, now)
                 return name
         return None
 

@@ -22,7 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 
 from proxy.config import StoreConfig
@@ -73,6 +73,11 @@ def connect(cfg: StoreConfig, max_connections: int) -> RedisClient:
     return RedisClient(aioredis.Redis(connection_pool=pool), False, (pool,))
 
 
+class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Sentinel's master-following connections from a blocking pool, like the single server's:
+    a burst waits (up to the deadline) for a free connection instead of failing at once."""
+
+
 def _sentinel(cfg: StoreConfig, max_connections: int) -> RedisClient:
     sc = cfg.sentinel
     assert sc is not None
@@ -87,7 +92,9 @@ def _sentinel(cfg: StoreConfig, max_connections: int) -> RedisClient:
     sentinel = Sentinel(sc.addresses(), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
     client = sentinel.master_for(
         sc.master,
+        connection_pool_class=BlockingSentinelPool,
         max_connections=max_connections,
+        timeout=cfg.op_timeout_s,
         db=sc.db,
         password=sc.password,
         # A master whose role check fails is asked for again on every new connection.
