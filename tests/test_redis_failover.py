@@ -91,7 +91,11 @@ def live_reservations(r: redis.Redis, names: list[str], now: float) -> dict[str,
 
 def test_sentinel_failover_under_traffic() -> None:
     group = SentinelGroup(sentinels=3, down_after_ms=500).start()
-    engines = [start_engine(name=f"n{i}", capacity_tokens=CAPACITY, speedup=20.0) for i in range(3)]
+    # Engines as processes: their tokenizing does not compete with the gateways for the GIL.
+    engines = [
+        start_engine("process", name=f"n{i}", capacity_tokens=CAPACITY, speedup=20.0)
+        for i in range(3)
+    ]
     try:
         cfg = parse_config(
             {
@@ -99,6 +103,10 @@ def test_sentinel_failover_under_traffic() -> None:
                 "store": {
                     "sentinel": {"master": group.name, "nodes": group.nodes},
                     "reservation_ttl_s": RES_TTL_S,
+                    # A reservation counts against reports up to this long after it: longer
+                    # than a 15k-token prompt's trip to the engine's allocator on this
+                    # crowded 2-core machine (two gateways, three engines, Redis, sentinels).
+                    "report_grace_s": 1.0,
                 },
                 "collector": {"scrape_interval_s": 0.2, "stale_after_s": 3.0},
                 "queue": {"max_wait_s": 10.0},
@@ -115,7 +123,9 @@ def test_sentinel_failover_under_traffic() -> None:
                 time.sleep(2.0)
                 old_port = group.master.port
                 assert group.master.proc is not None
-                failures_at_kill = {e.name: e.state()["lifetime_allocation_failures"] for e in engines}
+                failures_at_kill = {
+                    e.name: e.state()["lifetime_allocation_failures"] for e in engines
+                }
                 t_kill = time.monotonic()
                 group.master.proc.kill()  # SIGKILL: no goodbye to clients or sentinels
                 wait_until(lambda: group.master_port() == group.replica.port, 20, "promotion")
