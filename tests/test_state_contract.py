@@ -1,7 +1,8 @@
 """One contract for both state stores: the embedded in-process store and Redis.
 
-Every test runs against both (fixture ``store``), so the gateway behaves the same whichever
-is configured. Times for reservations and ceilings are passed in (synthetic, around T0);
+Every test runs against both (fixture ``store``), and the Redis store in its three
+deployments: one server, a 3-master Redis Cluster, and through Sentinel (master + replica +
+sentinel), so the gateway behaves the same whichever is configured. Times for reservations and ceilings are passed in (synthetic, around T0);
 report, retry-key and lock TTLs run on the store's own clock, so those few tests sleep a
 little past a short TTL (an expiry lower bound, never a speed assertion).
 
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.config import StoreConfig
+from proxy.config import SentinelConfig, StoreConfig
 from proxy.core.fleet import MemoryReport
 from proxy.state import (
     BackendState,
@@ -27,6 +28,7 @@ from proxy.state import (
     StateStore,
     open_store,
 )
+from tests.support.redis_server import RedisClusterProcs, SentinelGroup
 
 T0 = 1_700_000_000.0
 SHORT_TTL = 0.1  # store-clock TTLs in the expiry tests
@@ -45,11 +47,22 @@ def rep(largest: int, reported_at: float = T0, **kw: object) -> MemoryReport:
     return MemoryReport(**fields)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster", "redis-sentinel"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
     s: StateStore
     if request.param == "memory":
         s = InProcessStore()
+    elif request.param == "redis-cluster":
+        cluster: RedisClusterProcs = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        s = RedisStore(StoreConfig(redis_url=cluster.url, cluster=True, op_timeout_s=2.0))
+    elif request.param == "redis-sentinel":
+        group: SentinelGroup = request.getfixturevalue("redis_sentinel")
+        admin = aioredis.from_url(f"redis://127.0.0.1:{group.master_port()}/0")
+        await admin.flushdb()
+        await admin.aclose()
+        sentinel = SentinelConfig(master=group.name, nodes=group.nodes)
+        s = RedisStore(StoreConfig(sentinel=sentinel, op_timeout_s=2.0))
     else:
         url = request.getfixturevalue("redis_server")
         admin = aioredis.from_url(url)

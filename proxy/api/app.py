@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,8 @@ from starlette.routing import Route
 from proxy.api.admin import ops_router
 from proxy.api.limits import RequestGuard
 from proxy.backends.collector import Collector
-from proxy.config import Config
+from proxy.backends.discovery import Discovery, make_discovery
+from proxy.config import BackendConfig, Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError
 from proxy.gateway.metrics import GatewayMetrics
@@ -138,6 +139,21 @@ def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]
     return out
 
 
+def follow_backends(rt: Runtime, ops: Maintenance) -> Callable[[list[BackendConfig]], None]:
+    """Hand a discovered backend list to every part that keeps one."""
+
+    def apply(backends: list[BackendConfig]) -> None:
+        cfg = rt.cfg.model_copy(update={"backends": backends})
+        rt.cfg = cfg
+        rt.fleet.reconfigure(cfg)
+        rt.gateway.reconfigure(cfg)
+        ops.reconfigure(cfg)
+        if rt.collector is not None:
+            rt.collector.reconfigure(cfg)
+
+    return apply
+
+
 def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
@@ -183,15 +199,25 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             collector.on_report.append(ops.on_report)
         metrics.registry.register(OpsCollector(ops, st.now))
         app.state.ops = ops
+        # Discovery (kubernetes, dns) changes the backend list while serving; static: None.
+        discovery: Discovery | None = make_discovery(cfg)
+        if discovery is not None:
+            discovery.on_change.append(follow_backends(app.state.rt, ops))
+            await discovery.start()
+        app.state.discovery = discovery
         ops.start()
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)
         log.info(
-            "kvroute gateway ready: %d backends, policy %s", len(cfg.backends), cfg.routing.policy
+            "kvroute gateway ready: %d backends, policy %s",
+            len(app.state.rt.cfg.backends),
+            cfg.routing.policy,
         )
         try:
             yield
         finally:
+            if discovery is not None:
+                await discovery.stop()
             await ops.stop()
             if collector is not None:
                 await collector.stop()

@@ -11,6 +11,15 @@ entry (measured: 9,011 tokens held for 897 s). A reserve that never reached the 
 breaker was open) needs no release, so none is queued for it. ``reserve()`` runs the
 store call itself so that a request cancelled while its reserve is in flight still
 releases whatever that call reserved, after the call is done (never before it).
+
+After the store was unreachable (a Redis restart, a Sentinel failover) the store may not know
+what this gateway has placed: requests placed in degraded mode have no reservation, and
+reservations acknowledged by a master that died before replicating them are gone. Those
+requests still hold memory on their nodes, and until a report taken after they allocated
+reaches the store, the fit check would not see them. So before its next reservation the
+gateway re-asserts every reservation it holds (same id, tokens, creation time and expiry;
+no fit check): the store counts them as pending against any older report again, and no node
+is over-committed once the store is back.
 """
 
 from __future__ import annotations
@@ -51,22 +60,84 @@ class ReservationLedger:
         self.unsent: set[Key] = set()  # reserves the breaker stopped: nothing to release
         self.unsure: set[Key] = set()  # reserves that timed out once sent: release with forget
         self.pending: dict[Key, float] = {}  # releases to retry -> give up at
+        self.claims: dict[Key, tuple[int, float]] = {}  # -> (tokens, created at), to re-assert
+        # Set when the store failed us: it may be missing some of what we hold.
+        self.store_may_have_lost = False
+        self.reasserted = 0
+        self._reasserting = asyncio.Lock()
         self._flusher: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[object]] = set()
 
-    def hold(self, backend: str, rid: str, *, sent: bool = True) -> None:
+    def hold(
+        self,
+        backend: str,
+        rid: str,
+        *,
+        sent: bool = True,
+        tokens: int = 0,
+        created_at: float = 0.0,
+    ) -> None:
         """Record a reservation (also one whose reserve call failed: it may still land).
 
         ``sent=False``: the reserve never reached the store (breaker open), so its release
-        is a no-op rather than a queued retry.
+        is a no-op rather than a queued retry. ``tokens``/``created_at``: what to re-assert
+        after a store outage.
         """
+        key = (rid, backend)
+        if tokens > 0:
+            self.claims[key] = (tokens, created_at)
         if sent:
-            self.held[(rid, backend)] = True
-            self.unsent.discard((rid, backend))
+            self.held[key] = True
+            self.unsent.discard(key)
         else:
-            self.unsent.add((rid, backend))
+            self.unsent.add(key)
 
-    async def reserve(self, backend: str, rid: str, call: Callable[[], Awaitable[bool]]) -> bool:
+    def mark_unsure(self) -> None:
+        """The store failed a call: re-assert what we hold once it answers again."""
+        self.store_may_have_lost = True
+
+    async def reassert(self, chunk: int = 32) -> None:
+        """Write every held reservation again if the store may have lost some (see above).
+
+        Cheap when nothing failed (one flag test). Fails quietly while the store is still down
+        (the breaker answers at once) and tries again before the next reservation.
+        """
+        if not self.store_may_have_lost:
+            return
+        async with self._reasserting:
+            if not self.store_may_have_lost:
+                return
+            todo = [(key, *self.claims[key]) for key in self.claims if key in self.held]
+            try:
+                for i in range(0, len(todo), chunk):
+                    await asyncio.gather(*(self._reassert_one(*t) for t in todo[i : i + chunk]))
+            except StoreUnavailable:
+                self.on_error("reassert")
+                return
+            self.store_may_have_lost = False
+            self.reasserted += len(todo)
+            if todo:
+                log.info("re-asserted %d reservations after a store outage", len(todo))
+
+    async def _reassert_one(self, key: Key, tokens: int, created_at: float) -> None:
+        if key not in self.held:
+            return  # released meanwhile
+        rid, backend = key
+        await self.breaker.call(
+            functools.partial(
+                self.store.reserve, backend, rid, tokens, created_at, self.ttl_s, check_fit=False
+            ),
+            "reserve",
+        )
+
+    async def reserve(
+        self,
+        backend: str,
+        rid: str,
+        call: Callable[[], Awaitable[bool]],
+        tokens: int = 0,
+        created_at: float = 0.0,
+    ) -> bool:
         """Run one reserve call through the breaker and hold whatever it may have reserved.
 
         Returns the store's answer; raises StoreUnavailable (holding the id when the call
@@ -80,6 +151,8 @@ class ReservationLedger:
             sent = True
             return await call()
 
+        # After a store outage, first tell the store what this gateway already placed.
+        await self.reassert()
         task = asyncio.ensure_future(self.breaker.call(sent_call, "reserve"))
         try:
             ok = await asyncio.shield(task)
@@ -88,13 +161,15 @@ class ReservationLedger:
             raise
         except StoreUnavailable:
             self.on_error("reserve")
-            self.hold(backend, rid, sent=sent)
+            self.hold(backend, rid, sent=sent, tokens=tokens, created_at=created_at)
+            # Re-assert it once the store answers, in case it never landed.
+            self.mark_unsure()
             if sent:
                 # A timed-out reserve may still land after our release: release it "unsure".
                 self.unsure.add((rid, backend))
             raise
         if ok:
-            self.hold(backend, rid)
+            self.hold(backend, rid, tokens=tokens, created_at=created_at)
         return ok
 
     def _release_after(
@@ -124,6 +199,7 @@ class ReservationLedger:
         """
         key = (rid, backend)
         self.held.pop(key, None)
+        self.claims.pop(key, None)
         if key in self.unsure:
             self.unsure.discard(key)
             unsure = True
@@ -134,6 +210,7 @@ class ReservationLedger:
             await self.breaker.call(lambda: self._drop(backend, rid, unsure), "release")
         except StoreUnavailable:
             self.on_error("release")
+            self.mark_unsure()
             self.pending[key] = self.clock() + self.ttl_s
             self._ensure_flusher()
 

@@ -158,6 +158,11 @@ class Maintenance:
     def restarting(self) -> list[str]:
         return sorted(self._tasks)
 
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed backend list (discovery); a restart in progress keeps its URL."""
+        self.cfg = cfg
+        self.urls.update({b.name: b.base_url for b in cfg.backends})
+
     # ------------------------------------------------------------------ hooks from the gateway
     def on_allocation_failure(
         self, backend: str, cause: str, demand: int, fleet_free_fraction: float
@@ -427,7 +432,10 @@ class Maintenance:
             )
             if not result.ok:
                 raise _Failed(f"restart hook failed: {result.detail}")
-            after = await self._wait_fresh(name, old_started, hook_at)
+            # A deleted pod comes back under a new name (its ReplicaSet's replacement): wait
+            # for that one to report, so the next restart starts only after it serves.
+            fresh = result.replaced_by or name
+            after = await self._wait_fresh(fresh, old_started, hook_at)
             if after is None:
                 raise _Failed(
                     f"not up with a fresh allocator within healthy_timeout_s ({self.m.healthy_timeout_s:g}s)"
