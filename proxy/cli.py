@@ -89,9 +89,12 @@ def _check_config(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 1
     store = redact_url(cfg.store.redis_url) if cfg.store.redis_url else "embedded (in-process)"
+    if cfg.store.sentinel is not None:
+        store = f"sentinel master {cfg.store.sentinel.master!r}"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
+    found = "" if cfg.discovery.type == "static" else f" + {cfg.discovery.type} discovery"
     print(
-        f"{args.file}: OK: {len(cfg.backends)} backend{'' if len(cfg.backends) == 1 else 's'}, pools {pools}, policy {cfg.routing.policy}, store {store}"
+        f"{args.file}: OK: {len(cfg.backends)} backend{'' if len(cfg.backends) == 1 else 's'}{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
     )
     return 0
 

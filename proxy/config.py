@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
@@ -20,7 +20,7 @@ from proxy.config_errors import pydantic_problems
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
 
-BackendKind = Literal["vllm", "contiguous", "paged"]
+BackendKind = Literal["vllm", "sglang", "tgi", "contiguous", "paged"]
 PoolRole = Literal["general", "long"]
 PolicyName = Literal["kvroute", "round_robin", "least_loaded", "most_free"]
 
@@ -46,6 +46,11 @@ class BackendConfig(_Strict):
         default=None, gt=0, description="for backends that report bytes"
     )
     metrics_path: str = "/metrics"
+    models: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(
+        default=(),
+        description="model ids served here; empty: discovered from the backend's /v1/models",
+    )
+    models_path: str = "/v1/models"
 
     @property
     def base_url(self) -> str:
@@ -140,8 +145,35 @@ def _check_tokenizer_file(path: Path | None) -> None:
         raise ValueError(f"tokenizer_file: no such file (got {str(path)!r})")
 
 
+class SentinelConfig(_Strict):
+    """Redis Sentinel: the gateway asks the sentinels for the current master of ``master``."""
+
+    master: str = Field(min_length=1, description="the master's name in the sentinels' config")
+    nodes: list[str] = Field(min_length=1, description="sentinels as host:port")
+    db: int = Field(default=0, ge=0)
+    password: str | None = Field(default=None, description="the Redis servers' password")
+    sentinel_password: str | None = None
+
+    @model_validator(mode="after")
+    def _host_ports(self) -> SentinelConfig:
+        for i, node in enumerate(self.nodes):
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"nodes.{i}: {node!r} is not host:port")
+        return self
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(n.rpartition(":")[0].strip("[]"), int(n.rpartition(":")[2])) for n in self.nodes]
+
+
 class StoreConfig(_Strict):
     redis_url: str | None = Field(default=None, description="absent: the embedded in-process store")
+    sentinel: SentinelConfig | None = Field(
+        default=None, description="Redis through Sentinel (instead of redis_url)"
+    )
+    cluster: bool = Field(
+        default=False, description="redis_url names a seed node of a Redis Cluster"
+    )
     key_prefix: str = "kvroute"
     op_timeout_s: float = Field(default=0.1, gt=0)
     reservation_ttl_s: float = Field(default=900.0, gt=0)
@@ -165,6 +197,23 @@ class StoreConfig(_Strict):
         gt=0,
         description="an open circuit fails store calls at once for this long, then lets one probe through",
     )
+    degraded_mode: Literal["local", "snapshot"] = Field(
+        default="local",
+        description="with Redis unreachable: local (scrape and reserve in this replica) or "
+        "snapshot (the last shared snapshot, then length only)",
+    )
+
+    @model_validator(mode="after")
+    def _one_redis(self) -> StoreConfig:
+        if self.sentinel is not None and self.redis_url:
+            raise ValueError("store: set redis_url or sentinel, not both")
+        if self.cluster and not self.redis_url:
+            raise ValueError("store.cluster needs store.redis_url (any node of the cluster)")
+        return self
+
+    @property
+    def uses_redis(self) -> bool:
+        return bool(self.redis_url) or self.sentinel is not None
 
 
 class CollectorConfig(_Strict):
@@ -172,6 +221,15 @@ class CollectorConfig(_Strict):
     stale_after_s: float = Field(default=5.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
     report_ttl_s: float = Field(default=60.0, gt=0)
+    models_refresh_s: float = Field(
+        default=30.0, gt=0, description="how often each backend's /v1/models is read again"
+    )
+    fall: int = Field(
+        default=2, ge=1, description="failed scrapes in a row before a backend is marked down"
+    )
+    rise: int = Field(
+        default=1, ge=1, description="good scrapes in a row before a down backend is marked up"
+    )
 
     @model_validator(mode="after")
     def _stale_after_interval(self) -> CollectorConfig:
@@ -293,7 +351,52 @@ class AdminConfig(_Strict):
     api_key: str | None = Field(default=None, description="absent: admin endpoints are disabled")
 
 
-HookType = Literal["http", "command", "none"]
+HookType = Literal["http", "command", "kubernetes", "none"]
+
+# The in-cluster defaults: every pod's service account is mounted here.
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class KubernetesApiConfig(_Strict):
+    """How to reach the Kubernetes API: the in-cluster defaults, overridable (tests, kubectl proxy)."""
+
+    api_url: str = "https://kubernetes.default.svc"
+    token_path: str | None = f"{SERVICE_ACCOUNT_DIR}/token"
+    ca_path: str | None = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
+    namespace: str | None = Field(
+        default=None, description="absent: the gateway pod's own namespace"
+    )
+
+
+class DiscoveryConfig(KubernetesApiConfig):
+    """Where the backend list comes from: ``static`` (``backends``), ``kubernetes``, ``dns``."""
+
+    type: Literal["static", "kubernetes", "dns"] = "static"
+    label_selector: str = Field(
+        default="", description="kubernetes: selects the inference Services' EndpointSlices"
+    )
+    port: int | str | None = Field(
+        default=None, description="kubernetes: port number or name (absent: the slice's first port)"
+    )
+    pool_label: str = Field(
+        default="kvroute.io/pool", description="kubernetes: the slice label naming the pool"
+    )
+    pool: str = Field(default="general", description="the pool when no pool label says otherwise")
+    kind: BackendKind = "vllm"
+    name: str | None = Field(default=None, description="dns: the name to resolve (A or SRV)")
+    interval_s: float = Field(
+        default=10.0, gt=0, description="dns: re-resolve period; kubernetes: watch timeout"
+    )
+    capacity_tokens: int | None = Field(default=None, gt=0)
+    bytes_per_token: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _complete(self) -> DiscoveryConfig:
+        if self.type == "dns" and not self.name:
+            raise ValueError("discovery.name is required when discovery.type is 'dns'")
+        if self.type == "dns" and self.port is not None and not isinstance(self.port, int):
+            raise ValueError("discovery.port must be a number for dns (or absent with SRV)")
+        return self
 
 
 class RestartHookConfig(_Strict):
@@ -305,9 +408,17 @@ class RestartHookConfig(_Strict):
     headers: dict[str, str] = Field(default_factory=dict)
     argv: list[str] = Field(default_factory=list, description="command: run without a shell")
     timeout_s: float = Field(default=30.0, gt=0)
+    pod_selector: str | None = Field(
+        default=None, description="kubernetes: only pods matching this label selector are deleted"
+    )
+    kubernetes: KubernetesApiConfig = KubernetesApiConfig()
 
     @model_validator(mode="after")
     def _complete(self) -> RestartHookConfig:
+        if self.type == "kubernetes" and not self.pod_selector:
+            raise ValueError("hook.pod_selector is required when hook.type is 'kubernetes'")
+        if self.pod_selector and ("(" in self.pod_selector or " in " in self.pod_selector):
+            raise ValueError("hook.pod_selector: only equality selectors (a=b,c!=d) are supported")
         if self.type == "http" and not self.url:
             raise ValueError("hook.url is required when hook.type is 'http'")
         if self.type == "command" and not self.argv:
@@ -368,7 +479,8 @@ class MaintenanceConfig(_Strict):
 
 class Config(_Strict):
     listen: ListenConfig = ListenConfig()
-    backends: list[BackendConfig] = Field(min_length=1)
+    backends: list[BackendConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig = DiscoveryConfig()
     pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"general": PoolConfig()})
     routing: RoutingConfig = RoutingConfig()
     store: StoreConfig = StoreConfig()
@@ -387,6 +499,10 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
+        if not self.backends and self.discovery.type == "static":
+            raise ValueError("backends: at least one backend is required (or a discovery section)")
+        if self.discovery.type != "static" and self.discovery.pool not in self.pools:
+            raise ValueError(f"discovery.pool: {self.discovery.pool!r} is not a defined pool")
         seen: set[str] = set()
         for i, b in enumerate(self.backends):
             if b.name in seen:

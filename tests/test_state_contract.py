@@ -1,7 +1,8 @@
 """One contract for both state stores: the embedded in-process store and Redis.
 
-Every test runs against both (fixture ``store``), so the gateway behaves the same whichever
-is configured. Times for reservations and ceilings are passed in (synthetic, around T0);
+Every test runs against both (fixture ``store``), and the Redis store in its three
+deployments: one server, a 3-master Redis Cluster, and through Sentinel (master + replica +
+sentinel), so the gateway behaves the same whichever is configured. Times for reservations and ceilings are passed in (synthetic, around T0);
 report, retry-key and lock TTLs run on the store's own clock, so those few tests sleep a
 little past a short TTL (an expiry lower bound, never a speed assertion).
 
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.config import StoreConfig
+from proxy.config import SentinelConfig, StoreConfig
 from proxy.core.fleet import MemoryReport
 from proxy.state import (
     BackendState,
@@ -27,6 +28,7 @@ from proxy.state import (
     StateStore,
     open_store,
 )
+from tests.support.redis_server import RedisClusterProcs, SentinelGroup
 
 T0 = 1_700_000_000.0
 SHORT_TTL = 0.1  # store-clock TTLs in the expiry tests
@@ -45,11 +47,22 @@ def rep(largest: int, reported_at: float = T0, **kw: object) -> MemoryReport:
     return MemoryReport(**fields)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster", "redis-sentinel"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
     s: StateStore
     if request.param == "memory":
         s = InProcessStore()
+    elif request.param == "redis-cluster":
+        cluster: RedisClusterProcs = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        s = RedisStore(StoreConfig(redis_url=cluster.url, cluster=True, op_timeout_s=2.0))
+    elif request.param == "redis-sentinel":
+        group: SentinelGroup = request.getfixturevalue("redis_sentinel")
+        admin = aioredis.from_url(f"redis://127.0.0.1:{group.master_port()}/0")
+        await admin.flushdb()
+        await admin.aclose()
+        sentinel = SentinelConfig(master=group.name, nodes=group.nodes)
+        s = RedisStore(StoreConfig(sentinel=sentinel, op_timeout_s=2.0))
     else:
         url = request.getfixturevalue("redis_server")
         admin = aioredis.from_url(url)
@@ -86,6 +99,27 @@ async def test_report_round_trip(store: StateStore) -> None:
     assert st.status == "up"
     assert st.status_reason == ""
     assert st.name == "n1"
+
+
+async def test_report_round_trip_queue_and_engine_fields(store: StateStore) -> None:
+    r = MemoryReport(
+        capacity_tokens=64_000,
+        free_tokens=20_000,
+        largest_free_block_tokens=8_000,
+        allocator="paged",
+        block_size=16,
+        running=30,
+        waiting=4,
+        reported_at=T0,
+        preemptions=12,
+        engines=2,
+        engine_free_tokens=(8_000, 12_000),
+        max_num_seqs=256,
+        queueing=True,
+        sleeping=True,
+    )
+    await store.put_report("dp", r, ttl_s=60)
+    assert (await one(store, "dp", T0 + 1)).report == r
 
 
 async def test_newer_report_replaces_older(store: StateStore) -> None:
@@ -178,6 +212,35 @@ async def test_reserve_refused_when_it_would_not_fit(store: StateStore) -> None:
     assert await store.reserve("n1", "e", 15_000, T0 + 1, 60, check_fit=False)
     ids = {r.id for r in await store.reservations("n1", T0 + 1)}
     assert ids == {"a", "c", "e"}
+
+
+async def test_reserve_on_a_lazily_allocating_server_counts_full_demand(store: StateStore) -> None:
+    # "a" (8k of demand) was reserved before the report, which shows only its 1k prompt
+    # cached: the contiguous rule would see 9k free and nothing pending.
+    await store.reserve("v", "a", 8_000, T0 - 1, 60, check_fit=False)
+    lazy = rep(9_000, T0, capacity_tokens=10_000, free_tokens=9_000, queueing=True)
+    await store.put_report("v", lazy, ttl_s=60)
+    assert not await store.reserve("v", "b", 8_000, T0 + 1, 60)
+    assert await store.reserve("v", "b", 2_000, T0 + 1, 60)  # 10k - max(1k, 8k)
+    assert not await store.reserve("v", "c", 1, T0 + 1, 60)
+
+
+async def test_reserve_data_parallel_assumes_all_reservations_on_one_engine(
+    store: StateStore,
+) -> None:
+    dp = rep(
+        4_000,
+        T0,
+        capacity_tokens=10_000,
+        free_tokens=9_000,
+        queueing=True,
+        engines=2,
+        engine_free_tokens=(4_000, 5_000),
+    )
+    await store.put_report("dp", dp, ttl_s=60)
+    assert await store.reserve("dp", "a", 3_000, T0 + 1, 60)  # the fuller engine has 4k
+    assert not await store.reserve("dp", "b", 2_001, T0 + 1, 60)  # 5k - 3k = 2k on either
+    assert await store.reserve("dp", "b", 2_000, T0 + 1, 60)
 
 
 async def test_reserve_headroom(store: StateStore) -> None:

@@ -33,7 +33,8 @@ from proxy.api.limits import RequestGuard
 from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
-from proxy.config import Config
+from proxy.backends.discovery import Discovery, make_discovery
+from proxy.config import BackendConfig, Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError
 from proxy.gateway.metrics import GatewayMetrics
@@ -41,7 +42,7 @@ from proxy.gateway.sizing import load_sizer
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
-from proxy.state import open_store
+from proxy.state import open_store, with_local_fallback
 from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache
 from proxy.upstream.client import Upstream
@@ -150,6 +151,31 @@ def snapshot_json(
     return out
 
 
+def follow_backends(holder: ConfigHolder) -> Callable[[list[BackendConfig]], None]:
+    """Hand a discovered backend list to every part that keeps one: through the config
+    holder, the one road every config change takes (reloads too, proxy.api.reload)."""
+
+    def apply(backends: list[BackendConfig]) -> None:
+        holder.swap(holder.current.model_copy(update={"backends": backends}))
+
+    return apply
+
+
+def keep_discovered(discovery: Discovery | None) -> Callable[[Config], Config]:
+    """A reloaded file's static ``backends`` plus what discovery found, as discovery merges them."""
+
+    def adjust(new: Config) -> Config:
+        if discovery is None:
+            return new
+        static = {b.name for b in discovery.static}
+        found = [b for b in discovery.backends if b.name not in static]
+        discovery.static = list(new.backends)
+        discovery.publish_quietly(found)
+        return new.model_copy(update={"backends": list(discovery.backends)})
+
+    return adjust
+
+
 def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
@@ -168,16 +194,20 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Load the tokenizers now, off the loop: lazily, the first request would stall the loop ~0.4 s.
         await load_sizer(cfg)
-        st = store if store is not None else open_store(cfg.store)
+        # A store opened here gets degraded mode: local scrapes and reservations while Redis is away.
+        st = store if store is not None else with_local_fallback(open_store(cfg.store), cfg)
+        # Times shared between replicas run on the store's clock: measure the offset first.
+        with contextlib.suppress(Exception):
+            await st.sync_clock()
         owner = f"{socket.gethostname()}:{os.getpid()}:{id(app):x}"
         metrics = GatewayMetrics()
         fleet = FleetCache(cfg, st)
         upstream = Upstream(cfg.upstream)
         await upstream.start()
-        gateway = Gateway(cfg, st, fleet, policy_for(cfg), upstream, metrics)
+        gateway = Gateway(cfg, st, fleet, policy_for(cfg), upstream, metrics, st.now)
         await gateway.start()  # active health checks (proxy.upstream.health)
         collector = Collector(cfg, st, owner) if run_collector else None
-        metrics.attach_fleet(lambda: fleet.latest, time.time)
+        metrics.attach_fleet(lambda: fleet.latest, st.now)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
         if collector is not None:
             collector.on_report.append(lambda name, report: gateway.admission.notify())
@@ -185,18 +215,27 @@ def create_app(
             collector.start()
         app.state.rt = Runtime(cfg, st, fleet, gateway, collector, upstream, metrics, owner)
         ops = Maintenance(
-            cfg, st, fleet, owner
+            cfg, st, fleet, owner, clock=st.now
         )  # diagnosis, advice, drain + restart (proxy.ops.maintenance)
         gateway.on_allocation_failure.append(ops.on_allocation_failure)
         if collector is not None:
             collector.on_report.append(ops.on_report)
-        metrics.registry.register(OpsCollector(ops, time.time))
+        metrics.registry.register(OpsCollector(ops, st.now))
         app.state.ops = ops
-        ops.start()
         runtime: Runtime = app.state.rt
         follow(holder, gateway, fleet, collector, ops, lambda new: setattr(runtime, "cfg", new))
+        # Discovery (kubernetes, dns) changes the backend list while serving; static: None.
+        discovery: Discovery | None = make_discovery(cfg)
+        if discovery is not None:
+            discovery.on_change.append(follow_backends(holder))
+            await discovery.start()
+        app.state.discovery = discovery
+        ops.start()
         reloader = runtime.reloader = Reloader(
-            holder, ReloadMetrics(metrics.registry), prepare=[load_sizer]
+            holder,
+            ReloadMetrics(metrics.registry),
+            prepare=[load_sizer],
+            adjust=keep_discovered(discovery),
         )
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)
@@ -211,6 +250,8 @@ def create_app(
             with reloader.on_sighup():
                 yield
         finally:
+            if discovery is not None:
+                await discovery.stop()
             await ops.stop()
             if collector is not None:
                 await collector.stop()
@@ -324,7 +365,7 @@ def create_app(
         snap = await r.fleet.snapshot(
             force=True
         )  # operators want the live state, not the router's cache
-        now = time.time()
+        now = r.store.now()
         return _json(
             {
                 "taken_at": snap.taken_at,

@@ -17,8 +17,14 @@ from proxy.core.fleet import MemoryReport
 
 log = logging.getLogger("kvroute.config")
 
-# What each configured kind should report. vLLM's cache is paged.
-EXPECTED_ALLOCATOR = {"contiguous": "contiguous", "paged": "paged", "vllm": "paged"}
+# What each configured kind should report. vLLM's, SGLang's and TGI's caches are paged.
+EXPECTED_ALLOCATOR = {
+    "contiguous": "contiguous",
+    "paged": "paged",
+    "vllm": "paged",
+    "sglang": "paged",
+    "tgi": "paged",
+}
 
 
 def kind_mismatch(cfg: Config, name: str, allocator: str | None) -> str | None:

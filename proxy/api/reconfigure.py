@@ -9,6 +9,7 @@ but keeps its URL in the gateway's table, so requests already on it finish norma
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from proxy.api.reload import ConfigHolder
@@ -21,6 +22,8 @@ from proxy.routing.policy import Policy, PolicySettings, make_policy
 from proxy.state.fleet_cache import FleetCache
 
 SetCfg = Callable[[Config], None]
+# Tasks closing replaced hooks: referenced until done, so none is garbage-collected mid-way.
+_closing: set[asyncio.Task[None]] = set()
 
 
 def policy_for(cfg: Config) -> Policy:
@@ -32,33 +35,26 @@ def policy_for(cfg: Config) -> Policy:
     return make_policy(cfg.routing.policy, settings)
 
 
-def reconfigure_fleet(fleet: FleetCache, new: Config) -> None:
-    fleet.cfg = new
-    # Removed backends leave the snapshot: the policy no longer offers them (drained).
-    fleet.names = [b.name for b in new.backends]
-
-
 def reconfigure_gateway(gateway: Gateway, old: Config, new: Config) -> None:
-    gateway.cfg = new
-    gateway.policy = policy_for(new)
-    # Keep the URLs of backends that left: requests already on them still need them.
-    gateway.urls = {**gateway.urls, **{b.name: b.base_url for b in new.backends}}
+    # The backend list (URLs of backends that left are kept for requests still on them).
+    gateway.reconfigure(new)
+    # What a discovered backend list never changes, a reloaded file can.
+    if old.routing != new.routing or old.collector.stale_after_s != new.collector.stale_after_s:
+        gateway.policy = policy_for(new)
     gateway.health.cfg = new.health
-    gateway.health.retain({b.name for b in new.backends})
-    checker = gateway.checker
-    if checker is not None:
-        path = new.health.active.path
-        path = path if path.startswith("/") else "/" + path
-        checker.urls = {b.name: b.base_url + path for b in new.backends}
-        checker.interval_s = new.health.active.interval_s
+    if gateway.checker is not None:
+        gateway.checker.interval_s = new.health.active.interval_s
 
 
 def reconfigure_maintenance(ops: Maintenance, old: Config, new: Config) -> None:
-    ops.cfg = new
+    ops.reconfigure(new)
     ops.m = new.maintenance
-    ops.urls = {b.name: b.base_url for b in new.backends}
     if old.maintenance.hook != new.maintenance.hook:
-        ops.hook = make_hook(new.maintenance.hook)
+        replaced, ops.hook = ops.hook, make_hook(new.maintenance.hook)
+        # Close the old hook's resources (an HTTP session) once the loop gets to it.
+        task = asyncio.get_running_loop().create_task(replaced.close())
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
 
 
 def follow(
@@ -71,7 +67,8 @@ def follow(
 ) -> None:
     """Subscribe every part, in the order a request meets them: snapshot first, then routing."""
     holder.subscribe(lambda old, new: set_runtime_cfg(new))
-    holder.subscribe(lambda old, new: reconfigure_fleet(fleet, new))
+    # Removed backends leave the snapshot: the policy no longer offers them (drained).
+    holder.subscribe(lambda old, new: fleet.reconfigure(new))
     holder.subscribe(lambda old, new: reconfigure_gateway(gateway, old, new))
     if collector is not None:
         holder.subscribe(lambda old, new: collector.reconfigure(new))

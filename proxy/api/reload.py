@@ -44,6 +44,7 @@ RESTART_ONLY = (
     "store",
     "upstream.max_connections",
     "queue.max_size",
+    "discovery",
 )
 
 
@@ -142,12 +143,15 @@ class Reloader:
         holder: ConfigHolder,
         metrics: ReloadMetrics,
         prepare: Sequence[Callable[[Config], Awaitable[object]]] = (),
+        adjust: Callable[[Config], Config] | None = None,
     ) -> None:
         self.holder = holder
         self.metrics = metrics
         # Work a new config needs before it may serve (tokenizers): done before the swap, so
         # the first request after a reload does not pay for it, and a failure is "invalid".
         self.prepare = list(prepare)
+        # Runs on the loop just before the swap (discovery adds the backends it found).
+        self.adjust = adjust
         self._lock = asyncio.Lock()
         metrics.loaded(holder)
 
@@ -180,6 +184,8 @@ class Reloader:
             except Exception as exc:  # whatever a step raises, the running config stays
                 return self._invalid(f"{h.path}: {exc}", source)
         old = h.current
+        if self.adjust is not None:
+            new = self.adjust(new)
         changed = changed_sections(old, new)
         if not changed:
             self.metrics.total.labels("unchanged").inc()

@@ -4,6 +4,22 @@ A release that fails (store down or paused) would leave the reservation in Redis
 TTL, and a reserve that timed out may still run once a paused Redis resumes. So a failed
 release is queued and retried in the background until it succeeds or the reservation would
 have expired anyway; and at shutdown every reservation still held is released.
+
+Entries are keyed by (reservation id, backend): the gateway reuses one id across a
+request's attempts, and keyed by id alone a failed attempt's release popped the retry's
+entry (measured: 9,011 tokens held for 897 s). A reserve that never reached the store (the
+breaker was open) needs no release, so none is queued for it. ``reserve()`` runs the
+store call itself so that a request cancelled while its reserve is in flight still
+releases whatever that call reserved, after the call is done (never before it).
+
+After the store was unreachable (a Redis restart, a Sentinel failover) the store may not know
+what this gateway has placed: requests placed in degraded mode have no reservation, and
+reservations acknowledged by a master that died before replicating them are gone. Those
+requests still hold memory on their nodes, and until a report taken after they allocated
+reaches the store, the fit check would not see them. So before its next reservation the
+gateway re-asserts every reservation it holds (same id, tokens, creation time and expiry;
+no fit check): the store counts them as pending against any older report again, and no node
+is over-committed once the store is back.
 """
 
 from __future__ import annotations
@@ -13,12 +29,15 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker
 
 log = logging.getLogger("kvroute.reservations")
+
+
+Key = tuple[str, str]  # (reservation id, backend)
 
 
 class ReservationLedger:
@@ -37,22 +56,169 @@ class ReservationLedger:
         self.on_error = on_error
         self.retry_interval_s = retry_interval_s
         self.clock = clock
-        self.held: dict[str, str] = {}  # reservation id -> backend
-        self.pending: dict[str, tuple[str, float]] = {}  # id -> (backend, give up at)
+        self.held: dict[Key, bool] = {}  # reservations that are (or may be) in the store
+        self.unsent: set[Key] = set()  # reserves the breaker stopped: nothing to release
+        self.unsure: set[Key] = set()  # reserves that timed out once sent: release with forget
+        self.pending: dict[Key, float] = {}  # releases to retry -> give up at
+        self.claims: dict[Key, tuple[int, float]] = {}  # -> (tokens, created at), to re-assert
+        # Set when the store failed us: it may be missing some of what we hold.
+        self.store_may_have_lost = False
+        self.reasserted = 0
+        self._reasserting = asyncio.Lock()
         self._flusher: asyncio.Task[None] | None = None
+        self._bg: set[asyncio.Task[object]] = set()
 
-    def hold(self, backend: str, rid: str) -> None:
-        """Record a reservation (also one whose reserve call failed: it may still land)."""
-        self.held[rid] = backend
+    def hold(
+        self,
+        backend: str,
+        rid: str,
+        *,
+        sent: bool = True,
+        tokens: int = 0,
+        created_at: float = 0.0,
+    ) -> None:
+        """Record a reservation (also one whose reserve call failed: it may still land).
 
-    async def release(self, backend: str, rid: str) -> None:
-        self.held.pop(rid, None)
+        ``sent=False``: the reserve never reached the store (breaker open), so its release
+        is a no-op rather than a queued retry. ``tokens``/``created_at``: what to re-assert
+        after a store outage.
+        """
+        key = (rid, backend)
+        if tokens > 0:
+            self.claims[key] = (tokens, created_at)
+        if sent:
+            self.held[key] = True
+            self.unsent.discard(key)
+        else:
+            self.unsent.add(key)
+
+    def mark_unsure(self) -> None:
+        """The store failed a call: re-assert what we hold once it answers again."""
+        self.store_may_have_lost = True
+
+    async def reassert(self, chunk: int = 32) -> None:
+        """Write every held reservation again if the store may have lost some (see above).
+
+        Cheap when nothing failed (one flag test). Fails quietly while the store is still down
+        (the breaker answers at once) and tries again before the next reservation.
+        """
+        if not self.store_may_have_lost:
+            return
+        async with self._reasserting:
+            if not self.store_may_have_lost:
+                return
+            todo = [(key, *self.claims[key]) for key in self.claims if key in self.held]
+            try:
+                for i in range(0, len(todo), chunk):
+                    await asyncio.gather(*(self._reassert_one(*t) for t in todo[i : i + chunk]))
+            except StoreUnavailable:
+                self.on_error("reassert")
+                return
+            self.store_may_have_lost = False
+            self.reasserted += len(todo)
+            if todo:
+                log.info("re-asserted %d reservations after a store outage", len(todo))
+
+    async def _reassert_one(self, key: Key, tokens: int, created_at: float) -> None:
+        if key not in self.held:
+            return  # released meanwhile
+        rid, backend = key
+        await self.breaker.call(
+            functools.partial(
+                self.store.reserve, backend, rid, tokens, created_at, self.ttl_s, check_fit=False
+            ),
+            "reserve",
+        )
+
+    async def reserve(
+        self,
+        backend: str,
+        rid: str,
+        call: Callable[[], Awaitable[bool]],
+        tokens: int = 0,
+        created_at: float = 0.0,
+    ) -> bool:
+        """Run one reserve call through the breaker and hold whatever it may have reserved.
+
+        Returns the store's answer; raises StoreUnavailable (holding the id when the call
+        was sent, since a paused store may still run it). If the caller is cancelled while
+        the call is in flight, the call finishes on its own and what it reserved is released.
+        """
+        sent = False
+
+        async def sent_call() -> bool:
+            nonlocal sent
+            sent = True
+            return await call()
+
+        # After a store outage, first tell the store what this gateway already placed.
+        await self.reassert()
+        task = asyncio.ensure_future(self.breaker.call(sent_call, "reserve"))
         try:
-            await self.breaker.call(lambda: self.store.release(backend, rid), "release")
+            ok = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._release_after(t, backend, rid, sent))
+            raise
+        except StoreUnavailable:
+            self.on_error("reserve")
+            self.hold(backend, rid, sent=sent, tokens=tokens, created_at=created_at)
+            # Re-assert it once the store answers, in case it never landed.
+            self.mark_unsure()
+            if sent:
+                # A timed-out reserve may still land after our release: release it "unsure".
+                self.unsure.add((rid, backend))
+            raise
+        if ok:
+            self.hold(backend, rid, tokens=tokens, created_at=created_at)
+        return ok
+
+    def _release_after(
+        self, task: asyncio.Future[bool], backend: str, rid: str, sent: bool
+    ) -> None:
+        """The cancelled request's reserve call ended: release what it may have reserved."""
+        if task.cancelled():
+            landed = sent
+        elif task.exception() is not None:
+            landed = sent and isinstance(task.exception(), StoreUnavailable)
+        else:
+            landed = bool(task.result())
+        if landed:
+            self.hold(backend, rid)
+            self._spawn(self.release(backend, rid, unsure=True))
+
+    def _spawn(self, coro: Awaitable[object]) -> None:
+        t = asyncio.ensure_future(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def release(self, backend: str, rid: str, *, unsure: bool = False) -> None:
+        """Release one reservation; a failed release is queued and retried.
+
+        ``unsure``: the reserve's outcome is unknown (it timed out, or may still be on its
+        way), so the store is told to ``forget`` the id: a reserve landing later is refused.
+        """
+        key = (rid, backend)
+        self.held.pop(key, None)
+        self.claims.pop(key, None)
+        if key in self.unsure:
+            self.unsure.discard(key)
+            unsure = True
+        if key in self.unsent:
+            self.unsent.discard(key)
+            return  # the reserve never reached the store: nothing there to release
+        try:
+            await self.breaker.call(lambda: self._drop(backend, rid, unsure), "release")
         except StoreUnavailable:
             self.on_error("release")
-            self.pending[rid] = (backend, self.clock() + self.ttl_s)
+            self.mark_unsure()
+            self.pending[key] = self.clock() + self.ttl_s
             self._ensure_flusher()
+
+    async def _drop(self, backend: str, rid: str, unsure: bool) -> None:
+        if unsure:
+            await self.store.forget(backend, rid, self.store.now() + self.ttl_s)
+        else:
+            await self.store.release(backend, rid)
 
     def _ensure_flusher(self) -> None:
         if self._flusher is None or self._flusher.done():
@@ -63,17 +229,19 @@ class ReservationLedger:
     async def flush(self) -> None:
         """Retry every queued release once."""
         now = self.clock()
-        for rid, (backend, give_up) in list(self.pending.items()):
+        for key, give_up in list(self.pending.items()):
             if now >= give_up:
-                self.pending.pop(rid, None)  # expired in the store by now
+                self.pending.pop(key, None)  # expired in the store by now
                 continue
+            rid, backend = key
             try:
+                # A queued release may answer a reserve that lands later still: forget the id.
                 await self.breaker.call(
-                    functools.partial(self.store.release, backend, rid), "release"
+                    functools.partial(self._drop, backend, rid, True), "release"
                 )
             except StoreUnavailable:
                 return  # still down: the next round tries again
-            self.pending.pop(rid, None)
+            self.pending.pop(key, None)
 
     async def _flush_loop(self) -> None:
         while self.pending:
@@ -86,7 +254,11 @@ class ReservationLedger:
 
     async def close(self, deadline_s: float = 5.0) -> None:
         """Shutdown: release whatever is still held, flush the queue once, stop retrying."""
-        for rid, backend in list(self.held.items()):
+        if self._bg:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(deadline_s):
+                    await asyncio.gather(*self._bg, return_exceptions=True)
+        for rid, backend in list(self.held):
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(deadline_s):
                     await self.release(backend, rid)

@@ -79,6 +79,8 @@ class Gateway:
             cfg.store.reservation_ttl_s,
             on_error=lambda op: metrics.store_errors.labels(op).inc(),
         )
+        # A store outage (failover) may have lost reservations the store acknowledged.
+        fleet.on_degraded_change.append(self._store_lost)
         self.checker: ActiveChecker | None = None
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
@@ -124,6 +126,11 @@ class Gateway:
         finally:
             self.budget.release(ctx.retries)
 
+    def _store_lost(self, degraded: bool) -> None:
+        """A store outage (a failover) may have lost reservations it acknowledged."""
+        if degraded:
+            self.ledger.mark_unsure()
+
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Start the active health checks (needs the upstream session started)."""
@@ -133,6 +140,17 @@ class Gateway:
             urls = {name: url + path for name, url in self.urls.items()}
             self.checker = ActiveChecker(self.health, urls, self._probe, ac.interval_s)
             self.checker.start()
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed backend list (discovery). URLs of removed backends are kept, so a
+        request already placed on one still reaches it; probes cover the current list only."""
+        self.cfg = cfg
+        self.urls.update({b.name: b.base_url for b in cfg.backends})
+        self.health.retain([b.name for b in cfg.backends])
+        if self.checker is not None:
+            path = cfg.health.active.path
+            path = path if path.startswith("/") else "/" + path
+            self.checker.urls = {b.name: b.base_url + path for b in cfg.backends}
 
     async def _probe(self, url: str) -> bool:
         status, _ = await self.upstream.get(url, self.cfg.health.active.timeout_s)

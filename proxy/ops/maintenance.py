@@ -28,6 +28,7 @@ from typing import Any
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot, MemoryReport
+from proxy.errors import RestartRefused
 from proxy.ops.advice import Advice, RestartReason, advise, can_take_out, update_below_since
 from proxy.ops.diagnosis import (
     RATE_WINDOW_S,
@@ -37,7 +38,6 @@ from proxy.ops.diagnosis import (
     TrendSettings,
     failure_from_hook,
 )
-from proxy.errors import RestartRefused
 from proxy.ops.restart_hooks import NoHook, RestartHook, make_hook
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
@@ -157,6 +157,11 @@ class Maintenance:
     @property
     def restarting(self) -> list[str]:
         return sorted(self._tasks)
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed backend list (discovery); a restart in progress keeps its URL."""
+        self.cfg = cfg
+        self.urls.update({b.name: b.base_url for b in cfg.backends})
 
     # ------------------------------------------------------------------ hooks from the gateway
     def on_allocation_failure(
@@ -427,7 +432,10 @@ class Maintenance:
             )
             if not result.ok:
                 raise _Failed(f"restart hook failed: {result.detail}")
-            after = await self._wait_fresh(name, old_started, hook_at)
+            # A deleted pod comes back under a new name (its ReplicaSet's replacement): wait
+            # for that one to report, so the next restart starts only after it serves.
+            fresh = result.replaced_by or name
+            after = await self._wait_fresh(fresh, old_started, hook_at)
             if after is None:
                 raise _Failed(
                     f"not up with a fresh allocator within healthy_timeout_s ({self.m.healthy_timeout_s:g}s)"

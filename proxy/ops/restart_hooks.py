@@ -2,7 +2,10 @@
 
 ``http``: one request (method, URL, headers; ``{name}`` and ``{url}`` filled in), success on
 2xx. ``command``: a program run with an argv list, never through a shell, success on exit 0.
-``none``: no hook, advise only. Each call has a timeout and never raises: a failure comes
+``kubernetes``: delete the backend's pod (named like the backend, as discovery names them)
+through the API, then wait for its ReplicaSet's replacement to be Running and Ready;
+``replaced_by`` names it, and the maintenance loop waits for that pod to report a fresh
+allocator before the next restart. ``none``: no hook, advise only. Each call has a timeout and never raises: a failure comes
 back as a ``HookResult`` with ``ok=False`` and the reason.
 """
 
@@ -26,6 +29,8 @@ class HookResult:
     ok: bool
     detail: str
     duration_s: float = 0.0
+    # The backend that replaces the restarted one, when it comes back under another name.
+    replaced_by: str | None = None
 
 
 def fill(template: str, name: str, url: str) -> str:
@@ -146,6 +151,11 @@ class CommandHook(RestartHook):
 
 
 def make_hook(cfg: RestartHookConfig) -> RestartHook:
+    if cfg.type == "kubernetes":
+        from proxy.ops.restart_kubernetes import KubernetesHook
+
+        assert cfg.pod_selector is not None  # the config model requires it
+        return KubernetesHook(cfg.kubernetes, cfg.pod_selector, cfg.timeout_s)
     if cfg.type == "http":
         assert cfg.url is not None  # the config model requires it
         return HttpHook(cfg.method, cfg.url, cfg.headers, cfg.timeout_s)

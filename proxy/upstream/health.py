@@ -60,16 +60,19 @@ class BackendHealth:
         self.panics_total = 0
         self._panicking = False
 
+    def retain(self, names: list[str]) -> None:
+        """Forget backends no longer in the fleet (they must not count in the panic share)."""
+        keep = set(names)
+        for gone in set(self._s) - keep:
+            del self._s[gone]
+        for name in names:
+            self._st(name)
+
     def _st(self, name: str) -> _State:
         st = self._s.get(name)
         if st is None:
             st = self._s[name] = _State()
         return st
-
-    def retain(self, names: set[str]) -> None:
-        """After a config reload: forget backends that left (they no longer count toward panic)."""
-        for gone in set(self._s) - names:
-            del self._s[gone]
 
     # ------------------------------------------------------------- passive signals
     def success(self, name: str) -> None:
