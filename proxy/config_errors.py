@@ -182,10 +182,23 @@ def cross_problems(data: Any) -> list[str]:
         return []
     pools_raw = data.get("pools", {"general": {}})
     pools = sorted(pools_raw) if isinstance(pools_raw, dict) else []
-    backends = data.get("backends")
-    if not isinstance(backends, list):
-        return []
     lines = []
+    discovery = data.get("discovery")
+    discovery = discovery if isinstance(discovery, dict) else {}
+    dynamic = discovery.get("type", "static") != "static"
+    backends = data.get("backends", [])
+    if backends in ([], None) and not dynamic:
+        lines.append("backends: at least one backend is required (or a discovery section)")
+    dpool = discovery.get("pool", "general")
+    if (
+        dynamic
+        and isinstance(dpool, str)
+        and isinstance(pools_raw, dict)
+        and dpool not in pools_raw
+    ):
+        lines.append(f"discovery.pool: {dpool!r} is not a defined pool{did_you_mean(dpool, pools)}")
+    if not isinstance(backends, list):
+        return lines
     seen: set[str] = set()
     for i, b in enumerate(backends):
         if not isinstance(b, dict):

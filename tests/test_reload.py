@@ -223,3 +223,38 @@ def test_a_config_whose_tokenizer_cannot_load_is_refused(
     assert fleet_state(url)["config"] == before
     ok = httpx.post(url + "/v1/chat/completions", json=chat(), timeout=10)
     assert ok.status_code == 200
+
+
+def test_a_request_in_flight_finishes_on_the_config_it_started_with(
+    tmp_path: Path, engines: dict[str, Any]
+) -> None:
+    """One attempt hangs on a; a reload meanwhile allows only 1 attempt. The request that
+    started under "3 attempts" still gets its retry on b; a request after it does not."""
+    engines["a"].fault("hang")
+    path = tmp_path / "kvroute.yaml"
+    two = {"a": engines["a"], "b": engines["b"]}
+    write_config(path, two)
+    text = path.read_text()
+    path.write_text(text + "upstream: {ttfb_timeout_s: 1.5}\n")
+    with run_gateway(load_config(path, environ={}), config_path=str(path)) as url:
+        wait_until(lambda: all(b["report"] for b in fleet_state(url)["backends"]), what="reports")
+        results: list[httpx.Response] = []
+
+        def send() -> None:
+            results.append(httpx.post(url + "/v1/chat/completions", json=chat(), timeout=30))
+
+        # Round robin: of two concurrent requests, one starts on the hanging a.
+        threads = [threading.Thread(target=send) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        path.write_text(text + "upstream: {ttfb_timeout_s: 1.5}\nretry: {max_attempts: 1}\n")
+        assert reload(url).json()["changed"] == ["retry"]
+        for t in threads:
+            t.join(30)
+        assert sorted(r.status_code for r in results) == [200, 200], [r.text for r in results]
+        assert sorted(r.headers["x-kvroute-attempts"] for r in results) == ["1", "2"]
+        # New requests run on the new config: one attempt, and a hang is a 504.
+        late = [httpx.post(url + "/v1/chat/completions", json=chat(), timeout=30) for _ in range(2)]
+        assert sorted(r.status_code for r in late) == [200, 504]
+    engines["a"].fault("none")

@@ -33,7 +33,7 @@ async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | 
     url = gw.urls[backend] + PATHS[ctx.parsed.endpoint]
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
-    ttfb_deadline = min(loop.time() + gw.cfg.upstream.ttfb_timeout_s, ctx.deadline)
+    ttfb_deadline = min(loop.time() + ctx.cfg.upstream.ttfb_timeout_s, ctx.deadline)
     resp: ClientResponse | None = None
     try:
         try:

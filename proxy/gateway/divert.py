@@ -77,7 +77,7 @@ def _remember_failed(gw: Gateway, ctx: RequestContext, backend: str) -> None:
     ctx.failed_on.append(backend)
     if ctx.retry_key is not None:
         key = ctx.retry_key
-        ttl = gw.cfg.retry.retry_key_ttl_s
+        ttl = ctx.cfg.retry.retry_key_ttl_s
         gw.spawn(gw.store_quietly("add_failed", lambda: gw.store.add_failed(key, backend, ttl)))
 
 

@@ -18,7 +18,7 @@ from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
 from proxy.gateway.context import RequestContext
 from proxy.gateway.sizing import size_request
-from proxy.routing.policy import classify
+from proxy.routing.policy import Policy, classify
 from proxy.state.base import StoreUnavailable
 from proxy.upstream.client import forward_headers
 
@@ -77,16 +77,18 @@ async def open_request(
     reservation_id: str,
     request_id: str,
     started: float,
+    cfg: Config,
+    policy: Policy,
 ) -> RequestContext:
     """Size and classify a valid request, refuse one no backend could ever hold, recall its failures."""
-    rcfg = gw.cfg.routing
-    deadline = asyncio.get_running_loop().time() + gw.cfg.upstream.total_timeout_s
-    sized = await size_request(parsed, gw.cfg)
+    rcfg = cfg.routing
+    deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
+    sized = await size_request(parsed, cfg)
     prompt_tokens, demand = sized.prompt_tokens, sized.total
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
-    cap = max_capacity(gw.cfg, snap)
-    need = demand * (1.0 + rcfg.safety_margin) if gw.policy.checks_fit else float(demand)
+    cap = max_capacity(cfg, snap)
+    need = demand * (1.0 + rcfg.safety_margin) if policy.checks_fit else float(demand)
     if cap is not None and need > cap:
         raise ApiError(
             400,
@@ -95,7 +97,7 @@ async def open_request(
             param="messages" if parsed.endpoint == "chat" else "prompt",
             code="context_length_exceeded",
         )
-    key = retry_key(gw.cfg, request, parsed.raw)
+    key = retry_key(cfg, request, parsed.raw)
     ctx = RequestContext(
         request=request,
         parsed=parsed,
@@ -109,6 +111,8 @@ async def open_request(
         snap=snap,
         retry_key=key,
         upstream_headers=forward_headers(request.headers),
+        cfg=cfg,
+        policy=policy,
     )
     if key is not None:
         try:

@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 
 async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
     """The backend that now holds this request's reservation, or the request's final answer."""
-    while ctx.attempts < gw.cfg.retry.max_attempts:
+    while ctx.attempts < ctx.cfg.retry.max_attempts:
         avoid = frozenset(ctx.exclude) | gw.health.avoid()
         now = gw.clock()
-        ranked = gw.policy.rank(ctx.snap, RouteRequest(ctx.demand, ctx.cls, avoid), now)
+        ranked = ctx.policy.rank(ctx.snap, RouteRequest(ctx.demand, ctx.cls, avoid), now)
         if not ctx.decided:
             gw.metrics.decision.observe(time.perf_counter() - ctx.started)
             ctx.decided = True
@@ -47,7 +47,7 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
             # No other backend can serve: the last failure is the answer.
             return ctx.failure
         if ctx.queue_deadline is None:
-            ctx.queue_deadline = time.monotonic() + gw.cfg.queue.max_wait_s
+            ctx.queue_deadline = time.monotonic() + ctx.cfg.queue.max_wait_s
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
         if waited is None:
             return nothing_fits(gw, ctx, exhausted=ctx.attempts > 0)
@@ -84,10 +84,10 @@ async def reserve_first(
                 ctx.reservation_id,
                 ctx.demand,
                 now,
-                gw.cfg.store.reservation_ttl_s,
-                check_fit=gw.policy.checks_fit,
-                headroom=gw.cfg.routing.safety_margin,
-                grace_s=gw.cfg.store.report_grace_s,
+                ctx.cfg.store.reservation_ttl_s,
+                check_fit=ctx.policy.checks_fit,
+                headroom=ctx.cfg.routing.safety_margin,
+                grace_s=ctx.cfg.store.report_grace_s,
             )
             # The ledger holds whatever the call may reserve, also when this request is
             # cancelled while the call is in flight or the store times out (it may still land).
@@ -118,7 +118,7 @@ async def wait_for_fit(
             await gw.admission.wait(min(remaining, 0.05))
             snap = await gw.fleet.snapshot(force=True)
             request = RouteRequest(ctx.demand, ctx.cls, exclude | gw.health.avoid())
-            if gw.policy.rank(snap, request, gw.clock()):
+            if ctx.policy.rank(snap, request, gw.clock()):
                 return snap
     finally:
         gw.admission.leave()
@@ -138,7 +138,7 @@ def nothing_fits(gw: Gateway, ctx: RequestContext, exhausted: bool = False) -> R
         why,
         type="kv_cache_unavailable",
         code=f"no_backend_fits_{cause}",
-        headers={"retry-after": str(gw.cfg.queue.retry_after_s)},
+        headers={"retry-after": str(ctx.cfg.queue.retry_after_s)},
         extra={"cause": cause, "demand_tokens": ctx.demand},
     )
     return err.response(ctx.answer_headers(ctx.backend or "none"))

@@ -90,9 +90,11 @@ class Gateway:
         started = time.perf_counter()
         reservation_id = uuid.uuid4().hex
         request_id = request.headers.get("x-request-id") or reservation_id
+        # Read once: the whole walk uses the config it started with, whatever a reload does.
+        cfg, policy = self.cfg, self.policy
         try:
             # 1. parse + validate the body
-            parsed = await intake.read_and_parse(self.cfg, request, endpoint)
+            parsed = await intake.read_and_parse(cfg, request, endpoint)
         except ApiError as err:
             self.metrics.rejected.labels(err.code or "invalid").inc()
             return err.response({"x-request-id": request_id})
@@ -101,7 +103,7 @@ class Gateway:
         try:
             # 2. count tokens -> KV demand, 3. classify short/long
             ctx = await intake.open_request(
-                self, request, parsed, reservation_id, request_id, started
+                self, request, parsed, reservation_id, request_id, started, cfg, policy
             )
             return await self._route(ctx)
         except ApiError as err:
