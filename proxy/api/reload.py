@@ -12,8 +12,9 @@ Config objects are immutable, so a request that took its config before the swap 
 that config. A backend that left the file is drained, not cut: it is no longer offered to new
 requests, while requests already on it finish on their open connection and release their
 reservation as usual. Keys that name resources opened at start (``listen``, ``store``,
-``upstream.max_connections``, ``limits.max_concurrent_requests``) are reported as needing a
-restart; the rest take effect at once.
+``upstream.max_connections``, ``queue.max_size``, ``discovery``) are reported as needing a
+restart; the rest take effect at once. Discovery's backend changes go through the same
+holder, so a reload and a discovered change never undo each other.
 """
 
 from __future__ import annotations
