@@ -268,6 +268,19 @@ def test_vllm_unknown_geometry_needs_override() -> None:
     assert (r.capacity_tokens, r.free_tokens) == (80_000, 60_000)
 
 
+def test_vllm_data_parallel_override_is_shared_between_engines() -> None:
+    """Data parallel without geometry: the operator's capacity is the server's, split evenly
+    over its engines; a request lives on one engine, so the largest block is one engine's."""
+    text = VLLM_DP.replace('num_gpu_blocks="1000"', 'num_gpu_blocks="None"')
+    r = parse_report("vllm", text, NOW, capacity_override=80_000)
+    # Each engine 40,000 tokens: 25% free (usage 0.75) and 75% free (usage 0.25).
+    assert (r.capacity_tokens, r.free_tokens, r.largest_free_block_tokens) == (
+        80_000,
+        10_000 + 30_000,
+        30_000,
+    )
+
+
 @pytest.mark.parametrize(
     "text",
     [
