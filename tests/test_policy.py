@@ -377,6 +377,46 @@ def test_every_ranked_node_is_eligible_and_kvroute_ranks_only_fitting_nodes(
         assert set(ranked) == set(ok)
 
 
+@st.composite
+def near_the_edge(draw: st.DrawFn) -> tuple[FleetSnapshot, int, float]:
+    """Fleets whose blocks sit within a few tokens of what the request needs: where the margin,
+    whole-block rounding, pending reservations and learned ceilings decide (random fleets
+    rarely land there)."""
+    demand = draw(st.integers(1_000, 30_000))
+    margin = draw(st.sampled_from([0.0, 0.02, 0.1]))
+    nodes = []
+    for i in range(draw(st.integers(1, 6))):
+        paged = draw(st.booleans())
+        pending = draw(st.sampled_from([0, 0, 1, 16, 40]))
+        largest = int(demand * (1 + margin)) + pending + draw(st.integers(-40, 40))
+        ceiling = draw(st.sampled_from([None, demand - 1, demand, demand + 1]))
+        nodes.append(
+            node(
+                f"n{i}",
+                free=largest + draw(st.sampled_from([0, 5_000])) if not paged else largest,
+                largest=largest,
+                allocator="paged" if paged else "contiguous",
+                block_size=16 if paged else 1,
+                pending_tokens=pending,
+                ceiling_tokens=ceiling,
+                ceiling_until=NOW + draw(st.sampled_from([-1.0, 10.0])),
+            )
+        )
+    return fleet(*nodes), demand, margin
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=near_the_edge())
+def test_kvroute_ranks_exactly_the_nodes_that_hold_the_request_at_the_edge(
+    case: tuple[FleetSnapshot, int, float],
+) -> None:
+    snap, demand, margin = case
+    s = replace(S, safety_margin=margin)
+    req = RouteRequest(demand, classify(demand, s.long_threshold_tokens), frozenset())
+    ranked = make_policy("kvroute", s).rank(snap, req, NOW)
+    assert set(ranked) == {n.name for n in snap.nodes if holds(n, demand, margin)}
+
+
 def test_the_oracle_agrees_with_hand_made_cases() -> None:
     """The oracle itself, on cases worked out by hand (a wrong oracle proves nothing)."""
     assert holds(node("a", free=50_000, largest=22_000), 22_000, 0.0)
