@@ -243,12 +243,28 @@ def verdict(m: Mutation, rc: int) -> str:
     return f"error (pytest rc {rc})"
 
 
+def each_guard(tree: Path, m: Mutation, timeout_s: float) -> tuple[str, str]:
+    """Run every guard on its own: which of them notice (not only the first to fail)."""
+    missed: list[str] = []
+    tail = ""
+    for guard in m.guards:
+        rc, out = run_guards(tree, (guard,), [], timeout_s)
+        if rc != 1:
+            missed.append(f"{guard.rsplit('::', 1)[-1]} ({verdict(m, rc)})")
+            tail = out
+    caught = len(m.guards) - len(missed)
+    if not missed:
+        return f"caught by each of {caught} guards", tail
+    return f"caught by {caught} of {len(m.guards)}; not by {', '.join(missed)}", tail
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--only", action="append", default=[], help="mutation names (substring)")
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--baseline", action="store_true", help="also run each guard unmutated")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per pytest run")
+    ap.add_argument("--each", action="store_true", help="run every guard on its own")
     ap.add_argument("-v", "--verbose", action="store_true", help="print pytest's tail per row")
     args = ap.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.only or any(o in m.name for o in args.only)]
@@ -276,8 +292,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append((m.name, m.what, why, base, time.monotonic() - t0))
                     print(f"{m.name}: {why}", flush=True)
                     continue
-                rc, tail = run_guards(tree, m.guards, [], args.timeout)
-                result = verdict(m, rc)
+                if args.each and len(m.guards) > 1:
+                    result, tail = each_guard(tree, m, args.timeout)
+                else:
+                    rc, tail = run_guards(tree, m.guards, [], args.timeout)
+                    result = verdict(m, rc)
         took = time.monotonic() - t0
         rows.append((m.name, m.what, result, base, took))
         print(f"{m.name}: {result} ({took:.0f}s)", flush=True)
@@ -288,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for name, what, result, base, took in rows:
         print(f"| {name} | {what} | {result} | {base} | {took:.0f} |")
-    missed = [r for r in rows if not r[2].startswith("caught")]
+    missed = [r for r in rows if not r[2].startswith("caught") or " not by " in r[2]]
     return 1 if missed else 0
 
 
