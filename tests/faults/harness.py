@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -236,13 +237,13 @@ async def run_load(
     async with new_client(workers * 2) as client:
 
         async def worker(w: int) -> None:
+            # A seeded draw per request: the share holds from the first requests on (the old
+            # "(w + i) % 100 < 50" made every request of a short run a stream, so no scenario
+            # ever sent a non-streamed one).
+            rng = random.Random(w)
             i = 0
             while time.monotonic() < stop_at:
-                stream = (
-                    ((w + i) % 100) < stream_share * 100
-                    if stream_share not in (0, 1)
-                    else bool(stream_share)
-                )
+                stream = rng.random() < stream_share
                 req = body(stream=stream, max_tokens=max_tokens)
                 if sender is not None:
                     bucket, detail, backend = await sender(client, req)

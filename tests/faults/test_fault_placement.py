@@ -75,11 +75,10 @@ def assert_long_pool(shorts: Tally, longs: Tally) -> None:
 
 
 def assert_spread(shorts: Tally) -> None:
-    # No node takes more than three quarters of the short requests (pinned to one node, as
-    # length-only routing does today, it is all of them), and both general nodes take some.
-    top_share = max(shorts.backends.values()) / shorts.ok
-    assert top_share <= 0.75, dict(shorts.backends)
-    assert set(shorts.backends) & GENERAL == GENERAL, dict(shorts.backends)
+    # Every general node takes at least a tenth of the short requests (pinned to one node, as
+    # length-only routing does today, the other takes none; with Redis up each takes ~35%).
+    shares = {name: shorts.backends.get(name, 0) / shorts.ok for name in sorted(GENERAL)}
+    assert min(shares.values()) >= 0.1, dict(shorts.backends)
 
 
 def test_placement_with_redis_up_is_spread(pooled: FaultFleet) -> None:
