@@ -276,14 +276,30 @@ def test_fragmented_node_is_advised_drained_restarted_and_preferred_for_long_req
         assert metric(url, f'kvroute_restarts_total{{backend="node-a",reason="{reason}"}}') == 1.0
         assert not fleet_state(url)["backends"][0]["overlay"]["draining"]
 
-        # Freshly restarted: long documents go to node-a first, and succeed there.
+        # Freshly restarted, node-a holds long documents again. Long requests go by best fit
+        # (the tightest block that holds them), so with three idle nodes of equal size only the
+        # name breaks the tie, and a report from the tail of the traffic (a few tokens still in
+        # use on node-c) sent them to node-c: the race this test once lost. So b and c are made
+        # too full for one: the long documents can only go to node-a, where they failed before.
         wait_until(
             lambda: all(n["overlay"]["inflight"] == 0 for n in fleet_state(url)["backends"]),
             what="traffic done",
         )
+        busy = {e.name: e.hold(85_000) for e in (b, c)}
+        wait_until(
+            lambda: all(
+                n["report"]["free_tokens"] < LONG
+                for n in fleet_state(url)["backends"]
+                if n["name"] != "node-a"
+            ),
+            what="b and c reported too full for a long document",
+        )
         longs = [chat(url, LONG) for _ in range(3)]
-        assert [r.status_code for r in longs] == [200, 200, 200]
+        assert [r.status_code for r in longs] == [200, 200, 200], [r.text for r in longs]
         assert {r.headers["x-kvroute-backend"] for r in longs} == {"node-a"}
+        assert [r.headers["x-kvroute-attempts"] for r in longs] == ["1"] * 3  # no divert
+        for e in (b, c):
+            e.release(busy[e.name])
         wait_until(lambda: advice(url)["action"] == "none", what="advice back to none")
 
         # --- genuinely full: no node has 20k free at all. The advice is scale_up, nothing restarts.

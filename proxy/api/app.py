@@ -333,6 +333,11 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
                 "degraded": r.fleet.degraded,
                 "policy": r.cfg.routing.policy,
                 "queue_depth": r.gateway.admission.depth,
+                # What this replica still holds: a leak shows here before any TTL hides it.
+                "reservations": {
+                    "held": len(r.gateway.ledger.held),
+                    "pending_releases": len(r.gateway.ledger.pending),
+                },
                 "backends": snapshot_json(snap, now),
             }
         )
