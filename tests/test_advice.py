@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from proxy.config import MaintenanceConfig
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.ops.advice import advise, can_take_out, effective_demand_tokens, update_below_since
@@ -336,9 +334,6 @@ def paged_node(name: str, free: int, largest: int, block_size: int) -> NodeView:
     return NodeView(name=name, pool="general", up=True, report=r)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="advice.still_fragmented compares tokens, not whole blocks (issue 19)"
-)
 def test_still_fragmented_counts_whole_blocks() -> None:
     """A 22,005-token request needs 1,376 blocks of 16 (22,016 tokens): a 22,010-token block
     does not hold it, so the node is still fragmented for it (as NodeView.fits decides)."""
