@@ -196,8 +196,15 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             if store is None:
                 await st.close()
 
+    # No public OpenAPI document (it lists the admin routes): /openapi.json is served to the
+    # admin key only (proxy.api.admin), and there is no /docs page.
     app = FastAPI(
-        title="kvroute", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+        title="kvroute",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.add_middleware(
         RequestGuard, cfg=cfg
@@ -253,7 +260,8 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
 
         async def one(name: str) -> list[dict[str, Any]]:
             try:
-                status, body = await r.upstream.get(r.gateway.urls[name] + "/v1/models", 2.0)
+                url = r.gateway.urls[name] + "/v1/models"
+                status, body = await r.upstream.get(url, 2.0, r.gateway.auth_headers(name))
                 data = orjson.loads(body) if status == 200 else {}
                 items = data.get("data", []) if isinstance(data, dict) else []
                 return [m for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -28,6 +28,7 @@ from typing import Any
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot, MemoryReport
+from proxy.errors import RestartRefused
 from proxy.ops.advice import Advice, RestartReason, advise, can_take_out, update_below_since
 from proxy.ops.diagnosis import (
     RATE_WINDOW_S,
@@ -37,7 +38,6 @@ from proxy.ops.diagnosis import (
     TrendSettings,
     failure_from_hook,
 )
-from proxy.errors import RestartRefused
 from proxy.ops.restart_hooks import NoHook, RestartHook, make_hook
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
@@ -417,16 +417,24 @@ class Maintenance:
             )
             hook_at = self.clock()
             result = await self.hook.restart(name, self.urls[name])
+            # The output (and an HTTP hook's target) goes to the log; the open event log
+            # gets the summary only.
+            log.log(
+                logging.INFO if result.ok else logging.WARNING,
+                "maintenance: restart hook for %s: %s",
+                name,
+                result.detail,
+            )
             await self._event(
                 "restart_hook",
                 name,
                 restart_id=rid,
                 ok=result.ok,
-                detail=result.detail,
+                detail=result.public,
                 hook=self.hook.kind,
             )
             if not result.ok:
-                raise _Failed(f"restart hook failed: {result.detail}")
+                raise _Failed(f"restart hook failed: {result.public}")
             after = await self._wait_fresh(name, old_started, hook_at)
             if after is None:
                 raise _Failed(
