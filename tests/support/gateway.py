@@ -26,8 +26,14 @@ class ThreadedServer(uvicorn.Server):
 
 @contextmanager
 def run_gateway(cfg: Config, **app_kw: Any) -> Iterator[str]:
+    with serve_app(create_app(cfg, **app_kw), cfg) as url:
+        yield url
+
+
+@contextmanager
+def serve_app(app: Any, cfg: Config) -> Iterator[str]:
+    """Serve an app already built (a test that needs ``app.state``) with the gateway's server settings."""
     port = free_port()
-    app = create_app(cfg, **app_kw)
     server = ThreadedServer(
         server_config(
             app, cfg, "127.0.0.1", port, log_level="warning", loop="asyncio", lifespan="on"
