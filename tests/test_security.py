@@ -583,3 +583,47 @@ def test_openapi_document_needs_the_admin_key(backends: Callable[..., Backend]) 
         assert httpx.get(url + "/openapi.json").status_code == 401
         r = httpx.get(url + "/openapi.json", headers={"x-admin-key": "k"})
         assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
+
+
+ODD_HEADERS: list[list[bytes]] = [
+    [b"Authorization: Bearer client-token"],
+    [b"Authorization: Bearer caf\xe9\xff"],
+    [b"Authorization: "],
+    [b"Authorization: Basic", b"Authorization: Bearer x"],
+    [b"X-Note: \xe9\xff\x80"],
+    [b"Idempotency-Key: caf\xe9 \xff"],
+    [b"X-Request-Id: "],
+    [b"Content-Type: application/json", b"Content-Type: text/plain"],
+    [b"Expect: 100-continue"],
+    [b"Connection: keep-alive, authorization, x-admin-key"],
+    [b"X-Admin-Key: a", b"X-Admin-Key: b"],
+    [b"Proxy-Authorization: Basic eA=="],
+    [b"Cookie: " + b"c=" + b"x" * 20_000],
+    [b"TE: trailers", b"Upgrade: h2c", b"Connection: Upgrade"],
+]
+
+
+@pytest.mark.parametrize("auth", [False, True])
+def test_no_header_combination_is_a_500(backends: Callable[..., Backend], auth: bool) -> None:
+    ok = backends("ok")
+    sections: dict[str, Any] = {"auth": {"api_keys": ["client-token"]}} if auth else {}
+    c = cfg([with_userinfo(ok.url, "svc:p4ssw0rd")], **sections)
+    body = orjson.dumps(BODY)
+    with run_gateway(c, run_collector=False) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for extra in ODD_HEADERS:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    + b"".join(h + b"\r\n" for h in extra)
+                    + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                    + body
+                )
+                raw = reply(s, 10).removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+            status = int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/1.1 ") else 0
+            assert 200 <= status < 500, (extra, raw[:300])
+            head, _, rest = raw.partition(b"\r\n\r\n")
+            # A backend's own 4xx is relayed as it is; the gateway's are OpenAI errors.
+            if status >= 400 and b"x-kvroute-backend" not in head.lower():
+                payload = orjson.loads(rest)
+                assert set(payload["error"]) >= {"message", "type", "code"}, (extra, payload)

@@ -102,6 +102,7 @@ class RequestGuard:
             "body_timeout": 0,
             "body_size": 0,
             "body_budget": 0,
+            "body_aborted": 0,
         }
 
     async def _refuse(
@@ -152,7 +153,9 @@ class RequestGuard:
             try:
                 body, held = await self._read_body(scope, receive)
             except ApiError as err:
-                why = {413: "body_size", 408: "body_timeout"}.get(err.status, "body_budget")
+                why = {413: "body_size", 408: "body_timeout", 429: "body_budget"}.get(
+                    err.status, "body_aborted"
+                )
                 await self._refuse(err, why, scope, receive, send)
                 return
             if self.inflight >= self.max_concurrent:
