@@ -355,6 +355,38 @@ def test_trickled_and_silent_connections_are_timed_out(tmpdir_path: Path) -> Non
         proc.wait(10)
 
 
+def test_a_body_nobody_reads_cannot_hold_the_connection(backends: Callable[..., Backend]) -> None:
+    ok = backends("ok")
+    with run_gateway(cfg([ok.url]), run_collector=False) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            # /health never reads a body: after its answer, the rest would trickle in forever.
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nab")
+            s.setblocking(False)
+            got = b""
+            closed = False
+            for _ in range(50):  # 5 s: a byte every 0.1 s
+                try:
+                    chunk = s.recv(65536)
+                    if chunk == b"":
+                        closed = True
+                        break
+                    got += chunk
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed = True
+                    break
+                try:
+                    s.send(b"a")
+                except OSError:
+                    closed = True
+                    break
+                time.sleep(0.1)
+        assert got.startswith(b"HTTP/1.1 "), got[:80]
+        assert closed, "the connection stayed open for an unread body trickling in"
+
+
 # --------------------------------------------------------------------------- bodies
 def slow_body(port: int, declared: int, first: bytes) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=10)

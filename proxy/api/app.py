@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.api.admin import ops_router
+from proxy.api.cache import Coalesced
 from proxy.api.limits import RequestGuard
 from proxy.backends.collector import Collector
 from proxy.config import Config
@@ -292,27 +293,34 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             200 if status != "no_backends" else 503,
         )
 
+    # Open read endpoints: callers that arrive while an answer is being computed share it, so
+    # a flood costs one computation at a time (proxy.api.cache); answers stay live (age 0).
+    live: Coalesced[bytes] = Coalesced(0.0)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(
-            generate_latest(rt(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
+        async def render() -> bytes:
+            return generate_latest(rt(request).metrics.registry)
+
+        return Response(await live.get("metrics", render), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/fleet")
     async def fleet(request: Request) -> Response:
         r = rt(request)
-        snap = await r.fleet.snapshot(
-            force=True
-        )  # operators want the live state, not the router's cache
-        now = time.time()
-        return _json(
-            {
-                "taken_at": snap.taken_at,
-                "degraded": r.fleet.degraded,
-                "policy": r.cfg.routing.policy,
-                "queue_depth": r.gateway.admission.depth,
-                "backends": snapshot_json(snap, now),
-            }
-        )
+
+        async def render() -> bytes:
+            # Operators want the live state, not the router's cache.
+            snap = await r.fleet.snapshot(force=True)
+            return orjson.dumps(
+                {
+                    "taken_at": snap.taken_at,
+                    "degraded": r.fleet.degraded,
+                    "policy": r.cfg.routing.policy,
+                    "queue_depth": r.gateway.admission.depth,
+                    "backends": snapshot_json(snap, time.time()),
+                }
+            )
+
+        return Response(await live.get("fleet", render), media_type="application/json")
 
     return app

@@ -31,7 +31,7 @@ class Coalesced(Generic[T]):
 
     async def get(self, key: Hashable, compute: Callable[[], Awaitable[T]]) -> T:
         hit = self._done.get(key)
-        if hit is not None and self.clock() - hit[0] <= self.max_age_s:
+        if hit is not None and self.clock() - hit[0] < self.max_age_s:
             return hit[1]
         running = self._running.get(key)
         if running is not None:

@@ -8,7 +8,10 @@ the bound lives here, in a subclass of uvicorn's protocol:
 
 * more than ``limits.max_header_bytes`` before the headers end: 431 and the connection closes;
 * headers not complete ``limits.header_timeout_s`` after the connection opened (or after
-  the request's first byte, on a kept-alive connection): the connection closes.
+  the request's first byte, on a kept-alive connection): the connection closes;
+* a response sent before its request's body was read to the end (a refusal, or a route
+  that never reads the body): the connection closes, so the rest of an unread body cannot
+  hold it open a byte at a time.
 
 The body's time and rate are the ASGI guard's business (``proxy.api.limits``).
 """
@@ -90,6 +93,12 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_headers = False
         self._disarm_header_timer()
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not self.transport.is_closing():
+            self.transport.close()
+        super().on_response_complete()
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
