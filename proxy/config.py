@@ -53,7 +53,7 @@ class BackendConfig(_Strict):
     api_key_env: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="name of an environment variable holding api_key (read at load)",
+        description="name of an environment variable holding api_key (read when the gateway starts)",
     )
     models: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(
         default=(),
