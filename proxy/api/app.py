@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.api.admin import ops_router
+from proxy.api.cache import Coalesced
 from proxy.api.limits import RequestGuard
 from proxy.backends.collector import Collector
 from proxy.backends.discovery import Discovery, make_discovery
@@ -226,8 +227,15 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             if store is None:
                 await st.close()
 
+    # No public OpenAPI document (it lists the admin routes): /openapi.json is served to the
+    # admin key only (proxy.api.admin), and there is no /docs page.
     app = FastAPI(
-        title="kvroute", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+        title="kvroute",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.add_middleware(
         RequestGuard, cfg=cfg
@@ -283,7 +291,8 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
 
         async def one(name: str) -> list[dict[str, Any]]:
             try:
-                status, body = await r.upstream.get(r.gateway.urls[name] + "/v1/models", 2.0)
+                url = r.gateway.urls[name] + "/v1/models"
+                status, body = await r.upstream.get(url, 2.0, r.gateway.auth_headers(name))
                 data = orjson.loads(body) if status == 200 else {}
                 items = data.get("data", []) if isinstance(data, dict) else []
                 return [m for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)]
@@ -314,32 +323,39 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             200 if status != "no_backends" else 503,
         )
 
+    # Open read endpoints: callers that arrive while an answer is being computed share it, so
+    # a flood costs one computation at a time (proxy.api.cache); answers stay live (age 0).
+    live: Coalesced[bytes] = Coalesced(0.0)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(
-            generate_latest(rt(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
+        async def render() -> bytes:
+            return generate_latest(rt(request).metrics.registry)
+
+        return Response(await live.get("metrics", render), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/fleet")
     async def fleet(request: Request) -> Response:
         r = rt(request)
-        snap = await r.fleet.snapshot(
-            force=True
-        )  # operators want the live state, not the router's cache
-        now = r.store.now()
-        return _json(
-            {
-                "taken_at": snap.taken_at,
-                "degraded": r.fleet.degraded,
-                "policy": r.cfg.routing.policy,
-                "queue_depth": r.gateway.admission.depth,
-                # What this replica still holds: a leak shows here before any TTL hides it.
-                "reservations": {
-                    "held": len(r.gateway.ledger.held),
-                    "pending_releases": len(r.gateway.ledger.pending),
-                },
-                "backends": snapshot_json(snap, now),
-            }
-        )
+
+        async def render() -> bytes:
+            # Operators want the live state, not the router's cache.
+            snap = await r.fleet.snapshot(force=True)
+            return orjson.dumps(
+                {
+                    "taken_at": snap.taken_at,
+                    "degraded": r.fleet.degraded,
+                    "policy": r.cfg.routing.policy,
+                    "queue_depth": r.gateway.admission.depth,
+                    # What this replica still holds: a leak shows here before any TTL hides it.
+                    "reservations": {
+                        "held": len(r.gateway.ledger.held),
+                        "pending_releases": len(r.gateway.ledger.pending),
+                    },
+                    "backends": snapshot_json(snap, r.store.now()),
+                }
+            )
+
+        return Response(await live.get("fleet", render), media_type="application/json")
 
     return app
