@@ -18,6 +18,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from proxy.api.app import create_app
     from proxy.api.logs import setup_logging
+    from proxy.api.server import server_config
     from proxy.config import ConfigError, load_config
 
     try:
@@ -42,18 +43,18 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     setup_logging(args.log_level, args.log_format)
     log_listen(host, sock)
-    config = uvicorn.Config(
+    server_cfg = server_config(
         create_app(cfg, config_path=args.config),
+        cfg,
+        host,
+        port,
         loop="uvloop",
-        http="httptools",
-        access_log=False,
         log_level=args.log_level,
         log_config=None,  # keep our handlers
-        timeout_keep_alive=30,
         backlog=4096,
         timeout_graceful_shutdown=30,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(server_cfg).run(sockets=[sock])
     return 0
 
 

@@ -7,9 +7,12 @@ the admin key, the listen port). Validation errors name the offending key and va
 
 from __future__ import annotations
 
+import base64
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
@@ -46,15 +49,51 @@ class BackendConfig(_Strict):
         default=None, gt=0, description="for backends that report bytes"
     )
     metrics_path: str = "/metrics"
+    api_key: str | None = Field(
+        default=None,
+        min_length=1,
+        description="sent upstream as 'Authorization: Bearer KEY' instead of the client's",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of an environment variable holding api_key (read when the gateway starts)",
+    )
     models: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(
         default=(),
         description="model ids served here; empty: discovered from the backend's /v1/models",
     )
     models_path: str = "/v1/models"
 
+    @model_validator(mode="after")
+    def _one_key_source(self) -> BackendConfig:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        return self
+
     @property
     def base_url(self) -> str:
         return str(self.url).rstrip("/")
+
+    @property
+    def plain_url(self) -> str:
+        """The URL without ``user:pass@``: the gateway sends those as a header (``credential``)."""
+        parts = urlsplit(str(self.url))
+        netloc = parts.netloc.rpartition("@")[2]
+        return urlunsplit(parts._replace(netloc=netloc)).rstrip("/")
+
+    def credential(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The Authorization value sent upstream: api_key(_env) as Bearer, else the URL's user:pass."""
+        key = self.api_key
+        if key is None and self.api_key_env is not None:
+            key = (os.environ if environ is None else environ).get(self.api_key_env) or None
+        if key is not None:
+            return f"Bearer {key}"
+        if self.url.username is not None:
+            user = unquote(self.url.username)
+            password = unquote(self.url.password or "")
+            return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+        return None
 
 
 class PoolConfig(_Strict):
@@ -277,6 +316,11 @@ class UpstreamConfig(_Strict):
     idle_timeout_s: float = Field(default=60.0, gt=0)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
+    max_answer_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        gt=0,
+        description="a non-streamed answer above this is refused as a bad response (502)",
+    )
 
 
 class LimitsConfig(_Strict):
@@ -291,6 +335,24 @@ class LimitsConfig(_Strict):
         default=1,
         ge=1,
         description="Retry-After sent with 429 when max_concurrent_requests is reached",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a connection must deliver a request's whole header block within this",
+    )
+    body_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="grace for a request body; after it the body must keep body_min_rate_bytes_s",
+    )
+    body_min_rate_bytes_s: int = Field(
+        default=4096, gt=0, description="average rate a body must keep once body_timeout_s passed"
+    )
+    max_buffered_body_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        gt=0,
+        description="request bodies held across all requests at once (429 above)",
     )
 
 

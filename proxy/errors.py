@@ -11,7 +11,8 @@ The hierarchy (the httpx ``_exceptions.py`` habit: one base, the whole tree in o
     │   ├── UpstreamTimeout        no response headers in time (connect or TTFB)
     │   ├── UpstreamConnectError   refused or dropped before answering
     │   ├── BodyTimeout            the body stalled (idle gap) or ran past the total limit
-    │   └── UpstreamBroken         the connection broke while the body was being read
+    │   ├── UpstreamBroken         the connection broke while the body was being read
+    │   └── AnswerTooLarge         a whole answer above ``upstream.max_answer_bytes``
     └── ApiError               an error answered to the client as OpenAI-format JSON
 
 Library errors (aiohttp, OSError) are translated into ``UpstreamError`` inside
@@ -111,6 +112,12 @@ class UpstreamBroken(UpstreamError):
     def __init__(self, cause: str) -> None:
         super().__init__(cause)
         self.cause = cause
+
+
+class AnswerTooLarge(UpstreamError):
+    """A non-streamed answer went past ``upstream.max_answer_bytes``: refused as a bad response."""
+
+    failure: UpstreamFailure = "bad_response"
 
 
 # Upstream failure -> (HTTP status, error code) of the client's answer.

@@ -81,7 +81,9 @@ def live_reservations(r: redis.Redis, names: list[str], now: float) -> dict[str,
     out: dict[str, int] = {}
     for n in names:
         total = 0
-        for value in r.hgetall(f"kvroute:backend:{{{n}}}:res").values():
+        for rid, value in r.hgetall(f"kvroute:backend:{{{n}}}:res").items():
+            if rid.startswith("~"):
+                continue  # a "forget" marker (a released id whose late reserve is refused)
             tokens, _created, expires = value.split(" ")
             if float(expires) > now:
                 total += int(tokens)

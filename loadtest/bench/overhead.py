@@ -479,7 +479,7 @@ def _gateway_starlette(cfg_path: str) -> Any:
 def _hop(headers: Any) -> dict[str, str]:
     from proxy.upstream.client import forward_headers
 
-    return forward_headers(headers)
+    return forward_headers(headers, False)
 
 
 def _passthrough_starlette(backends: list[str]) -> Any:

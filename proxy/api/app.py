@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
+from proxy.api.cache import Coalesced
 from proxy.api.kind_check import KindCheck, kind_mismatch
 from proxy.api.limits import RequestGuard
 from proxy.api.reconfigure import follow, policy_for
@@ -260,8 +261,15 @@ def create_app(
             if store is None:
                 await st.close()
 
+    # No public OpenAPI document (it lists the admin routes): /openapi.json is served to the
+    # admin key only (proxy.api.admin), and there is no /docs page.
     app = FastAPI(
-        title="kvroute", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+        title="kvroute",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
 
     # Both follow reloads. Added last = outermost: the access log times the whole request.
@@ -322,7 +330,8 @@ def create_app(
 
         async def one(name: str) -> list[dict[str, Any]]:
             try:
-                status, body = await r.upstream.get(r.gateway.urls[name] + "/v1/models", 2.0)
+                url = r.gateway.urls[name] + "/v1/models"
+                status, body = await r.upstream.get(url, 2.0, r.gateway.auth_headers(name))
                 data = orjson.loads(body) if status == 200 else {}
                 items = data.get("data", []) if isinstance(data, dict) else []
                 return [m for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)]
@@ -353,28 +362,40 @@ def create_app(
             200 if status != "no_backends" else 503,
         )
 
+    # Open read endpoints: callers that arrive while an answer is being computed share it, so
+    # a flood costs one computation at a time (proxy.api.cache); answers stay live (age 0).
+    live: Coalesced[bytes] = Coalesced(0.0)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(
-            generate_latest(rt(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
+        async def render() -> bytes:
+            return generate_latest(rt(request).metrics.registry)
+
+        return Response(await live.get("metrics", render), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/fleet")
     async def fleet(request: Request) -> Response:
         r = rt(request)
-        snap = await r.fleet.snapshot(
-            force=True
-        )  # operators want the live state, not the router's cache
-        now = r.store.now()
-        return _json(
-            {
-                "taken_at": snap.taken_at,
-                "degraded": r.fleet.degraded,
-                "policy": r.cfg.routing.policy,
-                "config": r.reloader.describe() if r.reloader is not None else None,
-                "queue_depth": r.gateway.admission.depth,
-                "backends": snapshot_json(snap, now, r.cfg),
-            }
-        )
+
+        async def render() -> bytes:
+            # Operators want the live state, not the router's cache.
+            snap = await r.fleet.snapshot(force=True)
+            return orjson.dumps(
+                {
+                    "taken_at": snap.taken_at,
+                    "degraded": r.fleet.degraded,
+                    "policy": r.cfg.routing.policy,
+                    "config": r.reloader.describe() if r.reloader is not None else None,
+                    "queue_depth": r.gateway.admission.depth,
+                    # What this replica still holds: a leak shows here before any TTL hides it.
+                    "reservations": {
+                        "held": len(r.gateway.ledger.held),
+                        "pending_releases": len(r.gateway.ledger.pending),
+                    },
+                    "backends": snapshot_json(snap, r.store.now(), r.cfg),
+                }
+            )
+
+        return Response(await live.get("fleet", render), media_type="application/json")
 
     return app

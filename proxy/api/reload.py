@@ -46,6 +46,10 @@ RESTART_ONLY = (
     "upstream.max_connections",
     "queue.max_size",
     "discovery",
+    # Enforced by the HTTP server's protocol (proxy.api.server), set up once.
+    "limits.max_header_bytes",
+    "limits.header_timeout_s",
+    "limits.max_buffered_body_bytes",
 )
 
 

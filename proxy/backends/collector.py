@@ -282,7 +282,8 @@ class Collector:
             if backend.metrics_path.startswith("/")
             else "/" + backend.metrics_path
         )
-        url = backend.base_url + path
+        url = backend.plain_url + path
+        cred = backend.credential()
         timeout_s = self._config.collector.timeout_s
         client = self._http()
         taken_at = self._clock()  # the figures are no older than this
@@ -292,7 +293,9 @@ class Collector:
             # Bounded by httpx's own per-phase timeouts (connect, send, each read) plus the
             # deadline checked per chunk, which stops a server that drips its body. Not by
             # asyncio.timeout: a native cancellation racing httpx's timeouts can be lost.
-            async with client.stream("GET", url) as resp:
+            async with client.stream(
+                "GET", url, headers={"authorization": cred} if cred is not None else None
+            ) as resp:
                 if resp.status_code != 200:
                     raise ScrapeError(f"HTTP {resp.status_code} from {path}")
                 body = bytearray()

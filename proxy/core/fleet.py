@@ -42,6 +42,12 @@ class MemoryReport:
     queueing: bool = False
     sleeping: bool = False  # vLLM sleep mode: near-zero usage that must not look empty
 
+    def whole_blocks(self, tokens: float) -> float:
+        """``tokens`` rounded up to whole blocks where the allocator hands out blocks (paged)."""
+        if self.allocator == "paged" and self.block_size > 1:
+            return float(-(-int(tokens) // self.block_size) * self.block_size)
+        return tokens
+
     @property
     def free_fraction(self) -> float:
         return self.free_tokens / self.capacity_tokens if self.capacity_tokens > 0 else 0.0
@@ -115,13 +121,8 @@ class NodeView:
         if self.overlay.pressure:
             return False
         need = demand * (1.0 + safety_margin)
-        if (
-            self.report is not None
-            and self.report.allocator == "paged"
-            and self.report.block_size > 1
-        ):
-            bs = self.report.block_size
-            need = -(-int(need) // bs) * bs  # whole blocks
+        if self.report is not None:
+            need = self.report.whole_blocks(need)
         return need <= self.usable_block()
 
 

@@ -21,7 +21,13 @@ from proxy.errors import ApiError, UpstreamBroken, UpstreamFailure, upstream_ans
 from proxy.gateway.context import FAILURE_RESULTS, AttemptResult, RequestContext
 from proxy.gateway.divert import divert, record_allocation_failure
 from proxy.upstream.classify import UpstreamVerdict, classify_response, is_json_object
-from proxy.upstream.client import BodyTimeout, read_body, read_limited, response_headers
+from proxy.upstream.client import (
+    AnswerTooLarge,
+    BodyTimeout,
+    read_body,
+    read_limited,
+    response_headers,
+)
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -147,7 +153,13 @@ async def whole_answer(
 ) -> Response | None:
     """A non-streamed 2xx: read it all (nothing reached the client yet, so a failure may still divert)."""
     try:
-        body = await read_body(resp, ctx.cfg.upstream.idle_timeout_s, ctx.deadline)
+        body = await read_body(
+            resp, ctx.cfg.upstream.idle_timeout_s, ctx.deadline, ctx.cfg.upstream.max_answer_bytes
+        )
+    except AnswerTooLarge as exc:
+        message = f"backend {backend} sent an answer too large to relay: {exc}"
+        broken_answer(gw, ctx, backend, resp, "bad_response", message)
+        return None
     except BodyTimeout as exc:
         message = f"backend {backend} stopped answering: {exc}"
         broken_answer(gw, ctx, backend, resp, exc.failure, message)

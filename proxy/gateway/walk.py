@@ -17,6 +17,7 @@ every reservation is released, or its release retried, whatever happens.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.config import Config
+from proxy.core.redact import safe_request_id
 from proxy.core.validation import Endpoint
 from proxy.errors import ApiError
 from proxy.gateway import attempt, intake, placement
@@ -43,6 +45,7 @@ from proxy.upstream.client import Upstream
 from proxy.upstream.health import ActiveChecker, BackendHealth
 
 T = TypeVar("T")
+log = logging.getLogger("kvroute.gateway")
 
 
 class Gateway:
@@ -66,7 +69,13 @@ class Gateway:
         self.metrics = metrics
         self.clock = clock
         self.admission = Admission(cfg.queue.max_size)
-        self.urls = {b.name: b.base_url for b in cfg.backends}
+        # Without user:pass@ (aiohttp refuses those next to an Authorization header): each
+        # backend's credential goes as a header instead, in place of the client's.
+        self.urls = {b.name: b.plain_url for b in cfg.backends}
+        self.credentials = {b.name: b.credential() for b in cfg.backends}
+        for b in cfg.backends:
+            if b.api_key_env is not None and self.credentials[b.name] is None:
+                log.warning("backend %s: environment variable %s is not set", b.name, b.api_key_env)
         self.on_allocation_failure: list[AllocationFailureHook] = []
         self._background: set[asyncio.Task[None]] = set()
         self.active = 0
@@ -82,6 +91,7 @@ class Gateway:
         # A store outage (failover) may have lost reservations the store acknowledged.
         fleet.on_degraded_change.append(self._store_lost)
         self.checker: ActiveChecker | None = None
+        self._probe_headers: dict[str, dict[str, str]] = {}
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
 
@@ -89,7 +99,7 @@ class Gateway:
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
         reservation_id = uuid.uuid4().hex
-        request_id = request.headers.get("x-request-id") or reservation_id
+        request_id = safe_request_id(request.headers.get("x-request-id")) or reservation_id
         # Read once: the whole walk uses the config it started with, whatever a reload does.
         cfg, policy = self.cfg, self.policy
         try:
@@ -140,6 +150,7 @@ class Gateway:
         if ac.enabled and self.checker is None:
             path = ac.path if ac.path.startswith("/") else "/" + ac.path
             urls = {name: url + path for name, url in self.urls.items()}
+            self._probe_headers = {urls[n]: self.auth_headers(n) for n in urls}
             self.checker = ActiveChecker(self.health, urls, self._probe, ac.interval_s)
             self.checker.start()
 
@@ -155,8 +166,14 @@ class Gateway:
             self.checker.urls = {b.name: b.base_url + path for b in cfg.backends}
 
     async def _probe(self, url: str) -> bool:
-        status, _ = await self.upstream.get(url, self.cfg.health.active.timeout_s)
+        headers = self._probe_headers.get(url)
+        status, _ = await self.upstream.get(url, self.cfg.health.active.timeout_s, headers)
         return 200 <= status < 300
+
+    def auth_headers(self, backend: str) -> dict[str, str]:
+        """Headers of the gateway's own calls to ``backend`` (probes, model lists): its credential."""
+        cred = self.credentials.get(backend)
+        return {"authorization": cred} if cred is not None else {}
 
     async def close(self) -> None:
         """Shutdown: stop probing, let background work finish, release every reservation still held."""

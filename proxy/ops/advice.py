@@ -340,7 +340,11 @@ def advise(
         for name in f.room_on:
             n = by_name.get(name)
             r = n.report if n is not None else None
-            if r is not None and r.largest_free_block_tokens < f.demand <= r.free_tokens:
+            # In whole blocks, as NodeView.fits decides: a block a few tokens short is short.
+            if (
+                r is not None
+                and r.largest_free_block_tokens < r.whole_blocks(f.demand) <= r.free_tokens
+            ):
                 return True
         return False
 

@@ -422,16 +422,24 @@ class Maintenance:
             )
             hook_at = self.clock()
             result = await self.hook.restart(name, self.urls[name])
+            # The output (and an HTTP hook's target) goes to the log; the open event log
+            # gets the summary only.
+            log.log(
+                logging.INFO if result.ok else logging.WARNING,
+                "maintenance: restart hook for %s: %s",
+                name,
+                result.detail,
+            )
             await self._event(
                 "restart_hook",
                 name,
                 restart_id=rid,
                 ok=result.ok,
-                detail=result.detail,
+                detail=result.public,
                 hook=self.hook.kind,
             )
             if not result.ok:
-                raise _Failed(f"restart hook failed: {result.detail}")
+                raise _Failed(f"restart hook failed: {result.public}")
             # A deleted pod comes back under a new name (its ReplicaSet's replacement): wait
             # for that one to report, so the next restart starts only after it serves.
             fresh = result.replaced_by or name

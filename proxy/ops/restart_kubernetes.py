@@ -70,7 +70,13 @@ class KubernetesHook(RestartHook):
                 time.monotonic() - t0,
             )
         except KubernetesApiError as exc:
-            return HookResult(False, f"pod {name}: {exc}", time.monotonic() - t0)
+            return HookResult(
+                False,
+                f"pod {name}: {exc}",
+                time.monotonic() - t0,
+                # The API error may name the API server's URL: the open event log gets the kind.
+                summary=f"pod {name}: {type(exc).__name__}",
+            )
 
     async def _restart(self, name: str, t0: float) -> HookResult:
         pod = await self.api.get_pod(name)
