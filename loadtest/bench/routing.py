@@ -37,7 +37,7 @@ import orjson
 from loadtest.workload import chat_overhead_tokens, make_prompt
 from proxy.core import tokens
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
-from proxy.routing.policy import POLICIES, PolicySettings, RouteRequest, classify, make_policy
+from proxy.routing import POLICIES, PolicySettings, RouteRequest, classify, make_policy
 
 SIZES = (200, 2_000, 30_000)
 DEFAULT_THREAD_CHARS = 4_096  # proxy.config RoutingConfig.tokenize_in_thread_chars default

@@ -37,7 +37,7 @@ from proxy.gateway.metrics import GatewayMetrics
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
-from proxy.routing.policy import PolicySettings, make_policy
+from proxy.routing import PolicySettings, make_policy
 from proxy.state import open_store
 from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache

@@ -74,6 +74,12 @@ class NodeView:
     def stale(self, now: float, stale_after_s: float) -> bool:
         return self.report is None or now - self.report.reported_at > stale_after_s
 
+    def usable_free(self) -> int:
+        """Free memory by its report less pending reservations (never below 0; 0 without a report)."""
+        if self.report is None:
+            return 0
+        return max(0, self.report.free_tokens - self.overlay.pending_tokens)
+
     def usable_block(self) -> int:
         """The largest request this node can take now, by its report less pending reservations."""
         if self.report is None:

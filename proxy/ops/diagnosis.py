@@ -77,9 +77,7 @@ def nodes_with_room(snapshot: FleetSnapshot | None, demand: int) -> tuple[str, .
         sorted(
             n.name
             for n in snapshot.nodes
-            if n.up
-            and n.report is not None
-            and n.report.free_tokens - n.overlay.pending_tokens >= demand
+            if n.up and n.report is not None and n.usable_free() >= demand
         )
     )
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot, MemoryReport
+from proxy.errors import RestartRefused
 from proxy.ops.advice import Advice, RestartReason, advise, can_take_out, update_below_since
 from proxy.ops.diagnosis import (
     RATE_WINDOW_S,
@@ -37,7 +38,6 @@ from proxy.ops.diagnosis import (
     TrendSettings,
     failure_from_hook,
 )
-from proxy.errors import RestartRefused
 from proxy.ops.restart_hooks import NoHook, RestartHook, make_hook
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
