@@ -30,6 +30,7 @@ from proxy.backends.parse import ScrapeError, parse_report
 from proxy.config import BackendConfig, Config
 from proxy.core.fleet import MemoryReport
 from proxy.state.base import StateStore, StoreUnavailable
+from proxy.tasks import PeriodicTask
 
 __all__ = ["LOCK_NAME", "Collector", "ReportHook", "ScrapeError", "ScrapeOutcome", "parse_report"]
 
@@ -106,8 +107,12 @@ class Collector:
         self._client: httpx.AsyncClient | None = None
         self._client_slots = 0
         self._background: set[asyncio.Task[None]] = set()  # old clients being closed
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
+        self._loop = PeriodicTask(
+            f"kvroute-collector-{owner_id}",
+            lambda: self.scrape_once(),
+            lambda: self.interval_s,
+            on_error=self._round_failed,
+        )
         self._c = _Counters()
         self.on_report: list[ReportHook] = []
 
@@ -133,18 +138,11 @@ class Collector:
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._task is not None and not self._task.done():
-            return
-        self._stopping = False
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"kvroute-collector-{self._owner}"
-        )
+        self._loop.start()
 
     async def stop(self) -> None:
         """Stop the loop, hand the lock back (so another replica takes over at once), close the client."""
-        task, self._task = self._task, None
-        if task is not None:
-            await self._finish(task)
+        await self._loop.stop(max(5.0, 3.0 * self._config.collector.timeout_s))
         if self._c.leader:
             self._c.leader = False
             try:
@@ -158,47 +156,13 @@ class Collector:
             client, self._client = self._client, None
             await client.aclose()
 
-    async def _finish(self, task: asyncio.Task[None]) -> None:
-        """Cancel the loop and wait for it, bounded.
-
-        Why not a bare ``await task``: timeout helpers in libraries below us (HTTP, Redis)
-        can turn a cancellation that races their own deadline into their timeout error and
-        swallow it; the loop then runs on and a bare await would never return. The
-        ``_stopping`` flag ends the loop at its next turn whatever happened to the
-        cancellation, and the cancellation is repeated until the task is done.
-        """
-        self._stopping = True
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + max(5.0, 3.0 * self._config.collector.timeout_s)
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.2)
-            if not task.done() and loop.time() > give_up_at:
-                log.error("collector: the scrape loop did not stop; leaving it behind")
-                return
-        if not task.cancelled() and task.exception() is not None:
-            log.error("collector: the scrape loop had failed", exc_info=task.exception())
-
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._loop.running
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
-        while not self._stopping:
-            try:
-                await self.scrape_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the loop must outlive anything one round does
-                self._c.round_errors_total += 1
-                log.exception("collector: round failed")
-            next_at += self.interval_s
-            now = loop.time()
-            if next_at < now:  # fell behind (slow round): start again from now, no burst
-                next_at = now
-            await asyncio.sleep(next_at - now)
+    def _round_failed(self, exc: Exception) -> None:
+        self._c.round_errors_total += 1
+        log.error("collector: round failed", exc_info=exc)
 
     # --- one round -----------------------------------------------------------------------
 

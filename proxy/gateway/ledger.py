@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker
+from proxy.tasks import PeriodicTask
 
 log = logging.getLogger("kvroute.reservations")
 
@@ -39,7 +40,14 @@ class ReservationLedger:
         self.clock = clock
         self.held: dict[str, str] = {}  # reservation id -> backend
         self.pending: dict[str, tuple[str, float]] = {}  # id -> (backend, give up at)
-        self._flusher: asyncio.Task[None] | None = None
+        # Runs only while releases are queued: started by a failed release, ends when none is left.
+        self._retries = PeriodicTask(
+            "kvroute-release-retry",
+            self.flush,
+            retry_interval_s,
+            wait_first=True,
+            keep_going=self._still_pending,
+        )
 
     def hold(self, backend: str, rid: str) -> None:
         """Record a reservation (also one whose reserve call failed: it may still land)."""
@@ -52,13 +60,7 @@ class ReservationLedger:
         except StoreUnavailable:
             self.on_error("release")
             self.pending[rid] = (backend, self.clock() + self.ttl_s)
-            self._ensure_flusher()
-
-    def _ensure_flusher(self) -> None:
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(
-                self._flush_loop(), name="kvroute-release-retry"
-            )
+            self._retries.start()
 
     async def flush(self) -> None:
         """Retry every queued release once."""
@@ -75,14 +77,11 @@ class ReservationLedger:
                 return  # still down: the next round tries again
             self.pending.pop(rid, None)
 
-    async def _flush_loop(self) -> None:
-        while self.pending:
-            await asyncio.sleep(self.retry_interval_s)
-            try:
-                await self.flush()
-            except Exception:
-                log.exception("retrying queued releases failed")
+    def _still_pending(self) -> bool:
+        if self.pending:
+            return True
         log.info("every queued reservation release went through")
+        return False
 
     async def close(self, deadline_s: float = 5.0) -> None:
         """Shutdown: release whatever is still held, flush the queue once, stop retrying."""
@@ -93,11 +92,7 @@ class ReservationLedger:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(deadline_s):
                 await self.flush()
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-            self._flusher = None
+        await self._retries.stop()
         if self.pending:
             log.warning(
                 "%d reservation releases could not be sent; they expire on their own",

@@ -41,6 +41,7 @@ from proxy.ops.diagnosis import (
 from proxy.ops.restart_hooks import NoHook, RestartHook, make_hook
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
+from proxy.tasks import PeriodicTask
 
 log = logging.getLogger("kvroute.maintenance")
 
@@ -130,7 +131,12 @@ class Maintenance:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._observed: list[Restart] = []
         self._lock_held = False
-        self._loop_task: asyncio.Task[None] | None = None
+        self._rounds = PeriodicTask(
+            f"kvroute-maintenance-{self.owner}",
+            lambda: self.tick(),
+            lambda: self.m.interval_s,
+            on_error=self._round_failed,
+        )
         self._books = Bookkeeping()
 
     # ------------------------------------------------------------------ configuration
@@ -175,17 +181,10 @@ class Maintenance:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(
-                self._run(), name=f"kvroute-maintenance-{self.owner}"
-            )
+        self._rounds.start()
 
     async def stop(self) -> None:
-        task, self._loop_task = self._loop_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._rounds.stop()
         tasks = list(self._tasks.values())
         for t in tasks:
             t.cancel()
@@ -194,16 +193,9 @@ class Maintenance:
         await self._unlock()
         await self.hook.close()
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the loop must outlive anything one round does
-                self.errors += 1
-                log.exception("maintenance: round failed")
-            await asyncio.sleep(self.m.interval_s)
+    def _round_failed(self, exc: Exception) -> None:
+        self.errors += 1
+        log.error("maintenance: round failed", exc_info=exc)
 
     # ------------------------------------------------------------------ one round
     async def _read_books(self, now: float) -> Bookkeeping:
