@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -42,8 +42,11 @@ ACCEPT = (
     "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # the classic text format that the parser reads
 )
 
-ReportHook = Callable[[str, MemoryReport], object]
-"""Called as ``hook(name, report)`` after each successful scrape; may return an awaitable."""
+
+class ReportHook(Protocol):
+    """Called as ``hook(name, report)`` after each successful scrape; may return an awaitable."""
+
+    def __call__(self, name: str, report: MemoryReport) -> object: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +116,7 @@ class Collector:
             lambda: self.interval_s,
             on_error=self._round_failed,
         )
-        self._c = _Counters()
+        self._counters = _Counters()
         self.on_report: list[ReportHook] = []
 
     # --- configuration -----------------------------------------------------------------
@@ -132,8 +135,8 @@ class Collector:
         """Take a reloaded config; the next round scrapes the new backend list."""
         self._config = config
         names = {b.name for b in config.backends}
-        for gone in set(self._c.backends) - names:
-            del self._c.backends[gone]
+        for gone in set(self._counters.backends) - names:
+            del self._counters.backends[gone]
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -143,12 +146,12 @@ class Collector:
     async def stop(self) -> None:
         """Stop the loop, hand the lock back (so another replica takes over at once), close the client."""
         await self._loop.stop(max(5.0, 3.0 * self._config.collector.timeout_s))
-        if self._c.leader:
-            self._c.leader = False
+        if self._counters.leader:
+            self._counters.leader = False
             try:
                 await self._store.unlock(LOCK_NAME, self._owner)
             except StoreUnavailable:
-                self._c.store_errors_total += 1
+                self._counters.store_errors_total += 1
                 log.warning(
                     "collector: store unavailable while releasing the lock (it will expire)"
                 )
@@ -161,7 +164,7 @@ class Collector:
         return self._loop.running
 
     def _round_failed(self, exc: Exception) -> None:
-        self._c.round_errors_total += 1
+        self._counters.round_errors_total += 1
         log.error("collector: round failed", exc_info=exc)
 
     # --- one round -----------------------------------------------------------------------
@@ -170,13 +173,13 @@ class Collector:
         """Run one round; ``None`` when another replica holds the lock and this one skipped."""
         leader = await self._take_lock()
         if leader is False:
-            self._c.rounds_skipped_total += 1
+            self._counters.rounds_skipped_total += 1
             return None
         backends = list(self._config.backends)
         outcomes = await asyncio.gather(*(self._scrape(b) for b in backends))
         await asyncio.gather(*(self._publish(o) for o in outcomes))
-        self._c.rounds_total += 1
-        self._c.last_round_at = self._clock()
+        self._counters.rounds_total += 1
+        self._counters.last_round_at = self._clock()
         return {o.name: o for o in outcomes}
 
     async def _take_lock(self) -> bool | None:
@@ -185,12 +188,12 @@ class Collector:
             got = await self._store.try_lock(LOCK_NAME, self._owner, self.lock_ttl_s)
         except StoreUnavailable as exc:
             self._store_failed("try_lock", exc)
-            self._c.leader = False
+            self._counters.leader = False
             return None
         self._store_recovered()
-        if got != self._c.leader:
+        if got != self._counters.leader:
             log.info("collector: %s %s the scrape lock", self._owner, "took" if got else "lost")
-        self._c.leader = got
+        self._counters.leader = got
         return got
 
     def _http(self) -> httpx.AsyncClient:
@@ -260,7 +263,7 @@ class Collector:
         return ScrapeOutcome(backend.name, None, reason, time.perf_counter() - started)
 
     async def _publish(self, o: ScrapeOutcome) -> None:
-        st = self._c.backends.setdefault(o.name, _BackendStatus())
+        st = self._counters.backends.setdefault(o.name, _BackendStatus())
         now = self._clock()
         was = st.outcome
         st.scrapes_total += 1
@@ -289,21 +292,21 @@ class Collector:
         except StoreUnavailable as exc:
             self._store_failed(what, exc)
         except Exception:  # a store bug: logged loudly, but the other backends still publish
-            self._c.round_errors_total += 1
+            self._counters.round_errors_total += 1
             log.exception("collector: store %s failed unexpectedly", what)
         else:
             self._store_recovered()
 
     def _store_failed(self, what: str, exc: Exception) -> None:
-        self._c.store_errors_total += 1
-        if self._c.store_ok:
+        self._counters.store_errors_total += 1
+        if self._counters.store_ok:
             log.warning("collector: state store unavailable (%s): %s", what, exc)
-        self._c.store_ok = False
+        self._counters.store_ok = False
 
     def _store_recovered(self) -> None:
-        if not self._c.store_ok:
+        if not self._counters.store_ok:
             log.info("collector: state store reachable again")
-        self._c.store_ok = True
+        self._counters.store_ok = True
 
     async def _run_hooks(self, name: str, report: MemoryReport) -> None:
         for hook in list(self.on_report):
@@ -312,7 +315,7 @@ class Collector:
                 if inspect.isawaitable(result):
                     await result
             except Exception:  # a consumer's bug must not stop collection
-                self._c.hook_errors_total += 1
+                self._counters.hook_errors_total += 1
                 log.exception("collector: on_report hook %r failed for %s", hook, name)
 
     # --- read-only view for metrics --------------------------------------------------------
@@ -328,20 +331,20 @@ class Collector:
         now = self._clock()
         stale_after = self._config.collector.stale_after_s
         backends: dict[str, dict[str, Any]] = {}
-        for name, st in self._c.backends.items():
+        for name, st in self._counters.backends.items():
             d = asdict(st)
             d["stale"] = st.last_success_at <= 0 or now - st.last_success_at > stale_after
             backends[name] = d
         return {
             "owner_id": self._owner,
             "running": self.running,
-            "leader": self._c.leader,
-            "store_ok": self._c.store_ok,
-            "rounds_total": self._c.rounds_total,
-            "rounds_skipped_total": self._c.rounds_skipped_total,
-            "round_errors_total": self._c.round_errors_total,
-            "store_errors_total": self._c.store_errors_total,
-            "hook_errors_total": self._c.hook_errors_total,
-            "last_round_at": self._c.last_round_at,
+            "leader": self._counters.leader,
+            "store_ok": self._counters.store_ok,
+            "rounds_total": self._counters.rounds_total,
+            "rounds_skipped_total": self._counters.rounds_skipped_total,
+            "round_errors_total": self._counters.round_errors_total,
+            "store_errors_total": self._counters.store_errors_total,
+            "hook_errors_total": self._counters.hook_errors_total,
+            "last_round_at": self._counters.last_round_at,
             "backends": backends,
         }

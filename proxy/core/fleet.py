@@ -12,6 +12,14 @@ from typing import Literal
 
 AllocatorKind = Literal["contiguous", "paged"]
 
+# Why an allocation failed: the memory was there but broken up, or it was not there.
+FailureCause = Literal["fragmentation", "capacity"]
+
+
+def classify_failure(demand: int, free_tokens: int | None) -> FailureCause:
+    """``fragmentation`` when the free memory would have held the demand, just not in one block."""
+    return "fragmentation" if free_tokens is not None and free_tokens >= demand else "capacity"
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryReport:

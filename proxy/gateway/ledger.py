@@ -49,33 +49,33 @@ class ReservationLedger:
             keep_going=self._still_pending,
         )
 
-    def hold(self, backend: str, rid: str) -> None:
+    def hold(self, backend: str, reservation_id: str) -> None:
         """Record a reservation (also one whose reserve call failed: it may still land)."""
-        self.held[rid] = backend
+        self.held[reservation_id] = backend
 
-    async def release(self, backend: str, rid: str) -> None:
-        self.held.pop(rid, None)
+    async def release(self, backend: str, reservation_id: str) -> None:
+        self.held.pop(reservation_id, None)
         try:
-            await self.breaker.call(lambda: self.store.release(backend, rid), "release")
+            await self.breaker.call(lambda: self.store.release(backend, reservation_id), "release")
         except StoreUnavailable:
             self.on_error("release")
-            self.pending[rid] = (backend, self.clock() + self.ttl_s)
+            self.pending[reservation_id] = (backend, self.clock() + self.ttl_s)
             self._retries.start()
 
     async def flush(self) -> None:
         """Retry every queued release once."""
         now = self.clock()
-        for rid, (backend, give_up) in list(self.pending.items()):
+        for reservation_id, (backend, give_up) in list(self.pending.items()):
             if now >= give_up:
-                self.pending.pop(rid, None)  # expired in the store by now
+                self.pending.pop(reservation_id, None)  # expired in the store by now
                 continue
             try:
                 await self.breaker.call(
-                    functools.partial(self.store.release, backend, rid), "release"
+                    functools.partial(self.store.release, backend, reservation_id), "release"
                 )
             except StoreUnavailable:
                 return  # still down: the next round tries again
-            self.pending.pop(rid, None)
+            self.pending.pop(reservation_id, None)
 
     def _still_pending(self) -> bool:
         if self.pending:
@@ -85,10 +85,10 @@ class ReservationLedger:
 
     async def close(self, deadline_s: float = 5.0) -> None:
         """Shutdown: release whatever is still held, flush the queue once, stop retrying."""
-        for rid, backend in list(self.held.items()):
+        for reservation_id, backend in list(self.held.items()):
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(deadline_s):
-                    await self.release(backend, rid)
+                    await self.release(backend, reservation_id)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(deadline_s):
                 await self.flush()

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.core.fleet import FailureCause, FleetSnapshot, NodeView
 
 RequestClass = Literal["short", "long"]
 
@@ -79,7 +79,7 @@ class Policy(abc.ABC):
 
 def nothing_fits_reason(
     snapshot: FleetSnapshot, demand: int, now: float, names: Iterable[str] | None = None
-) -> tuple[str, str]:
+) -> tuple[FailureCause, str]:
     """Why no node can take `demand`: ('fragmentation', msg) when enough memory is free in total
     on some node (or the fleet) but no contiguous block is big enough, else ('capacity', msg)."""
     nodes = [
