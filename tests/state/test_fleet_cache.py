@@ -7,6 +7,7 @@ the way a timed-out Redis call does (``StoreUnavailable``), under an injected cl
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot, MemoryReport
@@ -43,7 +44,7 @@ class Store(InProcessStore):
 
 
 def config(**sections: object) -> Config:
-    backends = [
+    backends: list[dict[str, Any]] = [
         {"name": "a", "url": "http://127.0.0.1:9", "pool": "long", "capacity_tokens": 50_000},
         {"name": "b", "url": "http://127.0.0.1:9", "pool": "general"},
     ]
