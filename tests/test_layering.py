@@ -12,6 +12,8 @@ except the CLI.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -206,3 +208,17 @@ def test_the_rule_itself(source: str, imported: str, ok: bool) -> None:
     src, dst = part_of(source), part_of(imported)
     assert src is not None and dst is not None
     assert (src == dst or LAYERS[dst] < LAYERS[src]) is ok
+
+
+def test_the_pure_parts_load_no_io_stack_at_run_time() -> None:
+    """What the source says, the interpreter confirms: nothing pulls an I/O library in."""
+    code = (
+        "import sys\n"
+        "import proxy.routing, proxy.core.fleet, proxy.errors, loadtest.sim.engine\n"
+        "tops = {m.split('.')[0] for m in sys.modules}\n"
+        "print(sorted(tops & {'asyncio', 'aiohttp', 'redis', 'httpx', 'starlette'}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"

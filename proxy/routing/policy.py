@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from proxy.config import CollectorConfig, RoutingConfig
 from proxy.core.fleet import FailureCause, FleetSnapshot, NodeView
 
 RequestClass = Literal["short", "long"]
@@ -34,11 +35,15 @@ class RouteRequest:
     exclude: frozenset[str] = frozenset()
 
 
+# The config model's defaults, not retyped here.
+_ROUTING, _COLLECTOR = RoutingConfig(), CollectorConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class PolicySettings:
-    safety_margin: float = 0.02
-    stale_after_s: float = 5.0
-    long_threshold_tokens: int = 8_000
+    safety_margin: float = _ROUTING.safety_margin
+    stale_after_s: float = _COLLECTOR.stale_after_s
+    long_threshold_tokens: int = _ROUTING.long_threshold_tokens
 
 
 def eligible(
