@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, mod
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
 
-BackendKind = Literal["vllm", "contiguous", "paged"]
+BackendKind = Literal["vllm", "sglang", "tgi", "contiguous", "paged"]
 PoolRole = Literal["general", "long"]
 PolicyName = Literal["kvroute", "round_robin", "least_loaded", "most_free"]
 
@@ -42,6 +42,11 @@ class BackendConfig(_Strict):
         default=None, gt=0, description="for backends that report bytes"
     )
     metrics_path: str = "/metrics"
+    models: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(
+        default=(),
+        description="model ids served here; empty: discovered from the backend's /v1/models",
+    )
+    models_path: str = "/v1/models"
 
     @property
     def base_url(self) -> str:
@@ -71,6 +76,71 @@ class RoutingConfig(_Strict):
     )
 
 
+class SizingConfig(_Strict):
+    """How requests are sized for every model (``models.<name>`` overrides per model)."""
+
+    tokenizer: str = Field(default="cl100k_base", description="tiktoken encoding name")
+    tokenizer_file: Path | None = Field(
+        default=None, description="a Hugging Face tokenizer.json (offline; wins over tokenizer)"
+    )
+    default_max_tokens: int | Literal["server"] | None = Field(
+        default=None, description="output assumed without max_tokens; none: routing's"
+    )
+    tokens_per_name: int = Field(default=1, ge=0)
+    tokens_per_tool: int = Field(default=3, ge=0)
+    tokens_per_tool_call: int = Field(default=3, ge=0)
+    image_part_tokens: int = Field(default=1024, ge=0)
+    audio_part_tokens: int = Field(default=750, ge=0)
+    video_part_tokens: int = Field(default=4096, ge=0)
+    file_part_tokens: int = Field(default=1024, ge=0)
+    prompt_embeds_bytes_per_token: int = Field(default=2048, gt=0)
+    max_field_chars: int = Field(
+        default=1_048_576, gt=0, description="a longer field counts its UTF-8 bytes, untokenized"
+    )
+    cache_entries: int = Field(default=16_384, ge=0)
+    cache_min_chars: int = Field(default=256, ge=0)
+
+    @model_validator(mode="after")
+    def _file_exists(self) -> SizingConfig:
+        _check_tokenizer_file(self.tokenizer_file)
+        if isinstance(self.default_max_tokens, int) and self.default_max_tokens < 1:
+            raise ValueError(
+                f"default_max_tokens must be at least 1 (got {self.default_max_tokens})"
+            )
+        return self
+
+
+class ModelConfig(_Strict):
+    """One model's sizing: its tokenizer, chat-template overhead and default output."""
+
+    tokenizer: str | None = None
+    tokenizer_file: Path | None = None
+    tokens_per_message: int | None = Field(default=None, ge=0)
+    reply_priming: int | None = Field(default=None, ge=0)
+    tokens_per_name: int | None = Field(default=None, ge=0)
+    tokens_per_tool: int | None = Field(default=None, ge=0)
+    image_part_tokens: int | None = Field(default=None, ge=0)
+    audio_part_tokens: int | None = Field(default=None, ge=0)
+    video_part_tokens: int | None = Field(default=None, ge=0)
+    prompt_embeds_bytes_per_token: int | None = Field(default=None, gt=0)
+    default_max_tokens: int | Literal["server"] | None = None
+    max_model_len: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _file_exists(self) -> ModelConfig:
+        _check_tokenizer_file(self.tokenizer_file)
+        if isinstance(self.default_max_tokens, int) and self.default_max_tokens < 1:
+            raise ValueError(
+                f"default_max_tokens must be at least 1 (got {self.default_max_tokens})"
+            )
+        return self
+
+
+def _check_tokenizer_file(path: Path | None) -> None:
+    if path is not None and not path.is_file():
+        raise ValueError(f"tokenizer_file: no such file (got {str(path)!r})")
+
+
 class StoreConfig(_Strict):
     redis_url: str | None = Field(default=None, description="absent: the embedded in-process store")
     key_prefix: str = "kvroute"
@@ -96,6 +166,11 @@ class StoreConfig(_Strict):
         gt=0,
         description="an open circuit fails store calls at once for this long, then lets one probe through",
     )
+    degraded_mode: Literal["local", "snapshot"] = Field(
+        default="local",
+        description="with Redis unreachable: local (scrape and reserve in this replica) or "
+        "snapshot (the last shared snapshot, then length only)",
+    )
 
 
 class CollectorConfig(_Strict):
@@ -103,6 +178,15 @@ class CollectorConfig(_Strict):
     stale_after_s: float = Field(default=5.0, gt=0)
     timeout_s: float = Field(default=1.0, gt=0)
     report_ttl_s: float = Field(default=60.0, gt=0)
+    models_refresh_s: float = Field(
+        default=30.0, gt=0, description="how often each backend's /v1/models is read again"
+    )
+    fall: int = Field(
+        default=2, ge=1, description="failed scrapes in a row before a backend is marked down"
+    )
+    rise: int = Field(
+        default=1, ge=1, description="good scrapes in a row before a down backend is marked up"
+    )
 
     @model_validator(mode="after")
     def _stale_after_interval(self) -> CollectorConfig:
@@ -305,6 +389,8 @@ class Config(_Strict):
     auth: AuthConfig = AuthConfig()
     admin: AdminConfig = AdminConfig()
     maintenance: MaintenanceConfig = MaintenanceConfig()
+    sizing: SizingConfig = SizingConfig()
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

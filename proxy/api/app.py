@@ -31,14 +31,14 @@ from proxy.api.limits import RequestGuard
 from proxy.backends.collector import Collector
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
-from proxy.core.tokens import encoding
 from proxy.errors import ApiError
 from proxy.gateway.metrics import GatewayMetrics
+from proxy.gateway.sizing import load_sizer
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
 from proxy.routing import PolicySettings, make_policy
-from proxy.state import open_store
+from proxy.state import open_store, with_local_fallback
 from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache
 from proxy.upstream.client import Upstream
@@ -147,9 +147,13 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Load the tokenizer now, off the loop: lazily, the first request would stall the loop ~0.4 s.
-        await asyncio.to_thread(encoding)
-        st = store if store is not None else open_store(cfg.store)
+        # Load the tokenizers now, off the loop: lazily, the first request would stall the loop ~0.4 s.
+        await load_sizer(cfg)
+        # A store opened here gets degraded mode: local scrapes and reservations while Redis is away.
+        st = store if store is not None else with_local_fallback(open_store(cfg.store), cfg)
+        # Times shared between replicas run on the store's clock: measure the offset first.
+        with contextlib.suppress(Exception):
+            await st.sync_clock()
         owner = f"{socket.gethostname()}:{os.getpid()}:{id(app):x}"
         metrics = GatewayMetrics()
         fleet = FleetCache(cfg, st)
@@ -161,23 +165,23 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             long_threshold_tokens=cfg.routing.long_threshold_tokens,
         )
         gateway = Gateway(
-            cfg, st, fleet, make_policy(cfg.routing.policy, settings), upstream, metrics
+            cfg, st, fleet, make_policy(cfg.routing.policy, settings), upstream, metrics, st.now
         )
         await gateway.start()  # active health checks (proxy.upstream.health)
         collector = Collector(cfg, st, owner) if run_collector else None
-        metrics.attach_fleet(lambda: fleet.latest, time.time)
+        metrics.attach_fleet(lambda: fleet.latest, st.now)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
         if collector is not None:
             collector.on_report.append(lambda name, report: gateway.admission.notify())
             collector.start()
         app.state.rt = Runtime(cfg, st, fleet, gateway, collector, upstream, metrics, owner)
         ops = Maintenance(
-            cfg, st, fleet, owner
+            cfg, st, fleet, owner, clock=st.now
         )  # diagnosis, advice, drain + restart (proxy.ops.maintenance)
         gateway.on_allocation_failure.append(ops.on_allocation_failure)
         if collector is not None:
             collector.on_report.append(ops.on_report)
-        metrics.registry.register(OpsCollector(ops, time.time))
+        metrics.registry.register(OpsCollector(ops, st.now))
         app.state.ops = ops
         ops.start()
         with contextlib.suppress(Exception):
@@ -296,7 +300,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         snap = await r.fleet.snapshot(
             force=True
         )  # operators want the live state, not the router's cache
-        now = time.time()
+        now = r.store.now()
         return _json(
             {
                 "taken_at": snap.taken_at,

@@ -10,8 +10,17 @@ reason. Fresh reports are also handed to the ``on_report`` hooks so in-process c
 Several gateway replicas may share one Redis store: only the holder of the ``collector``
 lock scrapes in a round, the others skip it and read what the holder wrote. If the lock
 holder dies, its lock expires (about three intervals) and another replica takes over.
-During a store outage every replica scrapes for itself (the writes fail and are counted),
-so local hooks keep getting fresh reports; nothing here ever crashes the loop.
+During a store outage every replica scrapes for itself (no lock is needed: with degraded
+mode, proxy.state.degraded, the writes land in the replica's local store and it routes on
+them; the shared writes fail and are counted), and local hooks keep getting fresh reports.
+
+A report is stamped with when its figures were taken: the scrape's start, on the store's
+clock (``StateStore.now``), not when the body arrived. A reservation made during a slow
+scrape then counts as not yet visible in it, and a report that started before a learned
+ceiling cannot lift it. A backend is marked down after ``collector.fall`` failed scrapes in
+a row and up again after ``collector.rise`` good ones, as the active health checks do. One
+backend's unreadable metrics are that backend's scrape error only; nothing here ever
+crashes the loop.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from proxy.backends.base import ModelsInfo
+from proxy.backends.models import ModelsDirectory
 from proxy.backends.parse import ScrapeError, parse_report
 from proxy.config import BackendConfig, Config
 from proxy.core.fleet import MemoryReport
@@ -71,6 +82,7 @@ class _BackendStatus:
     last_scrape_at: float = 0.0
     last_success_at: float = 0.0
     consecutive_failures: int = 0
+    consecutive_ok: int = 0
     scrapes_total: int = 0
     failures_total: int = 0
 
@@ -101,12 +113,12 @@ class Collector:
         config: Config,
         store: StateStore,
         owner_id: str,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._config = config
         self._store = store
         self._owner = owner_id
-        self._clock = clock
+        self._clock = clock if clock is not None else store.now
         self._client: httpx.AsyncClient | None = None
         self._client_slots = 0
         self._background: set[asyncio.Task[None]] = set()  # old clients being closed
@@ -118,6 +130,7 @@ class Collector:
         )
         self._counters = _Counters()
         self.on_report: list[ReportHook] = []
+        self._models = ModelsDirectory()
 
     # --- configuration -----------------------------------------------------------------
 
@@ -137,6 +150,8 @@ class Collector:
         names = {b.name for b in config.backends}
         for gone in set(self._counters.backends) - names:
             del self._counters.backends[gone]
+        # URLs or kinds may have changed: ask every backend for its models again.
+        self._models = ModelsDirectory()
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -172,11 +187,17 @@ class Collector:
     async def scrape_once(self) -> dict[str, ScrapeOutcome] | None:
         """Run one round; ``None`` when another replica holds the lock and this one skipped."""
         leader = await self._take_lock()
+        backends = list(self._config.backends)
+        # Every replica keeps its own model list (it is not in the store): refresh it
+        # alongside the scrapes, or alone when another replica holds the lock.
+        models = self._refresh_models(backends)
         if leader is False:
+            await models
             self._counters.rounds_skipped_total += 1
             return None
-        backends = list(self._config.backends)
-        outcomes = await asyncio.gather(*(self._scrape(b) for b in backends))
+        outcomes, _ = await asyncio.gather(
+            asyncio.gather(*(self._scrape(b) for b in backends)), models
+        )
         await asyncio.gather(*(self._publish(o) for o in outcomes))
         self._counters.rounds_total += 1
         self._counters.last_round_at = self._clock()
@@ -231,6 +252,7 @@ class Collector:
         url = backend.base_url + path
         timeout_s = self._config.collector.timeout_s
         client = self._http()
+        taken_at = self._clock()  # the figures are no older than this
         started = time.perf_counter()
         deadline = started + timeout_s
         try:
@@ -248,7 +270,7 @@ class Collector:
                     if time.perf_counter() > deadline:
                         raise ScrapeError(f"timeout after {timeout_s:g}s (body still arriving)")
             text = body.decode("utf-8", errors="replace")  # the text format is UTF-8 by definition
-            report = parse_report(backend.kind, text, self._clock(), backend.capacity_tokens)
+            report = parse_report(backend.kind, text, taken_at, backend.capacity_tokens)
         except ScrapeError as exc:
             return self._failed(backend, exc.reason, started)
         except httpx.TimeoutException:
@@ -257,6 +279,13 @@ class Collector:
             return self._failed(backend, f"connect error: {exc or type(exc).__name__}", started)
         except httpx.HTTPError as exc:
             return self._failed(backend, f"{type(exc).__name__}: {exc}", started)
+        except Exception as exc:
+            # An odd value the parser did not foresee (block_size="inf": OverflowError) is this
+            # backend's problem only: the round goes on and publishes every other backend.
+            log.debug("collector: %s: unreadable metrics", backend.name, exc_info=True)
+            return self._failed(
+                backend, f"unreadable metrics: {type(exc).__name__}: {exc}", started
+            )
         return ScrapeOutcome(backend.name, report, "", time.perf_counter() - started)
 
     def _failed(self, backend: BackendConfig, reason: str, started: float) -> ScrapeOutcome:
@@ -265,26 +294,47 @@ class Collector:
     async def _publish(self, o: ScrapeOutcome) -> None:
         st = self._counters.backends.setdefault(o.name, _BackendStatus())
         now = self._clock()
-        was = st.outcome
         st.scrapes_total += 1
         st.last_scrape_at = now
         st.latency_s = o.latency_s
-        ttl = self._config.collector.report_ttl_s
         if o.report is not None:
-            st.outcome, st.reason = "ok", ""
             st.last_success_at = now
             st.consecutive_failures = 0
-            if was == "down":
-                log.info("collector: backend %s is reachable again", o.name)
-            await self._store_call("put_report", self._store.put_report(o.name, o.report, ttl))
-            await self._run_hooks(o.name, o.report)
+            st.consecutive_ok += 1
+            await self._publish_ok(o.name, o.report, st)
         else:
-            st.outcome, st.reason = "down", o.reason
             st.consecutive_failures += 1
+            st.consecutive_ok = 0
             st.failures_total += 1
-            if was != "down":
-                log.warning("collector: backend %s marked down: %s", o.name, o.reason)
-            await self._store_call("mark_down", self._store.mark_down(o.name, o.reason, ttl))
+            await self._publish_failed(o.name, o.reason, st)
+
+    async def _publish_ok(self, name: str, report: MemoryReport, st: _BackendStatus) -> None:
+        """A good scrape; a backend marked down needs ``rise`` of them in a row to be up again."""
+        ttl = self._config.collector.report_ttl_s
+        rise = self._config.collector.rise
+        if st.outcome == "down" and st.consecutive_ok < rise:
+            why = f"recovering: {st.consecutive_ok} of {rise} good scrapes"
+            st.reason = why
+            await self._store_call("mark_down", self._store.mark_down(name, why, ttl))
+            return
+        if st.outcome == "down":
+            log.info("collector: backend %s is reachable again", name)
+        st.outcome, st.reason = "ok", ""
+        await self._store_call("put_report", self._store.put_report(name, report, ttl))
+        await self._run_hooks(name, report)
+
+    async def _publish_failed(self, name: str, reason: str, st: _BackendStatus) -> None:
+        """A failed scrape; ``fall`` in a row mark the backend down (one slow scrape does not)."""
+        fall = self._config.collector.fall
+        if st.outcome != "down" and st.outcome != "never" and st.consecutive_failures < fall:
+            # Still up on its last report, which ages; the reason is kept for /metrics.
+            st.reason = f"{reason} ({st.consecutive_failures} of {fall} failed scrapes)"
+            return
+        if st.outcome != "down":
+            log.warning("collector: backend %s marked down: %s", name, reason)
+        st.outcome, st.reason = "down", reason
+        ttl = self._config.collector.report_ttl_s
+        await self._store_call("mark_down", self._store.mark_down(name, reason, ttl))
 
     async def _store_call(self, what: str, call: Awaitable[None]) -> None:
         try:
@@ -317,6 +367,20 @@ class Collector:
             except Exception:  # a consumer's bug must not stop collection
                 self._counters.hook_errors_total += 1
                 log.exception("collector: on_report hook %r failed for %s", hook, name)
+
+    # --- served models (GET /v1/models, cached) ------------------------------------------------
+
+    def models(self, name: str) -> ModelsInfo | None:
+        """What backend ``name``'s ``/v1/models`` last said (ids, max_model_len), or None."""
+        return self._models.info.get(name)
+
+    def served_models(self, backend: BackendConfig) -> tuple[str, ...]:
+        """The model ids a backend serves: its configured ``models``, else what it lists."""
+        return self._models.served(backend)
+
+    async def _refresh_models(self, backends: list[BackendConfig]) -> None:
+        every = self._config.collector.models_refresh_s
+        await self._models.refresh(self._http(), backends, self._clock(), every)
 
     # --- read-only view for metrics --------------------------------------------------------
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.core.lazy import lazy_headroom
+
 AllocatorKind = Literal["contiguous", "paged"]
 
 # Why an allocation failed: the memory was there but broken up, or it was not there.
@@ -34,6 +36,19 @@ class MemoryReport:
     waiting: int = 0
     started_at: float = 0.0
     reported_at: float = 0.0
+    # Cumulative preemptions (vLLM recomputes a running request when a decode step finds no
+    # block); a rise between reports is the signal, not the level.
+    preemptions: int = 0
+    # Data parallel: engines behind this one URL, and each engine's free tokens. The server
+    # picks the engine (by queue length, not KV), so a request fits only if it fits the
+    # engine with the least room: ``largest_free_block_tokens`` is that engine's figure.
+    engines: int = 1
+    engine_free_tokens: tuple[int, ...] = ()
+    max_num_seqs: int = 0  # 0: not known
+    # The server queues work it cannot place and allocates KV as prefill and decode proceed
+    # (vLLM, SGLang, TGI), instead of failing at admission (kvroute's contiguous engine).
+    queueing: bool = False
+    sleeping: bool = False  # vLLM sleep mode: near-zero usage that must not look empty
 
     @property
     def free_fraction(self) -> float:
@@ -66,6 +81,9 @@ class Overlay:
     cooldown_until: float = 0.0
     ceiling_tokens: int | None = None  # learned: a request of this size or more failed here
     ceiling_until: float = 0.0
+    # Why the node is full for new work whatever its KV says (proxy.core.pressure):
+    # "queue", "slots", "preemption", "asleep"; empty when it may take work.
+    pressure: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +107,17 @@ class NodeView:
         return max(0, self.report.free_tokens - self.overlay.pending_tokens)
 
     def usable_block(self) -> int:
-        """The largest request this node can take now, by its report less pending reservations."""
+        """The largest request this node can take now.
+
+        Contiguous (allocates at admission): its report less the reservations newer than it.
+        Lazily allocating servers (``report.queueing``): every live reservation counts at
+        its full demand (``proxy.core.lazy``), since their reports show only what is
+        already cached.
+        """
         if self.report is None:
             return 0
+        if self.report.queueing:
+            return lazy_headroom(self.report, self.overlay.reserved_tokens)
         return max(0, self.report.largest_free_block_tokens - self.overlay.pending_tokens)
 
     def ceiling_active(self, now: float) -> bool:
@@ -99,6 +125,8 @@ class NodeView:
 
     def fits(self, demand: int, now: float, safety_margin: float = 0.0) -> bool:
         if self.ceiling_active(now) and demand >= (self.overlay.ceiling_tokens or 0):
+            return False
+        if self.overlay.pressure:
             return False
         need = demand * (1.0 + safety_margin)
         if (

@@ -16,7 +16,7 @@ import orjson
 from proxy.errors import ApiError, bad_request
 
 Endpoint = Literal["chat", "completions"]
-_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer"})
+_ROLES = frozenset({"system", "user", "assistant", "tool", "function", "developer", "ipython"})
 _MAX_MESSAGES = 100_000
 
 
@@ -27,10 +27,18 @@ class ParsedRequest:
     endpoint: Endpoint
     model: str
     stream: bool
-    max_new_tokens: int | None  # None: not given, the configured default applies
+    #: Output per sequence as given (``max_completion_tokens`` wins); None: the default applies.
+    max_tokens: int | None
+    #: Sequences per prompt, ``max(n, best_of)``: each holds its own output KV.
+    sequences: int = 1
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """Output over all sequences of one prompt when given; None when the default applies."""
+        return None if self.max_tokens is None else self.max_tokens * self.sequences
 
 
-def _check_int(body: dict[str, Any], key: str, limit: int) -> int | None:
+def _check_int(body: dict[str, Any], key: str, limit: int, least: int = 1) -> int | None:
     if key not in body or body[key] is None:
         return None
     v = body[key]
@@ -38,8 +46,10 @@ def _check_int(body: dict[str, Any], key: str, limit: int) -> int | None:
         raise bad_request(
             f"'{key}' must be an integer, got {type(v).__name__}", param=key, code="invalid_type"
         )
-    if v < 1:
-        raise bad_request(f"'{key}' must be at least 1, got {v}", param=key, code="invalid_value")
+    if v < least:
+        raise bad_request(
+            f"'{key}' must be at least {least}, got {v}", param=key, code="invalid_value"
+        )
     if v > limit:
         raise bad_request(
             f"'{key}' is {v}, above this gateway's limit of {limit}",
@@ -75,6 +85,7 @@ def _check_messages(messages: Any) -> None:
                 param=f"{where}.role",
                 code="invalid_value",
             )
+        _check_message_fields(m, where)
         content = m.get("content")
         if content is None:
             if role == "assistant":
@@ -88,6 +99,9 @@ def _check_messages(messages: Any) -> None:
             continue
         if isinstance(content, list):
             for j, part in enumerate(content):
+                if isinstance(part, str):
+                    # A bare string part: servers (vLLM) read it as a text part.
+                    continue
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise bad_request(
                         f"'{where}.content[{j}]' must be an object with a 'type'",
@@ -106,6 +120,61 @@ def _check_messages(messages: Any) -> None:
             param=f"{where}.content",
             code="invalid_type",
         )
+
+
+def _check_message_fields(m: dict[str, Any], where: str) -> None:
+    """Fields that are counted must have the type they are counted as."""
+    for key in ("name", "tool_call_id"):
+        if key in m and m[key] is not None and not isinstance(m[key], str):
+            raise bad_request(
+                f"'{where}.{key}' must be a string", param=f"{where}.{key}", code="invalid_type"
+            )
+    calls = m.get("tool_calls")
+    if calls is not None and not (
+        isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+    ):
+        raise bad_request(
+            f"'{where}.tool_calls' must be an array of objects",
+            param=f"{where}.tool_calls",
+            code="invalid_type",
+        )
+
+
+def _check_tools(body: dict[str, Any]) -> None:
+    for key in ("tools", "functions"):
+        tools = body.get(key)
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+        ):
+            raise bad_request(
+                f"'{key}' must be an array of objects", param=key, code="invalid_type"
+            )
+
+
+def _check_prompt_embeds(emb: Any) -> None:
+    if isinstance(emb, str) and emb:
+        return
+    if isinstance(emb, list) and emb and all(isinstance(e, str) and e for e in emb):
+        return
+    raise bad_request(
+        "'prompt_embeds' must be a base64 string or an array of them",
+        param="prompt_embeds",
+        code="invalid_type",
+    )
+
+
+def _check_sequences(body: dict[str, Any]) -> int:
+    """``max(n, best_of)``: the sequences each prompt runs (each with its own output KV)."""
+    seqs = 1
+    for key in ("n", "best_of"):
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > 128):
+            raise bad_request(
+                f"'{key}' must be an integer between 1 and 128", param=key, code="invalid_value"
+            )
+        if isinstance(v, int):
+            seqs = max(seqs, v)
+    return seqs
 
 
 def _check_prompt(prompt: Any) -> None:
@@ -169,12 +238,16 @@ def parse_request(
                 code="missing_required_parameter",
             )
         _check_messages(body["messages"])
+        _check_tools(body)
     else:
-        if "prompt" not in body:
+        if "prompt" not in body and body.get("prompt_embeds") is None:
             raise bad_request(
                 "'prompt' is a required property", param="prompt", code="missing_required_parameter"
             )
-        _check_prompt(body["prompt"])
+        if "prompt" in body:
+            _check_prompt(body["prompt"])
+        if body.get("prompt_embeds") is not None:
+            _check_prompt_embeds(body["prompt_embeds"])
 
     stream = body.get("stream", False)
     if stream is None:
@@ -182,18 +255,19 @@ def parse_request(
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", param="stream", code="invalid_type")
 
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > 128):
-        raise bad_request(
-            "'n' must be an integer between 1 and 128", param="n", code="invalid_value"
-        )
-
-    max_new = _check_int(body, "max_completion_tokens", max_tokens_limit)
-    mt = _check_int(body, "max_tokens", max_tokens_limit)
-    if max_new is None:
-        max_new = mt
-    if max_new is not None and isinstance(n, int) and n > 1:
-        max_new *= n  # n sequences each hold their own KV
+    sequences = _check_sequences(body)
+    # max_tokens 0 with echo scores the prompt without generating (completions only).
+    least = 0 if endpoint == "completions" and body.get("echo") is True else 1
+    given = _check_int(body, "max_completion_tokens", max_tokens_limit, least)
+    legacy = _check_int(body, "max_tokens", max_tokens_limit, least)
+    # The newer name wins when both are given, as in vLLM and OpenAI.
+    max_tokens = given if given is not None else legacy
     return ParsedRequest(
-        body=body, raw=raw, endpoint=endpoint, model=model, stream=stream, max_new_tokens=max_new
+        body=body,
+        raw=raw,
+        endpoint=endpoint,
+        model=model,
+        stream=stream,
+        max_tokens=max_tokens,
+        sequences=sequences,
     )

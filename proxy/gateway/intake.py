@@ -14,10 +14,10 @@ from starlette.requests import Request
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
-from proxy.core.tokens import count_prompt_async
 from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
 from proxy.gateway.context import RequestContext
+from proxy.gateway.sizing import size_request
 from proxy.routing.policy import classify
 from proxy.state.base import StoreUnavailable
 from proxy.upstream.client import forward_headers
@@ -81,13 +81,8 @@ async def open_request(
     """Size and classify a valid request, refuse one no backend could ever hold, recall its failures."""
     rcfg = gw.cfg.routing
     deadline = asyncio.get_running_loop().time() + gw.cfg.upstream.total_timeout_s
-    prompt_tokens = await count_prompt_async(
-        parsed.body,
-        rcfg.tokenize_in_thread_chars,
-        rcfg.chat_tokens_per_message,
-        rcfg.chat_tokens_reply_priming,
-    )
-    demand = prompt_tokens + (parsed.max_new_tokens or rcfg.default_max_tokens)
+    sized = await size_request(parsed, gw.cfg)
+    prompt_tokens, demand = sized.prompt_tokens, sized.total
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
     cap = max_capacity(gw.cfg, snap)

@@ -89,14 +89,13 @@ async def reserve_first(
                 headroom=gw.cfg.routing.safety_margin,
                 grace_s=gw.cfg.store.report_grace_s,
             )
-            ok = await gw.store_call("reserve", reserve)
+            # The ledger holds whatever the call may reserve, also when this request is
+            # cancelled while the call is in flight or the store times out (it may still land).
+            ok = await gw.ledger.reserve(name, ctx.reservation_id, reserve)
         except StoreUnavailable:
-            # The reserve may still land (a paused store): the ledger releases it later.
-            gw.ledger.hold(name, ctx.reservation_id)
             # Degraded: route without a shared reservation rather than fail.
             return name
         if ok:
-            gw.ledger.hold(name, ctx.reservation_id)
             return name
     return None
 

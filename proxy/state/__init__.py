@@ -6,7 +6,7 @@ by every gateway replica), else the embedded in-process store (one gateway).
 
 from __future__ import annotations
 
-from proxy.config import StoreConfig
+from proxy.config import Config, StoreConfig
 from proxy.state.base import (
     BackendState,
     Flags,
@@ -21,11 +21,14 @@ from proxy.state.base import (
     pending_tokens,
     reservation_fits,
 )
+from proxy.state.breaker import CircuitBreaker
+from proxy.state.degraded import DegradedStore
 from proxy.state.memory import InProcessStore
 from proxy.state.redis_store import RedisStore
 
 __all__ = [
     "BackendState",
+    "DegradedStore",
     "Flags",
     "InProcessStore",
     "RedisStore",
@@ -40,6 +43,7 @@ __all__ = [
     "open_store",
     "pending_tokens",
     "reservation_fits",
+    "with_local_fallback",
 ]
 
 
@@ -48,3 +52,16 @@ def open_store(cfg: StoreConfig) -> StateStore:
     if cfg.redis_url:
         return RedisStore(cfg)
     return InProcessStore()
+
+
+def with_local_fallback(store: StateStore, cfg: Config) -> StateStore:
+    """The store the gateway runs on: a shared store gets degraded mode (store.degraded_mode)."""
+    if isinstance(store, InProcessStore | DegradedStore) or cfg.store.degraded_mode != "local":
+        return store
+    breaker = CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
+    return DegradedStore(
+        store,
+        breaker,
+        reservation_ttl_s=cfg.store.reservation_ttl_s,
+        report_ttl_s=cfg.collector.report_ttl_s,
+    )

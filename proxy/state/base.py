@@ -2,18 +2,23 @@
 
 Both implementations pass one contract suite (tests/test_state_contract.py). Times are
 passed in by the caller (unix seconds) so that behaviour is deterministic under test and
-identical between the two stores; hosts are expected to keep clocks in sync (NTP).
+identical between the two stores. Times that cross replicas (reservation, report, ceiling
+and cooldown times) are on the store's clock: ``StateStore.now()`` is this host's clock plus
+``clock_offset``, which the Redis store measures against Redis ``TIME`` (``sync_clock``), so
+a replica whose clock is off still compares like with like. The embedded store's offset is 0.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from proxy.core.fleet import MemoryReport, Overlay
+from proxy.core.lazy import lazy_headroom
 
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import StoreUnavailable as StoreUnavailable
@@ -170,19 +175,42 @@ def build_overlay(
 
 
 def reservation_fits(
-    report: MemoryReport | None, pending: int, tokens: int, headroom: float
+    report: MemoryReport | None, pending: int, tokens: int, headroom: float, reserved: int = 0
 ) -> bool:
     """The atomic reserve's check: pending + demand x (1 + headroom) within the largest free block.
 
-    With no report there is nothing to check against, so the reservation is allowed.
+    For a lazily allocating server (``report.queueing``) the demand must instead fit beside
+    every live reservation at its full demand (``reserved``; ``proxy.core.lazy``), since
+    its report shows only what is already cached. With no report there is nothing to check
+    against, so the reservation is allowed.
     """
     if report is None:
         return True
-    return pending + tokens * (1.0 + headroom) <= report.largest_free_block_tokens
+    need = tokens * (1.0 + headroom)
+    if report.queueing:
+        return need <= lazy_headroom(report, reserved)
+    return pending + need <= report.largest_free_block_tokens
 
 
 class StateStore(abc.ABC):
     """Per-backend reported state, the gateway's overlay, retry memory, locks and events."""
+
+    #: Seconds to add to this host's clock to get the store's clock (see ``now``).
+    clock_offset: float = 0.0
+
+    # --- the shared clock ---
+    def now(self) -> float:
+        """Unix time on the store's clock: use it for every time another replica compares."""
+        return time.time() + self.clock_offset
+
+    async def sync_clock(self) -> float:
+        """Measure ``clock_offset`` again; returns it. One process's store has nothing to sync."""
+        return self.clock_offset
+
+    @property
+    def degraded(self) -> bool:
+        """True while a shared store is unreachable and this replica runs on local state."""
+        return False
 
     # --- reports (written by the collector, or pushed by custom servers into Redis) ---
     @abc.abstractmethod
@@ -220,6 +248,16 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def release(self, name: str, reservation_id: str) -> None:
         """Remove a reservation; releasing an unknown id is a no-op."""
+
+    async def forget(self, name: str, reservation_id: str, until: float) -> None:
+        """Release, and refuse this id until ``until`` (store clock); idempotent.
+
+        For a reserve whose outcome is unknown (timed out, or its request was cancelled while
+        it was in flight): a plain release can reach the store before that reserve does and
+        then leaves it behind; after ``forget`` the late reserve is refused. This default
+        (a plain release) is for stores where a call cannot arrive late.
+        """
+        await self.release(name, reservation_id)
 
     @abc.abstractmethod
     async def reservations(self, name: str, now: float) -> list[Reservation]:

@@ -5,6 +5,11 @@ with Redis paused (SIGSTOP) every request would still spend that deadline on eve
 After ``failures`` consecutive failures the circuit opens: calls fail at once with
 StoreUnavailable (the request path then runs degraded) for ``open_s``; then exactly one
 call is let through as a probe, and its success closes the circuit again.
+
+With degraded mode (proxy.state.degraded) the store runs the breaker itself around each
+Redis call (``guard``) and answers locally when it is open; it marks the breaker
+``delegated``, and the request path's ``call`` then passes straight through to the store,
+so the circuit's state and counters still describe Redis and nothing is counted twice.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class CircuitBreaker:
         self.rejected_total = 0
         self._opened_at = 0.0
         self._probing = False
+        self.delegated = False
         self.on_change: list[Callable[[State], None]] = []
 
     def _set(self, state: State) -> None:
@@ -70,6 +76,12 @@ class CircuitBreaker:
 
     async def call(self, fn: Callable[[], Awaitable[T]], what: str = "store") -> T:
         """Run one store call through the breaker; StoreUnavailable at once while open."""
+        if self.delegated:
+            return await fn()
+        return await self.guard(fn, what)
+
+    async def guard(self, fn: Callable[[], Awaitable[T]], what: str = "store") -> T:
+        """The breaker proper, whether delegated or not."""
         if not self.allow():
             self.rejected_total += 1
             raise StoreUnavailable(

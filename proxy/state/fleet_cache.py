@@ -5,18 +5,22 @@ snapshot is instead refreshed at most every ``refresh_s`` by one reader (single 
 Ranking on a snapshot a few ms old is safe because the reservation that follows is atomic
 in the store and checks the live figures.
 
-When the store is unreachable the gateway keeps routing on its last snapshot up to
-``max_snapshot_age_s``, then by length only (pools, no memory figures), reports itself
-degraded, and recovers by itself on the next successful read. Reads go through the
-request path's circuit breaker (``self.breaker``, shared with the gateway), so a paused
-store costs one deadline per open interval rather than one per request.
+With degraded mode (proxy.state.degraded, the default for Redis) the store itself answers
+from this replica's local scrapes and reservations while Redis is away, and ``degraded``
+mirrors it. A store that raises instead (``store.degraded_mode: snapshot``) is bridged
+with the last snapshot, but only while its reports are younger than
+``collector.stale_after_s`` (older, every node would count as stale and requests that fit
+would get 503), and at most ``max_snapshot_age_s``; then by length only (pools, no memory
+figures). Reads go through the request path's circuit breaker (``self.breaker``, shared
+with the gateway), so a paused store costs one deadline per open interval.
+
+Times come from the store's clock (``StateStore.now``) unless a clock is passed in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 from proxy.config import Config
@@ -67,21 +71,27 @@ class FleetCache:
         self,
         cfg: Config,
         store: StateStore,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         refresh_s: float = 0.02,
     ) -> None:
         self.cfg = cfg
         self.store = store
-        self.clock = clock
+        self.clock = clock if clock is not None else store.now
         self.refresh_s = refresh_s
         self.names = [b.name for b in cfg.backends]
         self._snap: FleetSnapshot | None = None
         self._last_ok: float = 0.0
-        self._inflight: asyncio.Future[FleetSnapshot] | None = None
+        self._inflight: asyncio.Task[FleetSnapshot] | None = None
         self.degraded = False
         self.store_errors = 0
         self.on_degraded_change: list[Callable[[bool], None]] = []
-        self.breaker = CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
+        own = getattr(store, "breaker", None)
+        # A degraded-mode store brings the breaker it runs around Redis: one circuit, not two.
+        self.breaker = (
+            own
+            if isinstance(own, CircuitBreaker)
+            else CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
+        )
 
     @property
     def latest(self) -> FleetSnapshot | None:
@@ -92,7 +102,7 @@ class FleetCache:
             self.degraded = value
             log.warning(
                 "state store %s",
-                "unreachable: routing on the last snapshot" if value else "reachable again",
+                "unreachable: routing degraded" if value else "reachable again",
             )
             for cb in self.on_degraded_change:
                 cb(value)
@@ -110,10 +120,11 @@ class FleetCache:
         except StoreUnavailable:
             self.store_errors += 1
             self._set_degraded(True)
-            if self._snap is not None and now - self._last_ok <= self.cfg.store.max_snapshot_age_s:
+            bridge = min(self.cfg.store.max_snapshot_age_s, self.cfg.collector.stale_after_s)
+            if self._snap is not None and now - self._last_ok <= bridge:
                 return self._snap
             return self.length_only(now)
-        self._set_degraded(False)
+        self._set_degraded(self.store.degraded)
         snap = FleetSnapshot(
             tuple(node_from_state(self.cfg, n, states.get(n), now) for n in self.names),
             taken_at=now,
@@ -131,17 +142,17 @@ class FleetCache:
             and now - self._snap.taken_at < self.refresh_s
         ):
             return self._snap
-        if self._inflight is not None:
-            return await asyncio.shield(self._inflight)
-        fut: asyncio.Future[FleetSnapshot] = asyncio.get_running_loop().create_future()
-        self._inflight = fut
-        try:
-            snap = await self._read()
-            fut.set_result(snap)
-            return snap
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # mark retrieved
-            raise
-        finally:
+        task = self._inflight
+        if task is None or task.done():
+            # The read runs as its own task, owned by no caller: any caller may be cancelled
+            # (a client gone) without cancelling the read everyone else is waiting on.
+            task = asyncio.get_running_loop().create_task(self._read(), name="kvroute-fleet-read")
+            self._inflight = task
+            task.add_done_callback(self._read_done)
+        return await asyncio.shield(task)
+
+    def _read_done(self, task: asyncio.Task[FleetSnapshot]) -> None:
+        if self._inflight is task:
             self._inflight = None
+        if not task.cancelled():
+            task.exception()  # retrieved: a failed read is re-raised to its waiters only

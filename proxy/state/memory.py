@@ -55,6 +55,7 @@ class InProcessStore(StateStore):
         self._states: dict[str, _Entry] = {}
         self._known: set[str] = set()
         self._res: dict[str, dict[str, Reservation]] = {}
+        self._tombs: dict[str, dict[str, float]] = {}  # name -> id -> refused until (forget)
         self._flags: dict[str, Flags] = {}
         self._retry: dict[str, tuple[set[str], float]] = {}
         self._locks: dict[str, tuple[str, float]] = {}
@@ -112,6 +113,27 @@ class InProcessStore(StateStore):
     async def known_backends(self) -> set[str]:
         return set(self._known)
 
+    def adopt(self, state: BackendState, ttl_s: float) -> None:
+        """Take another store's view of a backend (report, status, flags), not its reservations.
+
+        The degraded-mode wrapper (proxy.state.degraded) mirrors the shared store here so that,
+        the moment Redis stops answering, this replica already holds the latest known figures.
+        A report older than the one held is ignored: a local scrape may be newer.
+        """
+        check_ttl(ttl_s)
+        entry = self._state(state.name)
+        held = entry.report if entry is not None else None
+        report = state.report
+        if held is not None and (report is None or held.reported_at > report.reported_at):
+            report = held
+        if state.status != "unknown" or report is not None:
+            status: Status = state.status if state.status != "unknown" else "up"
+            self._states[state.name] = _Entry(
+                report, status, state.status_reason, self._clock() + ttl_s
+            )
+            self._known.add(state.name)
+        self._flags[state.name] = state.flags
+
     # --- reservations ---
     async def reserve(
         self,
@@ -126,14 +148,20 @@ class InProcessStore(StateStore):
         grace_s: float = 0.0,
     ) -> bool:
         check_reserve_args(tokens, now, ttl_s, headroom, grace_s)
+        tombs = self._tombs.get(name)
+        if tombs:
+            if tombs.get(reservation_id, float("-inf")) > now:
+                return False  # forgotten: a reserve that arrives after its release
+            for rid in [r for r, until in tombs.items() if until <= now]:
+                del tombs[rid]
         live = self._live(name, now)
         if check_fit:
             entry = self._state(name)
             report = entry.report if entry is not None else None
             others = [r for rid, r in live.items() if rid != reservation_id]
-            if not reservation_fits(
-                report, pending_tokens(report, others, now, grace_s), tokens, headroom
-            ):
+            pending = pending_tokens(report, others, now, grace_s)
+            reserved = sum(r.tokens for r in others)
+            if not reservation_fits(report, pending, tokens, headroom, reserved):
                 return False
         now = float(now)
         self._res.setdefault(name, live)[reservation_id] = Reservation(
@@ -147,6 +175,13 @@ class InProcessStore(StateStore):
             res.pop(reservation_id, None)
             if not res:
                 del self._res[name]
+
+    async def forget(self, name: str, reservation_id: str, until: float) -> None:
+        check_finite(until=until)
+        await self.release(name, reservation_id)
+        tombs = self._tombs.setdefault(name, {})
+        # Expired ones are swept by the next reserve on this backend.
+        tombs[reservation_id] = max(float(until), tombs.get(reservation_id, float("-inf")))
 
     async def reservations(self, name: str, now: float) -> list[Reservation]:
         return list(live_reservations(self._live(name, now).values(), now))

@@ -4,7 +4,8 @@ Key schema (documented for outside writers in docs/redis-schema.md), with P = ke
 
     P:backend:{name}:state   HASH  report fields + status/status_reason, PEXPIRE report TTL
     P:backends               SET   every backend that ever reported
-    P:backend:{name}:res     HASH  reservation id -> "tokens created_at expires_at", key TTL refreshed on reserve
+    P:backend:{name}:res     HASH  reservation id -> "tokens created_at expires_at", key TTL refreshed on reserve;
+                                   "~<id>" -> "~ <until>": a forgotten id, refused by reserve until then
     P:backend:{name}:flags   HASH  draining, cooldown_until, ceiling_tokens, ceiling_set_at, ceiling_until
     P:retry:{key}            SET   backends a client retry already failed on, with TTL
     P:lock:{name}            STRING owner, PX
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import lru_cache
@@ -65,6 +67,8 @@ DEFAULT_MAX_CONNECTIONS = 64
 RES_KEY_SLACK_MS = 60_000
 
 REPORT_INT_FIELDS = ("capacity_tokens", "free_tokens", "largest_free_block_tokens")
+# Optional, written by this version: queue, preemption and data-parallel figures.
+REPORT_EXTRA_FIELDS = ("preemptions", "engines", "engine_free", "max_num_seqs", "flags")
 REPORT_FIELDS = (
     *REPORT_INT_FIELDS,
     "reported_at",
@@ -73,6 +77,7 @@ REPORT_FIELDS = (
     "running",
     "waiting",
     "started_at",
+    *REPORT_EXTRA_FIELDS,
 )
 ALLOCATORS: tuple[AllocatorKind, ...] = ("contiguous", "paged")
 
@@ -101,11 +106,13 @@ local function count(s, min)
   return n
 end
 
--- Returns largest_free_block_tokens, reported_at of a valid report, or nil.
+-- Returns largest_free_block_tokens, reported_at and (for a queueing report) a table
+-- {cap, frees} of a valid report, or nil.
 local function read_report(key)
   local f = redis.call('HMGET', key, 'capacity_tokens', 'free_tokens',
     'largest_free_block_tokens', 'reported_at', 'allocator', 'block_size',
-    'running', 'waiting', 'started_at')
+    'running', 'waiting', 'started_at', 'engine_free', 'flags', 'preemptions', 'engines',
+    'max_num_seqs')
   if count(f[1], 0) == nil or count(f[2], 0) == nil then return nil end
   local largest = count(f[3], 0)
   local reported_at = num(f[4])
@@ -118,7 +125,43 @@ local function read_report(key)
     local s = num(f[9])
     if s == nil or s < 0 then return nil end
   end
-  return largest, reported_at
+  if f[12] and count(f[12], 0) == nil then return nil end
+  if f[13] and count(f[13], 1) == nil then return nil end
+  if f[14] and count(f[14], 0) == nil then return nil end
+  if f[11] and string.find(f[11], '[^qs]') then return nil end
+  local frees = {}
+  if f[10] and f[10] ~= '' then
+    if string.find(f[10], ',,', 1, true) or string.sub(f[10], 1, 1) == ','
+        or string.sub(f[10], -1) == ',' then
+      return nil
+    end
+    for p in string.gmatch(f[10], '[^,]+') do
+      local v = count(p, 0)
+      if v == nil then return nil end
+      frees[#frees + 1] = v
+    end
+  end
+  local lazy = nil
+  if f[11] and string.find(f[11], 'q', 1, true) then
+    if #frees == 0 then frees[1] = count(f[2], 0) end
+    lazy = {cap = count(f[1], 0), frees = frees}
+  end
+  return largest, reported_at, lazy
+end
+
+-- The twin of proxy.core.lazy.lazy_headroom: the smallest engine's capacity less
+-- max(its used, all reserved), never above the report's largest block.
+local function lazy_room(lazy, reserved, largest)
+  local per = math.floor(lazy.cap / #lazy.frees)
+  local room = nil
+  for _, fe in ipairs(lazy.frees) do
+    local committed = per - fe
+    if reserved > committed then committed = reserved end
+    if room == nil or per - committed < room then room = per - committed end
+  end
+  if largest < room then room = largest end
+  if room < 0 then room = 0 end
+  return room
 end
 """
 
@@ -133,25 +176,42 @@ local headroom = tonumber(ARGV[6])
 local grace = tonumber(ARGV[7])
 local key_ttl = tonumber(ARGV[8])
 
-local largest, reported_at = read_report(KEYS[1])
+-- A forgotten id ("~" .. id, see forget): this reserve arrived after its release.
+local tomb = num(string.match(redis.call('HGET', KEYS[2], '~' .. id) or '', '^~ (%S+)$'))
+if tomb ~= nil and tomb > now then return 0 end
+local largest, reported_at, lazy = read_report(KEYS[1])
 local pending = 0
+local reserved = 0
 local dead = {}
 local flat = redis.call('HGETALL', KEYS[2])
 for i = 1, #flat, 2 do
   local rid, v = flat[i], flat[i + 1]
-  local t, c, e = string.match(v, '^(%S+) (%S+) (%S+)$')
-  t, c, e = count(t, 0), num(c), num(e)
-  if t == nil or c == nil or e == nil or e <= now then
-    dead[#dead + 1] = rid
-  elseif rid ~= id and (largest == nil or c >= reported_at - grace) then
-    pending = pending + t
+  if string.sub(rid, 1, 1) == '~' then
+    local u = num(string.match(v, '^~ (%S+)$'))
+    if u == nil or u <= now then dead[#dead + 1] = rid end
+  else
+    local t, c, e = string.match(v, '^(%S+) (%S+) (%S+)$')
+    t, c, e = count(t, 0), num(c), num(e)
+    if t == nil or c == nil or e == nil or e <= now then
+      dead[#dead + 1] = rid
+    elseif rid ~= id then
+      reserved = reserved + t
+      if largest == nil or c >= reported_at - grace then
+        pending = pending + t
+      end
+    end
   end
 end
 for i = 1, #dead, 500 do
   redis.call('HDEL', KEYS[2], unpack(dead, i, math.min(i + 499, #dead)))
 end
-if ARGV[5] == '1' and largest ~= nil and pending + tokens * (1.0 + headroom) > largest then
-  return 0
+if ARGV[5] == '1' and largest ~= nil then
+  local need = tokens * (1.0 + headroom)
+  if lazy ~= nil then
+    if need > lazy_room(lazy, reserved, largest) then return 0 end
+  elseif pending + need > largest then
+    return 0
+  end
 end
 redis.call('HSET', KEYS[2], id, ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4])
 if redis.call('PTTL', KEYS[2]) < key_ttl then
@@ -160,6 +220,17 @@ end
 return 1
 """
 )
+
+# KEYS: res.  ARGV: id, until, key_ttl_ms.  Release, and leave "~id" = "~ <until>" so that
+# a reserve of that id arriving later is refused (proxy.state.base.StateStore.forget).
+_LUA_FORGET = r"""
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[1], '~' .. ARGV[1], '~ ' .. ARGV[2])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return 1
+"""
 
 # KEYS: flags, state.  ARGV: tokens, now, until.  Mirrors base.merge_ceiling.
 _LUA_SET_CEILING = (
@@ -293,6 +364,9 @@ def _report_from_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport | 
         if s is None or s < 0:
             return None, f"bad report: started_at={h['started_at']!r}"
         started_at = s
+    more = _parse_extra(h)
+    if isinstance(more, str):
+        return None, more
     report = MemoryReport(
         capacity_tokens=ints["capacity_tokens"],
         free_tokens=ints["free_tokens"],
@@ -303,8 +377,31 @@ def _report_from_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport | 
         waiting=extra["waiting"],
         started_at=started_at,
         reported_at=reported_at,
+        **more,
     )
     return report, ""
+
+
+def _parse_extra(h: dict[str, str]) -> dict[str, Any] | str:
+    """The optional fields of ``REPORT_EXTRA_FIELDS`` as MemoryReport keywords, or a reason."""
+    out: dict[str, Any] = {}
+    for key, minimum in (("preemptions", 0), ("engines", 1), ("max_num_seqs", 0)):
+        if key in h:
+            v = _count(h[key], minimum)
+            if v is None:
+                return f"bad report: {key}={h[key]!r}"
+            out[key] = v
+    if h.get("engine_free"):
+        parts = [_count(p) for p in h["engine_free"].split(",")]
+        if any(p is None for p in parts):
+            return f"bad report: engine_free={h['engine_free']!r}"
+        out["engine_free_tokens"] = tuple(p for p in parts if p is not None)
+    flags = h.get("flags", "")
+    if flags.strip("qs"):
+        return f"bad report: flags={flags!r}"
+    out["queueing"] = "q" in flags
+    out["sleeping"] = "s" in flags
+    return out
 
 
 def report_fields(report: MemoryReport) -> dict[str, str]:
@@ -319,6 +416,12 @@ def report_fields(report: MemoryReport) -> dict[str, str]:
         "waiting": str(int(report.waiting)),
         "started_at": _redis_float(report.started_at),
         "reported_at": _redis_float(report.reported_at),
+        "preemptions": str(int(report.preemptions)),
+        "engines": str(int(report.engines)),
+        "engine_free": ",".join(str(int(f)) for f in report.engine_free_tokens),
+        "max_num_seqs": str(int(report.max_num_seqs)),
+        # One letter per true flag: q = queueing, s = sleeping.
+        "flags": ("q" if report.queueing else "") + ("s" if report.sleeping else ""),
     }
 
 
@@ -409,6 +512,7 @@ class RedisStore(StateStore):
         self._try_lock = self._r.register_script(_LUA_TRY_LOCK)
         self._unlock = self._r.register_script(_LUA_UNLOCK)
         self._read = self._r.register_script(_LUA_READ)
+        self._forget = self._r.register_script(_LUA_FORGET)
 
     # --- keys ---
     def _k_state(self, name: str) -> str:
@@ -550,6 +654,14 @@ class RedisStore(StateStore):
     async def release(self, name: str, reservation_id: str) -> None:
         await self._call("release", lambda: self._r.hdel(self._k_res(name), reservation_id))
 
+    async def forget(self, name: str, reservation_id: str, until: float) -> None:
+        check_finite(until=until)
+        keys = [self._k_res(name)]
+        # The key must outlive the tombstone (its until is on the store's clock, as the TTL is).
+        ttl_ms = _ms(max(0.0, until - self.now())) + RES_KEY_SLACK_MS
+        args = [reservation_id, _redis_float(until), str(ttl_ms)]
+        await self._call("forget", lambda: self._forget(keys=keys, args=args))
+
     async def reservations(self, name: str, now: float) -> list[Reservation]:
         h = await self._call("reservations", lambda: self._r.hgetall(self._k_res(name)))
         return list(live_reservations(_parse_reservations(cast(dict[str, str], h)), now))
@@ -634,6 +746,29 @@ class RedisStore(StateStore):
             if isinstance(item, dict):
                 out.append(item)
         return out
+
+    # --- the shared clock ---
+    async def server_time(self) -> float:
+        """Redis ``TIME`` as unix seconds: the one clock every replica compares shared times on."""
+        sec, usec = await self._call("time", lambda: self._r.time())
+        return float(sec) + float(usec) / 1e6
+
+    async def sync_clock(self, samples: int = 3) -> float:
+        """Measure ``clock_offset`` (Redis clock minus ours), keeping the lowest-RTT sample.
+
+        The server read its clock somewhere inside the round trip; assuming the middle, the
+        error is at most half the RTT, so the quickest of a few samples is the most exact.
+        """
+        best: tuple[float, float] | None = None
+        for _ in range(samples):
+            t0 = time.time()
+            server = await self.server_time()
+            t1 = time.time()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, server - (t0 + t1) / 2.0)
+        assert best is not None
+        self.clock_offset = best[1]
+        return self.clock_offset
 
     # --- lifecycle ---
     async def ping(self) -> bool:

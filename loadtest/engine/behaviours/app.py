@@ -1,0 +1,288 @@
+"""The HTTP front of a simulated vLLM / SGLang / TGI server: one port, ``data_parallel`` cores.
+
+The front end tokenizes (cl100k, as the kvroute engine does), checks ``max_model_len``
+with the server's own 400 (422 for TGI), picks the core with the shortest queue (vLLM's
+data-parallel balancing looks at queue lengths, not KV space) and streams the tokens the
+core produces. Nothing fails for lack of KV: requests wait in the core's FIFO queue.
+A client that goes away frees what its request holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import secrets
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
+from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
+from loadtest.engine.metrics import exposition
+from loadtest.engine.protocol import (
+    SSE_DONE,
+    BadRequest,
+    Parsed,
+    chunk,
+    error_body,
+    full_body,
+    generated_text,
+    parse_body,
+    usage_chunk,
+)
+from proxy.gateway.sizing import count_prompt_async
+
+JSON = "application/json"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BehaviourConfig:
+    """A simulated server: ``capacity_tokens`` of KV per core, ``data_parallel`` cores."""
+
+    behaviour: str = "vllm"
+    name: str = "engine"
+    model: str = "sim-model"
+    capacity_tokens: int = 100_000
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: one core's KV capacity
+    data_parallel: int = 1
+    prefill_tokens_per_s: float = 10_000.0
+    decode_tokens_per_s: float = 50.0
+    speedup: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.behaviour not in DIALECTS:
+            raise ValueError(
+                f"behaviour must be one of {', '.join(DIALECTS)}, got {self.behaviour!r}"
+            )
+        if self.behaviour == "tgi" and self.data_parallel != 1:
+            raise ValueError(
+                "TGI has no data parallelism inside one router: --data-parallel must be 1"
+            )
+        for key in ("capacity_tokens", "block_size", "max_num_seqs", "data_parallel"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        if self.capacity_tokens < self.block_size:
+            raise ValueError("capacity_tokens must hold at least one block")
+        if self.max_model_len is not None and not 0 < self.max_model_len <= self.capacity_tokens:
+            # vLLM refuses to start when one sequence of max_model_len cannot fit the cache.
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) must be within 1..capacity_tokens "
+                f"({self.capacity_tokens})"
+            )
+
+
+class _Families(Collector):
+    def __init__(self, front: Front) -> None:
+        self._front = front
+
+    def collect(self) -> list[Metric]:
+        return list(self._front.dialect.families(self._front.facts))
+
+
+class Front:
+    """The API server: validation, engine choice, streaming; the cores do the scheduling."""
+
+    def __init__(self, config: BehaviourConfig) -> None:
+        self.config = config
+        self.dialect: Dialect = DIALECTS[config.behaviour]
+        step_s = 1.0 / (config.decode_tokens_per_s * config.speedup)
+        self.cores = [
+            PagedCore(
+                config.capacity_tokens // config.block_size,
+                config.block_size,
+                config.max_num_seqs,
+                step_s,
+                config.prefill_tokens_per_s * config.speedup,
+                reserve_full=config.behaviour == "tgi",
+            )
+            for _ in range(config.data_parallel)
+        ]
+        self.max_model_len = config.max_model_len or self.cores[0].capacity_tokens
+        self.started_at = time.time()
+        self._ids = secrets.token_hex(4)
+        self._next = 0
+        self._headers = {"x-engine-name": config.name}
+
+    @property
+    def facts(self) -> ServerFacts:
+        return ServerFacts(self.config.model, self.max_model_len, self.started_at, self.cores)
+
+    def state(self) -> dict[str, Any]:
+        return {"behaviour": self.config.behaviour, "engines": [c.state() for c in self.cores]}
+
+    async def start(self) -> None:
+        for c in self.cores:
+            c.start()
+
+    async def stop(self) -> None:
+        for c in self.cores:
+            await c.stop()
+
+    # --- handlers ---------------------------------------------------------------------------
+
+    def _answer(self, status: int, body: bytes) -> web.Response:
+        return web.Response(status=status, body=body, content_type=JSON, headers=self._headers)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._infer(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._infer(request, chat=True)
+
+    async def _infer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body, p = parse_body(await request.read(), chat, 1)
+        except BadRequest as exc:
+            return self._answer(exc.status, error_body(exc.message, exc.type, exc.param, exc.code))
+        if p.model != self.config.model:
+            status, err = self.dialect.not_found(p.model)
+            if status:
+                return self._answer(status, err)
+        prompt = await count_prompt_async(body)
+        explicit = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
+        if not explicit:
+            p = dataclasses.replace(
+                p, max_tokens=self.dialect.default_max_tokens(self.facts, chat, prompt)
+            )
+        if prompt + p.max_tokens > self.max_model_len:
+            return self._answer(*self.dialect.too_long(self.facts, prompt, p.max_tokens, explicit))
+        core = min(self.cores, key=lambda c: c.load())
+        now = asyncio.get_running_loop().time()
+        req = SimRequest(prompt, p.max_tokens, now)
+        core.submit(req, now)
+        self._next += 1
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
+        try:
+            if p.stream:
+                return await self._stream(request, req, p, rid)
+            while not req.done:
+                req.changed.clear()
+                await req.changed.wait()
+            text = generated_text(self._next + self.config.seed, p.max_tokens)
+            return web.Response(
+                body=full_body(rid, int(time.time()), p, text, prompt),
+                content_type=JSON,
+                headers=self._headers,
+            )
+        finally:
+            core.abort(req)
+
+    async def _stream(
+        self, request: web.Request, req: SimRequest, p: Parsed, rid: str
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                **self._headers,
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+            }
+        )
+        await resp.prepare(request)
+        created = int(time.time())
+        sent = 0
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            while sent < p.max_tokens:
+                req.changed.clear()
+                if req.generated <= sent:
+                    await req.changed.wait()
+                new = req.generated - sent
+                if new <= 0:
+                    continue
+                if sent == 0 and p.chat:
+                    await resp.write(chunk(rid, created, p, None, None, role=True))
+                text = generated_text(self.config.seed + sent, new)
+                sent += new
+                await resp.write(
+                    chunk(rid, created, p, text, "length" if sent >= p.max_tokens else None)
+                )
+            if p.include_usage:
+                await resp.write(usage_chunk(rid, created, p, req.prompt_tokens))
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        with_len = self.config.behaviour != "tgi"
+        return self._answer(200, models_body(self.facts, self.dialect.owned_by, with_len))
+
+    async def info(self, request: web.Request) -> web.StreamResponse:
+        """TGI's ``/info``: the model and its token limits."""
+        return self._answer(
+            200,
+            orjson.dumps(
+                {
+                    "model_id": self.config.model,
+                    "max_input_tokens": self.max_model_len - 1,
+                    "max_total_tokens": self.max_model_len,
+                    "max_batch_total_tokens": self.cores[0].capacity_tokens,
+                    "router": "text-generation-router",
+                }
+            ),
+        )
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200, headers=self._headers)
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        data, content_type = exposition(request.app[REGISTRY_KEY])
+        resp = web.Response(body=data, headers=self._headers)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+    async def sleep(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's ``POST /sleep`` (dev mode): the engines offload and stop scheduling."""
+        for c in self.cores:
+            c.sleeping = True
+        return web.Response(status=200, headers=self._headers)
+
+    async def wake_up(self, request: web.Request) -> web.StreamResponse:
+        now = asyncio.get_running_loop().time()
+        for c in self.cores:
+            c.sleeping = False
+            c.step(now, 0)
+        return web.Response(status=200, headers=self._headers)
+
+    async def admin_state(self, request: web.Request) -> web.StreamResponse:
+        return self._answer(200, orjson.dumps(self.state()))
+
+
+FRONT_KEY = web.AppKey("front", Front)
+REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+
+
+def build_app(config: BehaviourConfig) -> web.Application:
+    front = Front(config)
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(front))
+    app[FRONT_KEY] = front
+    app[REGISTRY_KEY] = registry
+
+    async def lifecycle(_app: web.Application) -> Any:
+        await front.start()
+        yield
+        await front.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    r = app.router
+    r.add_post("/v1/completions", front.completions)
+    r.add_post("/v1/chat/completions", front.chat_completions)
+    r.add_get("/v1/models", front.models)
+    r.add_get("/health", front.health)
+    r.add_get("/metrics", front.metrics)
+    r.add_get("/admin/state", front.admin_state)
+    if config.behaviour == "vllm":
+        r.add_post("/sleep", front.sleep)
+        r.add_post("/wake_up", front.wake_up)
+    if config.behaviour == "tgi":
+        r.add_get("/info", front.info)
+    return app

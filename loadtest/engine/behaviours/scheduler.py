@@ -1,0 +1,248 @@
+"""One simulated paged engine core that allocates lazily, queues and preempts, as vLLM does.
+
+Time is simulated: every ``step_s`` each running request past its prefill produces one token.
+KV is paged in blocks of ``block_size`` tokens:
+
+* admission (FIFO, head of line first, at most ``max_num_seqs`` running) takes the blocks
+  for the tokens to prefill only: prompt plus anything generated before a preemption;
+* each decode step that crosses a block boundary takes one more block; when none is free,
+  the most recently admitted running request is preempted: its blocks are freed, it goes
+  back to the head of the queue and later recomputes its prompt and what it had generated;
+* ``reserve_full`` (TGI) instead takes prompt + max_tokens at admission, so nothing grows
+  and nothing is preempted;
+* freed blocks keep their content as prefix cache but are free (reclaimed on demand), so
+  they never count as used.
+
+A request that can never fit one engine is refused before it gets here (``max_model_len``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+# Buckets of vLLM's time-to-first-token histogram (seconds).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request's life in a core; the HTTP handler waits on ``changed``."""
+
+    prompt_tokens: int
+    max_tokens: int
+    arrived_at: float
+    generated: int = 0
+    blocks: int = 0
+    decode_at: float = math.inf  # when prefill ends and tokens start
+    first_token_at: float | None = None
+    preempted: int = 0
+    done: bool = False
+    aborted: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.generated
+
+
+@dataclass
+class CoreStats:
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: int = 0
+    ttft_count: int = 0
+    ttft_sum: float = 0.0
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+
+
+class PagedCore:
+    """One engine: its blocks, its FIFO queue, its running batch, its step loop."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        step_s: float,
+        prefill_tokens_per_s: float,
+        reserve_full: bool = False,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.step_s = step_s
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.reserve_full = reserve_full
+        self.free_blocks = num_blocks
+        self.cached_blocks = 0  # free blocks still holding a finished request's prefix
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.sleeping = False
+        self.stats = CoreStats()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # --- figures ---------------------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Used fraction; a sleeping engine has offloaded or dropped its cache and reads 0."""
+        return 0.0 if self.sleeping else self.used_blocks / self.num_blocks
+
+    def load(self) -> int:
+        """The front end's balancing score: queue length, not KV (waiting weighs more)."""
+        return 4 * len(self.waiting) + len(self.running)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def submit(self, req: SimRequest, now: float) -> None:
+        """Queue a request; it is admitted at once when it fits (the next step is that close)."""
+        self.waiting.append(req)
+        if not self.sleeping:
+            self._admit(now)
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> None:
+        """The client went away: free what it holds, wherever it is."""
+        if req.done:
+            return
+        req.aborted = True
+        req.done = True
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    # --- the step loop ---------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        # Never spin faster than 2 ms a turn; a turn catches up on all the steps it covers.
+        tick = max(self.step_s, 0.002)
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                last = loop.time()
+            await asyncio.sleep(tick)
+            now = loop.time()
+            steps = max(1, int((now - last) / self.step_s))
+            last += steps * self.step_s
+            if not self.sleeping:
+                self.step(now, steps)
+
+    def step(self, now: float, steps: int = 1) -> None:
+        """Advance ``steps`` decode steps at time ``now``, then admit what fits."""
+        for _ in range(steps):
+            self._decode_one(now)
+        self._admit(now)
+
+    def _decode_one(self, now: float) -> None:
+        for req in list(self.running):
+            if req not in self.running or now < req.decode_at:
+                continue
+            if not self._grow(req):
+                continue
+            req.generated += 1
+            self.stats.generation_tokens += 1
+            if req.first_token_at is None:
+                req.first_token_at = now
+                self._observe_ttft(now - req.arrived_at)
+            if req.generated >= req.max_tokens:
+                req.done = True
+                self.running.remove(req)
+                self._release(req)
+                self.stats.finished += 1
+            req.changed.set()
+
+    def _grow(self, req: SimRequest) -> bool:
+        """Room for one more token: a new block on a boundary, preempting when none is free."""
+        if self.reserve_full or req.tokens + 1 <= req.blocks * self.block_size:
+            return True
+        while self.free_blocks == 0:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        self._take(1)
+        req.blocks += 1
+        return True
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.preempted += 1
+        req.decode_at = math.inf
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit(self, now: float) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            tokens = head.prompt_tokens + (head.max_tokens if self.reserve_full else head.generated)
+            need = -(-tokens // self.block_size)
+            if need > self.free_blocks:
+                return  # FIFO: the head waits, and everything behind it
+            self.waiting.popleft()
+            self._take(need)
+            head.blocks = need
+            # Recompute after a preemption: prompt and generated tokens are prefilled again.
+            head.decode_at = now + head.tokens / self.prefill_tokens_per_s
+            self.stats.prompt_tokens += head.tokens
+            self.running.append(head)
+
+    def _take(self, n: int) -> None:
+        self.free_blocks -= n
+        self.cached_blocks = min(self.cached_blocks, self.free_blocks)
+
+    def _release(self, req: SimRequest) -> None:
+        self.free_blocks += req.blocks
+        self.cached_blocks += req.blocks
+        req.blocks = 0
+
+    def _observe_ttft(self, seconds: float) -> None:
+        s = self.stats
+        s.ttft_count += 1
+        s.ttft_sum += seconds
+        for i, bound in enumerate(TTFT_BUCKETS):
+            if seconds <= bound:
+                s.ttft_buckets[i] += 1
+
+    def state(self) -> dict[str, int | bool]:
+        """The ground truth the tests compare /metrics against."""
+        return {
+            "capacity_tokens": self.capacity_tokens,
+            "free_tokens": self.free_blocks * self.block_size,
+            "used_tokens": self.used_blocks * self.block_size,
+            "cached_free_tokens": self.cached_blocks * self.block_size,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "preemptions": self.stats.preemptions,
+            "sleeping": self.sleeping,
+        }

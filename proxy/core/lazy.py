@@ -1,0 +1,56 @@
+"""Fit accounting for servers that allocate KV as they go (vLLM, SGLang, TGI).
+
+A lazily allocating server's usage covers only tokens already in its cache: a request that
+is still prefilling or decoding will grow up to prompt + max_tokens, and that growth looks
+free in the report. Subtracting only the reservations made after the report (the contiguous
+rule) therefore over-admits, and the server then queues or preempts: the client sees it as
+latency, not as an error. So for these servers:
+
+    committed = max(reported used, full demand of everything the gateway has in flight there)
+
+Assumptions (the model): the gateway is the server's only client, so each in-flight
+request's allocation so far is part of ``used`` and never exceeds its full demand; ``max``
+then counts every in-flight request at its full demand without counting its allocated part
+twice, while usage the gateway does not know about (requests finished since the report,
+other clients) still counts through ``used``. Prefix-cached blocks that are free count as
+free, as the servers report them.
+
+Data parallel: the server picks the engine (by queue length), and the gateway cannot know
+how its in-flight requests are split. Headroom is the smallest over engines of
+``engine capacity - max(engine used, all in-flight demand)``: safe whatever the split, and
+conservative (it assumes the whole in-flight demand could sit on the engine that gets the
+next request).
+
+Contiguous servers that allocate everything at admission keep the exact rule: the largest
+free block less the reservations newer than the report (``NodeView.usable_block``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # fleet.py calls lazy_headroom; the type alone is needed here.
+    from proxy.core.fleet import MemoryReport
+
+
+def allocates_lazily(report: MemoryReport) -> bool:
+    """Servers that queue and grow their allocation (the adapters set ``queueing``)."""
+    return report.queueing
+
+
+def committed_tokens(used: int, inflight_demand: int) -> int:
+    """Tokens spoken for on one cache: what it holds, or what in-flight work will hold."""
+    return max(used, inflight_demand)
+
+
+def lazy_headroom(report: MemoryReport, inflight_demand: int) -> int:
+    """The largest new request that surely fits, with every in-flight request at full demand."""
+    frees = report.engine_free_tokens or (report.free_tokens,)
+    per_engine_capacity = report.capacity_tokens // len(frees)
+    room = min(
+        per_engine_capacity - committed_tokens(per_engine_capacity - free, inflight_demand)
+        for free in frees
+    )
+    # A report's own "largest" (e.g. 0 for a sleeping engine) is never exceeded.
+    return max(0, min(room, report.largest_free_block_tokens))

@@ -1,0 +1,110 @@
+"""One clock for shared times: a process whose clock is shifted (libfaketime) measures its
+offset to Redis ``TIME`` and its ``store.now()`` is Redis's clock; the embedded store's is 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+
+from proxy.state.memory import InProcessStore
+
+CHILD = """
+import asyncio, sys, time
+from proxy.config import StoreConfig
+from proxy.state.redis_store import RedisStore
+
+async def main() -> None:
+    store = RedisStore(StoreConfig(redis_url=sys.argv[1]))
+    offset = await store.sync_clock()
+    print(offset, store.now(), time.time(), flush=True)
+    await store.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("shift_s", [10.0, -0.5, -10.0])
+def test_shifted_process_measures_its_offset_to_redis(redis_server: str, shift_s: float) -> None:
+    spec = f"{shift_s:+g}s"
+    before = time.time()
+    out = subprocess.run(
+        ["faketime", "-f", spec, sys.executable, "-c", CHILD, redis_server],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    after = time.time()
+    offset, store_now, own = (float(x) for x in out.split())
+    # libfaketime did shift the child's clock (else the test proves nothing)...
+    assert before + shift_s - 0.05 <= own <= after + shift_s + 0.05, (own, before, after)
+    # ...and the store's clock undoes it: Redis runs on this host's true clock.
+    assert abs(offset + shift_s) < 0.05, offset
+    assert before - 0.05 <= store_now <= after + 0.05, (store_now, before, after)
+
+
+async def test_embedded_store_has_no_offset() -> None:
+    store = InProcessStore()
+    assert await store.sync_clock() == 0.0
+    assert abs(store.now() - time.time()) < 0.05
+
+
+RESERVE_CHILD = """
+import asyncio, sys
+from proxy.config import StoreConfig
+from proxy.state.redis_store import RedisStore
+
+async def main() -> None:
+    store = RedisStore(StoreConfig(redis_url=sys.argv[1], key_prefix=sys.argv[2]))
+    await store.sync_clock()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    ok = await store.reserve("n1", "r-behind", 25_000, store.now(), 60, grace_s=0.25)
+    print(ok, flush=True)
+    await store.close()
+
+asyncio.run(main())
+"""
+
+
+async def test_replica_half_a_second_behind_never_overcommits(redis_server: str) -> None:
+    """Behind by 0.5 s, its reservation would look older than the report just taken, count
+    as already inside it, and let a second 25k reservation into the same 30k gap."""
+    from proxy.config import StoreConfig
+    from proxy.core.fleet import MemoryReport
+    from proxy.state.redis_store import RedisStore
+
+    prefix = f"kvr-clock-{time.monotonic_ns()}"
+    child = await asyncio.create_subprocess_exec(
+        *["faketime", "-f", "-0.5s", sys.executable, "-c", RESERVE_CHILD, redis_server, prefix],
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    store = RedisStore(StoreConfig(redis_url=redis_server, key_prefix=prefix))
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert (await asyncio.wait_for(child.stdout.readline(), 30)).strip() == b"ready"
+        await store.sync_clock()
+        now = store.now()
+        report = MemoryReport(
+            capacity_tokens=30_000,
+            free_tokens=30_000,
+            largest_free_block_tokens=30_000,
+            reported_at=now,
+        )
+        await store.put_report("n1", report, 60)
+        child.stdin.write(b"go\n")
+        await child.stdin.drain()
+        assert (await asyncio.wait_for(child.stdout.readline(), 30)).strip() == b"True"
+        # The report is older than the first reservation: it must still count as pending.
+        assert not await store.reserve("n1", "r-true", 25_000, store.now(), 60, grace_s=0.25)
+    finally:
+        if child.returncode is None:
+            child.kill()
+        await child.wait()
+        await store.close()
