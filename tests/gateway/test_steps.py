@@ -162,7 +162,7 @@ async def test_place_reserves_on_the_node_that_fits(gw: Gateway) -> None:
     ctx = await context(gw)
     ctx.snap = await gw.fleet.snapshot(force=True)
     assert await placement.place(gw, ctx) == "b"
-    assert ctx.attempts == 1 and gw.ledger.held == {"res-1": "b"}
+    assert ctx.attempts == 1 and set(gw.ledger.held) == {("res-1", "b")}
     state = await gw.store.read(["b"], time.time())
     assert state["b"].overlay(time.time(), 0.0).inflight == 1
 
@@ -206,7 +206,7 @@ async def test_divert_books_a_broken_attempt_once(gw: Gateway) -> None:
     ctx = await context(gw)
     ctx.snap = await gw.fleet.snapshot(force=True)
     assert await placement.place(gw, ctx) in ("a", "b")
-    backend = next(iter(gw.ledger.held.values()))
+    ((_, backend),) = gw.ledger.held
     answer = upstream_answer("ttfb_timeout", f"backend {backend} did not answer")
     divert_step.divert(gw, ctx, backend, answer, result="timeout", broken="no answer")
     await gw.drain_background()

@@ -96,7 +96,11 @@ async def test_a_configured_capacity_caps_the_report() -> None:
 async def test_store_down_keeps_the_last_snapshot_then_routes_by_length_only() -> None:
     clock, store = Clock(), Store()
     cache = FleetCache(
-        config(store={"max_snapshot_age_s": 10.0}), store, clock=clock, refresh_s=0.0
+        # The last snapshot bridges an outage while both its age and its reports' are in bounds.
+        config(store={"max_snapshot_age_s": 10.0}, collector={"stale_after_s": 10.0}),
+        store,
+        clock=clock,
+        refresh_s=0.0,
     )
     changes: list[bool] = []
     cache.on_degraded_change.append(changes.append)
