@@ -39,7 +39,7 @@ from proxy.gateway.sizing import load_sizer
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
-from proxy.routing.policy import PolicySettings, make_policy
+from proxy.routing import PolicySettings, make_policy
 from proxy.state import open_store, with_local_fallback
 from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache

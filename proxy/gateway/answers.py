@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from aiohttp import ClientResponse
 from starlette.responses import Response
 
-from proxy.core.fleet import FleetSnapshot
+from proxy.core.fleet import FailureCause, FleetSnapshot, classify_failure
 from proxy.errors import ApiError, UpstreamBroken, UpstreamFailure, upstream_answer
 from proxy.gateway.context import FAILURE_RESULTS, AttemptResult, RequestContext
 from proxy.gateway.divert import divert, record_allocation_failure
@@ -139,13 +139,14 @@ def _failed_or_busy(
 
 def cause_at_backend(
     verdict: UpstreamVerdict, demand: int, backend: str, snap: FleetSnapshot
-) -> str:
-    """Fragmentation when the backend had enough free memory in total, else capacity."""
+) -> FailureCause:
+    """Fragmentation when the backend had enough free memory in total (its error's figure,
+    else its last report), else capacity."""
     free = verdict.free_tokens
     if free is None:
         node = snap.by_name().get(backend)
         free = node.report.free_tokens if node is not None and node.report is not None else None
-    return "fragmentation" if free is not None and free >= demand else "capacity"
+    return classify_failure(demand, free)
 
 
 async def whole_answer(
