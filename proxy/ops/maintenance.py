@@ -28,6 +28,7 @@ from typing import Any
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot, MemoryReport
+from proxy.errors import RestartRefused
 from proxy.ops.advice import Advice, RestartReason, advise, can_take_out, update_below_since
 from proxy.ops.diagnosis import (
     RATE_WINDOW_S,
@@ -37,7 +38,6 @@ from proxy.ops.diagnosis import (
     TrendSettings,
     failure_from_hook,
 )
-from proxy.errors import RestartRefused
 from proxy.ops.restart_hooks import NoHook, RestartHook, make_hook
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
@@ -160,11 +160,22 @@ class Maintenance:
 
     # ------------------------------------------------------------------ hooks from the gateway
     def on_allocation_failure(
-        self, backend: str, cause: str, demand: int, fleet_free_fraction: float
+        self,
+        backend: str,
+        cause: str,
+        demand: int,
+        fleet_free_fraction: float,
+        room_on: tuple[str, ...] | None = None,
     ) -> None:
         self.failures.add(
             failure_from_hook(
-                self.fleet.latest, backend, cause, demand, fleet_free_fraction, self.clock()
+                self.fleet.latest,
+                backend,
+                cause,
+                demand,
+                fleet_free_fraction,
+                self.clock(),
+                room_on=room_on,
             )
         )
 

@@ -11,11 +11,13 @@ code, so what the simulator shows is what the gateway does.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.core.fleet import FleetSnapshot, NodeView
+
+# Re-exported: the one per-node test of why nothing fits lives in its own module.
+from proxy.routing.nothing_fits import nothing_fits_reason as nothing_fits_reason
 
 RequestClass = Literal["short", "long"]
 
@@ -230,32 +232,3 @@ def make_policy(name: str, settings: PolicySettings | None = None) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
     return cls(settings=settings or PolicySettings())
-
-
-def nothing_fits_reason(
-    snapshot: FleetSnapshot, demand: int, now: float, names: Iterable[str] | None = None
-) -> tuple[str, str]:
-    """Why no node can take `demand`: ('fragmentation', msg) when enough memory is free in total
-    on some node (or the fleet) but no contiguous block is big enough, else ('capacity', msg)."""
-    nodes = [
-        n
-        for n in snapshot.nodes
-        if n.up and n.report is not None and (names is None or n.name in names)
-    ]
-    cap = sum(n.report.capacity_tokens for n in nodes if n.report)
-    free = sum(max(0, n.report.free_tokens - n.overlay.pending_tokens) for n in nodes if n.report)
-    best = max((n.usable_block() for n in nodes), default=0)
-    pct = 100.0 * free / cap if cap else 0.0
-    node_has_room = any(
-        n.report and n.report.free_tokens - n.overlay.pending_tokens >= demand for n in nodes
-    )
-    if node_has_room or free >= demand:
-        return (
-            "fragmentation",
-            f"no backend has a contiguous free block of {demand} tokens (largest {best}); "
-            f"fleet free {pct:.0f}% ({free} tokens): fragmentation, a restart frees it",
-        )
-    return (
-        "capacity",
-        f"fleet has only {free} tokens free ({pct:.0f}%) for a demand of {demand}: capacity",
-    )
