@@ -93,6 +93,8 @@ def test_fault_client_leaves_a_non_streamed_request(fleet4: FaultFleet) -> None:
     wait_for(cancelled, 2.0, "the engine to see the request cancelled", interval_s=0.05)
     took = time.monotonic() - left
     record(RESULTS, "client leaves (non-streamed)", Tally(), cancelled_after_s=round(took, 2))
+    # Not retried elsewhere either: nothing runs anywhere, nothing stays reserved.
+    assert all(engine_state(fleet4, i)["running"] == 0 for i in range(4))
     fleet4.assert_no_reservations(timeout_s=2.0)
 
 
