@@ -165,6 +165,8 @@ async def wait_for_fit(
                 return None
             await gw.admission.wait(min(remaining, 0.05))
             snap = await gw.fleet.snapshot(force=True)
+            # The latest view, also for the answer's verdict if the wait ends with nothing.
+            ctx.snap = snap
             request = RouteRequest(ctx.demand, ctx.cls, exclude | gw.health.avoid())
             if gw.policy.rank(gw.local.apply(snap), request, gw.clock()):
                 return snap
