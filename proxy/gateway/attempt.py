@@ -52,6 +52,10 @@ async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | 
             attempt.cancel()
             # Its cleanup drops the upstream connection and frees the reservation.
             await asyncio.gather(attempt, return_exceptions=True)
+        if attempt.cancelled():
+            # Cancelled before its first step, it never ran its cleanup (a second release
+            # of the same reservation is a no-op).
+            gw.release_later(ctx, backend)
     if attempt.cancelled():
         return _client_left(gw, ctx, backend)
     return attempt.result()
@@ -59,8 +63,12 @@ async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | 
 
 async def client_gone(request: Request) -> None:
     """Returns when the client disconnects (the body was read already, so nothing else comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        # This server cannot tell: never report the client gone.
+        await asyncio.get_running_loop().create_future()
 
 
 def _client_left(gw: Gateway, ctx: RequestContext, backend: str) -> Response:
