@@ -201,7 +201,7 @@ async def _flush(url: str) -> None:
 def test_a_burst_of_short_requests_spreads_over_idle_engines(
     engine_factory: Callable[..., Any], request: pytest.FixtureRequest, store: str
 ) -> None:
-    # Requests live ~0.6 s (30 tokens at 50/s): the whole burst is in flight at once.
+    # Requests live ~1.2 s (60 tokens at 50/s): the whole burst is in flight at once.
     engines = [engine_factory(name=f"idle{i}", speedup=1.0) for i in range(4)]
     sections: dict[str, Any] = {}
     if store == "redis":
@@ -215,7 +215,7 @@ def test_a_burst_of_short_requests_spreads_over_idle_engines(
 
         def fire(_: int) -> str:
             start.wait()
-            r = chat(url, max_tokens=30)
+            r = chat(url, max_tokens=60)
             assert r.status_code == 200, r.text
             return r.headers["x-kvroute-backend"]
 

@@ -60,9 +60,9 @@ def test_fault_burst_spreads_over_idle_engines(fleet4: FaultFleet) -> None:
     async def burst() -> Tally:
         tally = Tally()
         async with new_client(48) as client:
-            # 300 tokens at 500/s: each request lives ~0.6 s, the whole burst overlaps.
+            # 600 tokens at 500/s: each request lives ~1.2 s, the whole burst overlaps.
             answers = await asyncio.gather(
-                *(send(client, fleet4.url, body(stream=False, max_tokens=300)) for _ in range(24))
+                *(send(client, fleet4.url, body(stream=False, max_tokens=600)) for _ in range(24))
             )
         for bucket, detail, backend in answers:
             tally.add(bucket, detail, backend)
