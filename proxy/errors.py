@@ -23,10 +23,12 @@ the kind to a status (``UPSTREAM_ANSWERS`` below, ``proxy.api.admin`` for restar
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
-from starlette.responses import Response
+
+if TYPE_CHECKING:
+    from starlette.responses import Response
 
 
 class KvrouteError(Exception):
@@ -168,6 +170,10 @@ class ApiError(KvrouteError):
         return {"error": err}
 
     def response(self, headers: dict[str, str] | None = None) -> Response:
+        # Imported here: the base layer stays free of the web stack (the simulator and the
+        # pure modules import this one).
+        from starlette.responses import Response
+
         h = dict(self.headers)
         if headers:
             h.update(headers)

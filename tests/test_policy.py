@@ -1,4 +1,4 @@
-"""Unit tests of the pure routing policy (proxy/routing/policy.py) on hand-built fleet snapshots."""
+"""Unit tests of the pure routing policy (proxy/routing/) on hand-built fleet snapshots."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
-from proxy.routing.policy import (
+from proxy.routing import (
     POLICIES,
     PolicySettings,
     RouteRequest,

@@ -173,11 +173,11 @@ def ops_router() -> APIRouter:
         async def compute() -> bytes:
             body = (await ops.evaluate()).to_json()
             body["maintenance"] = {
-                "enabled": ops.m.enabled,
+                "enabled": ops.settings.enabled,
                 "acts": ops.acts,
                 "hook": ops.hook.kind,
                 "restarting": ops.restarting,
-                "max_concurrent_restarts": ops.m.max_concurrent_restarts,
+                "max_concurrent_restarts": ops.settings.max_concurrent_restarts,
             }
             return orjson.dumps(body)
 

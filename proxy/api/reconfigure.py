@@ -18,7 +18,7 @@ from proxy.config import Config
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.restart_hooks import make_hook
-from proxy.routing.policy import Policy, PolicySettings, make_policy
+from proxy.routing import Policy, PolicySettings, make_policy
 from proxy.state.fleet_cache import FleetCache
 
 SetCfg = Callable[[Config], None]
@@ -48,7 +48,7 @@ def reconfigure_gateway(gateway: Gateway, old: Config, new: Config) -> None:
 
 def reconfigure_maintenance(ops: Maintenance, old: Config, new: Config) -> None:
     ops.reconfigure(new)
-    ops.m = new.maintenance
+    ops.settings = new.maintenance
     if old.maintenance.hook != new.maintenance.hook:
         replaced, ops.hook = ops.hook, make_hook(new.maintenance.hook)
         # Close the old hook's resources (an HTTP session) once the loop gets to it.

@@ -14,6 +14,14 @@ from proxy.core.lazy import lazy_headroom
 
 AllocatorKind = Literal["contiguous", "paged"]
 
+# Why an allocation failed: the memory was there but broken up, or it was not there.
+FailureCause = Literal["fragmentation", "capacity"]
+
+
+def classify_failure(demand: int, free_tokens: int | None) -> FailureCause:
+    """``fragmentation`` when the free memory would have held the demand, just not in one block."""
+    return "fragmentation" if free_tokens is not None and free_tokens >= demand else "capacity"
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryReport:
@@ -97,6 +105,12 @@ class NodeView:
 
     def stale(self, now: float, stale_after_s: float) -> bool:
         return self.report is None or now - self.report.reported_at > stale_after_s
+
+    def usable_free(self) -> int:
+        """Free memory by its report less pending reservations (never below 0; 0 without a report)."""
+        if self.report is None:
+            return 0
+        return max(0, self.report.free_tokens - self.overlay.pending_tokens)
 
     def usable_block(self) -> int:
         """The largest request this node can take now.

@@ -54,6 +54,7 @@ RequestResult = Literal[
     "upstream_timeout",
     "client_disconnect",
     "no_fit",
+    "unavailable",
 ]
 
 
@@ -80,6 +81,9 @@ class RequestContext:
     cfg: Config
     policy: Policy
     exclude: set[str] = field(default_factory=set)
+    # Nodes known to have failed to allocate this request (its attempts, or the client's
+    # earlier try by retry key): left out of ranking, but judged on memory, not as unavailable.
+    no_room: set[str] = field(default_factory=set)
     failed_on: list[str] = field(default_factory=list)
     backend: str = ""
     attempts: int = 0
@@ -91,6 +95,8 @@ class RequestContext:
     queue_deadline: float | None = None
     # The answer if we stop now after an upstream failure; None while nothing failed.
     failure: Response | None = None
+    # How the request ends if ``failure`` is the answer (kvroute_requests_total{outcome}).
+    failure_outcome: RequestResult = "upstream_error"
 
     def answer_headers(
         self,

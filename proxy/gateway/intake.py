@@ -16,6 +16,7 @@ from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
+from proxy.gateway import retry_memory
 from proxy.gateway.context import RequestContext
 from proxy.gateway.sizing import size_request
 from proxy.routing.policy import Policy, classify
@@ -132,7 +133,9 @@ async def open_request(
     )
     if key is not None:
         try:
-            ctx.exclude |= await gw.store_call("failed_on", lambda: gw.store.failed_on(key))
+            listed = await gw.store_call("failed_on", lambda: gw.store.failed_on(key))
+            ctx.no_room = retry_memory.still_excluded(listed, snap, demand)
+            ctx.exclude |= ctx.no_room
         except StoreUnavailable:
             pass
     return ctx

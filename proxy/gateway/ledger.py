@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker
+from proxy.tasks import PeriodicTask
 
 log = logging.getLogger("kvroute.reservations")
 
@@ -65,13 +66,20 @@ class ReservationLedger:
         self.store_may_have_lost = False
         self.reasserted = 0
         self._reasserting = asyncio.Lock()
-        self._flusher: asyncio.Task[None] | None = None
+        # Runs only while releases are queued: started by a failed release, ends when none is left.
+        self._retries = PeriodicTask(
+            "kvroute-release-retry",
+            self.flush,
+            retry_interval_s,
+            wait_first=True,
+            keep_going=self._still_pending,
+        )
         self._bg: set[asyncio.Task[object]] = set()
 
     def hold(
         self,
         backend: str,
-        rid: str,
+        reservation_id: str,
         *,
         sent: bool = True,
         tokens: int = 0,
@@ -83,7 +91,7 @@ class ReservationLedger:
         is a no-op rather than a queued retry. ``tokens``/``created_at``: what to re-assert
         after a store outage.
         """
-        key = (rid, backend)
+        key = (reservation_id, backend)
         if tokens > 0:
             self.claims[key] = (tokens, created_at)
         if sent:
@@ -122,10 +130,16 @@ class ReservationLedger:
     async def _reassert_one(self, key: Key, tokens: int, created_at: float) -> None:
         if key not in self.held:
             return  # released meanwhile
-        rid, backend = key
+        reservation_id, backend = key
         await self.breaker.call(
             functools.partial(
-                self.store.reserve, backend, rid, tokens, created_at, self.ttl_s, check_fit=False
+                self.store.reserve,
+                backend,
+                reservation_id,
+                tokens,
+                created_at,
+                self.ttl_s,
+                check_fit=False,
             ),
             "reserve",
         )
@@ -133,7 +147,7 @@ class ReservationLedger:
     async def reserve(
         self,
         backend: str,
-        rid: str,
+        reservation_id: str,
         call: Callable[[], Awaitable[bool]],
         tokens: int = 0,
         created_at: float = 0.0,
@@ -157,23 +171,23 @@ class ReservationLedger:
         try:
             ok = await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._release_after(t, backend, rid, sent))
+            task.add_done_callback(lambda t: self._release_after(t, backend, reservation_id, sent))
             raise
         except StoreUnavailable:
             self.on_error("reserve")
-            self.hold(backend, rid, sent=sent, tokens=tokens, created_at=created_at)
+            self.hold(backend, reservation_id, sent=sent, tokens=tokens, created_at=created_at)
             # Re-assert it once the store answers, in case it never landed.
             self.mark_unsure()
             if sent:
                 # A timed-out reserve may still land after our release: release it "unsure".
-                self.unsure.add((rid, backend))
+                self.unsure.add((reservation_id, backend))
             raise
         if ok:
-            self.hold(backend, rid, tokens=tokens, created_at=created_at)
+            self.hold(backend, reservation_id, tokens=tokens, created_at=created_at)
         return ok
 
     def _release_after(
-        self, task: asyncio.Future[bool], backend: str, rid: str, sent: bool
+        self, task: asyncio.Future[bool], backend: str, reservation_id: str, sent: bool
     ) -> None:
         """The cancelled request's reserve call ended: release what it may have reserved."""
         if task.cancelled():
@@ -183,21 +197,21 @@ class ReservationLedger:
         else:
             landed = bool(task.result())
         if landed:
-            self.hold(backend, rid)
-            self._spawn(self.release(backend, rid, unsure=True))
+            self.hold(backend, reservation_id)
+            self._spawn(self.release(backend, reservation_id, unsure=True))
 
     def _spawn(self, coro: Awaitable[object]) -> None:
         t = asyncio.ensure_future(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
-    async def release(self, backend: str, rid: str, *, unsure: bool = False) -> None:
+    async def release(self, backend: str, reservation_id: str, *, unsure: bool = False) -> None:
         """Release one reservation; a failed release is queued and retried.
 
         ``unsure``: the reserve's outcome is unknown (it timed out, or may still be on its
         way), so the store is told to ``forget`` the id: a reserve landing later is refused.
         """
-        key = (rid, backend)
+        key = (reservation_id, backend)
         self.held.pop(key, None)
         self.claims.pop(key, None)
         if key in self.unsure:
@@ -207,24 +221,18 @@ class ReservationLedger:
             self.unsent.discard(key)
             return  # the reserve never reached the store: nothing there to release
         try:
-            await self.breaker.call(lambda: self._drop(backend, rid, unsure), "release")
+            await self.breaker.call(lambda: self._drop(backend, reservation_id, unsure), "release")
         except StoreUnavailable:
             self.on_error("release")
             self.mark_unsure()
             self.pending[key] = self.clock() + self.ttl_s
-            self._ensure_flusher()
+            self._retries.start()
 
-    async def _drop(self, backend: str, rid: str, unsure: bool) -> None:
+    async def _drop(self, backend: str, reservation_id: str, unsure: bool) -> None:
         if unsure:
-            await self.store.forget(backend, rid, self.store.now() + self.ttl_s)
+            await self.store.forget(backend, reservation_id, self.store.now() + self.ttl_s)
         else:
-            await self.store.release(backend, rid)
-
-    def _ensure_flusher(self) -> None:
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(
-                self._flush_loop(), name="kvroute-release-retry"
-            )
+            await self.store.release(backend, reservation_id)
 
     async def flush(self) -> None:
         """Retry every queued release once."""
@@ -233,23 +241,22 @@ class ReservationLedger:
             if now >= give_up:
                 self.pending.pop(key, None)  # expired in the store by now
                 continue
-            rid, backend = key
+            reservation_id, backend = key
             try:
                 # A queued release may answer a reserve that lands later still: forget the id.
                 await self.breaker.call(
-                    functools.partial(self._drop, backend, rid, True), "release"
+                    functools.partial(self._drop, backend, reservation_id, True), "release"
                 )
             except StoreUnavailable:
                 return  # still down: the next round tries again
             self.pending.pop(key, None)
 
-    async def _flush_loop(self) -> None:
-        while self.pending:
-            await asyncio.sleep(self.retry_interval_s)
-            try:
-                await self.flush()
-            except Exception:
-                log.exception("retrying queued releases failed")
+    def _still_pending(self) -> bool:
+        if self.pending:
+            return True
+        log.info("every queued reservation release went through")
+        return False
+
         log.info("every queued reservation release went through")
 
     async def close(self, deadline_s: float = 5.0) -> None:
@@ -258,18 +265,14 @@ class ReservationLedger:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(deadline_s):
                     await asyncio.gather(*self._bg, return_exceptions=True)
-        for rid, backend in list(self.held):
+        for reservation_id, backend in list(self.held):
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(deadline_s):
-                    await self.release(backend, rid)
+                    await self.release(backend, reservation_id)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(deadline_s):
                 await self.flush()
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-            self._flusher = None
+        await self._retries.stop()
         if self.pending:
             log.warning(
                 "%d reservation releases could not be sent; they expire on their own",

@@ -142,11 +142,7 @@ def can_take_out(
             f"below min_healthy_capacity_fraction {cfg.min_healthy_capacity_fraction:.0%}"
         )
     traffic = node.overlay.reserved_tokens if node is not None else 0
-    spare = sum(
-        max(0, n.report.free_tokens - n.overlay.pending_tokens)
-        for n in others
-        if n.report is not None
-    )
+    spare = sum(n.usable_free() for n in others if n.report is not None)
     if spare < traffic:
         return False, f"the other nodes have {spare} tokens free for its {traffic} tokens in flight"
     return True, (
@@ -325,7 +321,7 @@ def advise(
         (n.report.largest_free_block_tokens for n in reported if n.report is not None), default=0
     )
     largest_node_free = max(
-        (n.report.free_tokens - n.overlay.pending_tokens for n in reported if n.report is not None),
+        (n.usable_free() for n in reported if n.report is not None),
         default=0,
     )
     # A capacity failure still stands while no node has that much free memory; once one has
@@ -431,6 +427,13 @@ def advise(
         reasons = ["restarting now: " + ", ".join(sorted(busy_set)) + "; do not scale up meanwhile"]
     elif busy_set:
         reasons.append("restarting now: " + ", ".join(sorted(busy_set)))
+    down = sorted(a.name for a in nodes if a.state in ("down", "stale"))
+    if down:
+        # Requests refused for want of a reachable node are not recorded as failures at all.
+        reasons.append(
+            f"{len(down)} node(s) down or not reporting ({', '.join(down)}): an outage, "
+            "not a capacity shortage; bring them back rather than scale up"
+        )
     for name in watch:
         w = next(a for a in nodes if a.name == name)
         ratio = w.largest_contiguous_free_block_ratio

@@ -89,7 +89,7 @@ _NUM = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 # --------------------------------------------------------------------------- Lua
-# Shared prelude: number parsing and report validation, the Lua twins of _num/parse_report.
+# Shared prelude: number parsing and report validation, the Lua twins of _num/report_from_hash.
 _LUA_PRELUDE = r"""
 local function num(s)
   if type(s) ~= 'string' then return nil end
@@ -320,23 +320,23 @@ def _count(s: str | None, minimum: int = 0) -> int | None:
     return n if n >= minimum else None
 
 
-def _f(x: float) -> str:
+def _redis_float(x: float) -> str:
     """A float as Redis stores it: repr round-trips exactly, and Lua's tonumber reads it."""
     return repr(float(x))
 
 
-def parse_report(h: dict[str, str]) -> tuple[MemoryReport | None, str]:
+def report_from_hash(h: dict[str, str]) -> tuple[MemoryReport | None, str]:
     """A state hash's report, or None with a reason when fields are missing or malformed.
 
     Required: capacity_tokens, free_tokens, largest_free_block_tokens, reported_at. Optional:
     allocator (contiguous|paged), block_size (>= 1), running, waiting, started_at. Numbers are
     plain decimals (``30000``, ``1712345678.25``); token counts are rounded down.
     """
-    return _parse_report_fields(tuple(h.get(k) for k in REPORT_FIELDS))
+    return _report_from_fields(tuple(h.get(k) for k in REPORT_FIELDS))
 
 
 @lru_cache(maxsize=1024)
-def _parse_report_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport | None, str]:
+def _report_from_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport | None, str]:
     if all(v is None for v in values):
         return None, ""
     h = {k: v for k, v in zip(REPORT_FIELDS, values, strict=True) if v is not None}
@@ -417,8 +417,8 @@ def report_fields(report: MemoryReport) -> dict[str, str]:
         "block_size": str(int(report.block_size)),
         "running": str(int(report.running)),
         "waiting": str(int(report.waiting)),
-        "started_at": _f(report.started_at),
-        "reported_at": _f(report.reported_at),
+        "started_at": _redis_float(report.started_at),
+        "reported_at": _redis_float(report.reported_at),
         "preemptions": str(int(report.preemptions)),
         "engines": str(int(report.engines)),
         "engine_free": ",".join(str(int(f)) for f in report.engine_free_tokens),
@@ -462,7 +462,7 @@ def _parse_flags(h: dict[str, str]) -> Flags:
 def _parse_state(
     name: str, state: dict[str, str], res: dict[str, str], flags: dict[str, str], now: float
 ) -> BackendState:
-    report, bad = parse_report(state)
+    report, bad = report_from_hash(state)
     raw_status = state.get("status")
     status: Status
     if raw_status in ("up", "down", "unknown"):
@@ -679,11 +679,11 @@ class RedisStore(StateStore):
         args = [
             reservation_id,
             str(tokens),
-            _f(now),
-            _f(now + ttl_s),
+            _redis_float(now),
+            _redis_float(now + ttl_s),
             "1" if check_fit else "0",
-            _f(headroom),
-            _f(grace_s),
+            _redis_float(headroom),
+            _redis_float(grace_s),
             str(_ms(ttl_s) + RES_KEY_SLACK_MS),
         ]
         result = await self._call("reserve", lambda: self._reserve(keys=keys, args=args))
@@ -697,7 +697,7 @@ class RedisStore(StateStore):
         keys = [self._k_res(name)]
         # The key must outlive the tombstone (its until is on the store's clock, as the TTL is).
         ttl_ms = _ms(max(0.0, until - self.now())) + RES_KEY_SLACK_MS
-        args = [reservation_id, _f(until), str(ttl_ms)]
+        args = [reservation_id, _redis_float(until), str(ttl_ms)]
         await self._call("forget", lambda: self._forget(keys=keys, args=args))
 
     async def reservations(self, name: str, now: float) -> list[Reservation]:
@@ -713,7 +713,7 @@ class RedisStore(StateStore):
 
     async def set_cooldown(self, name: str, until: float) -> None:
         check_finite(until=until)
-        value = _f(until)
+        value = _redis_float(until)
         await self._call(
             "set_cooldown", lambda: self._r.hset(self._k_flags(name), "cooldown_until", value)
         )
@@ -722,7 +722,7 @@ class RedisStore(StateStore):
         check_tokens(tokens)
         check_finite(now=now, until=until)
         keys = [self._k_flags(name), self._k_state(name)]
-        args = [str(tokens), _f(now), _f(until)]
+        args = [str(tokens), _redis_float(now), _redis_float(until)]
         await self._call("set_ceiling", lambda: self._set_ceiling(keys=keys, args=args))
 
     # --- retry memory ---
