@@ -44,12 +44,19 @@ NOISE = (
 
 
 def live_capacities(url: str, timeout_s: float = 2.0) -> list[int]:
-    """KV capacities the gateway's ``/fleet`` reports right now (empty if it cannot be read)."""
-    import httpx
+    """KV capacities the gateway's ``/fleet`` reports right now (empty if it cannot be read).
+
+    urllib, not httpx: the simulator stays free of the gateway's network stack (one blocking
+    GET before any simulation runs).
+    """
+    import json
+    import urllib.error
+    import urllib.request
 
     try:
-        data = httpx.get(url.rstrip("/") + "/fleet", timeout=timeout_s).json()
-    except (httpx.HTTPError, ValueError):
+        with urllib.request.urlopen(url.rstrip("/") + "/fleet", timeout=timeout_s) as resp:
+            data = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
         return []
     return [
         int(b["report"]["capacity_tokens"])
