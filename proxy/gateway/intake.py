@@ -94,10 +94,16 @@ async def open_request(
     reservation_id: str,
     request_id: str,
     started: float,
-    cfg: Config,
-    policy: Policy,
+    cfg: Config | None = None,
+    policy: Policy | None = None,
 ) -> RequestContext:
-    """Size and classify a valid request, refuse one no backend could ever hold, recall its failures."""
+    """Size and classify a valid request, refuse one no backend could ever hold, recall its failures.
+
+    ``cfg``/``policy``: what the request runs on to its end (the gateway's, read once by
+    ``handle``); absent, the gateway's current ones.
+    """
+    cfg = gw.cfg if cfg is None else cfg
+    policy = gw.policy if policy is None else policy
     rcfg = cfg.routing
     deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
     sized = await size_request(parsed, cfg)
