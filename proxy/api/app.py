@@ -34,6 +34,7 @@ from proxy.backends.discovery import Discovery, make_discovery
 from proxy.config import BackendConfig, Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError
+from proxy.gateway.affinity import affinity_settings
 from proxy.gateway.metrics import GatewayMetrics
 from proxy.gateway.sizing import load_sizer
 from proxy.gateway.walk import Gateway
@@ -191,6 +192,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             safety_margin=cfg.routing.safety_margin,
             stale_after_s=cfg.collector.stale_after_s,
             long_threshold_tokens=cfg.routing.long_threshold_tokens,
+            affinity=affinity_settings(cfg.routing.prefix),
         )
         gateway = Gateway(
             cfg, st, fleet, make_policy(cfg.routing.policy, settings), upstream, metrics, st.now

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import ParsedRequest
 from proxy.errors import UpstreamFailure
+from proxy.gateway.affinity import AffinityKey
 from proxy.routing.policy import RequestClass
 
 # Label values of kvroute_attempts_total{result}: how one attempt on one backend ended.
@@ -92,6 +93,8 @@ class RequestContext:
     failure: Response | None = None
     # How the request ends if ``failure`` is the answer (kvroute_requests_total{outcome}).
     failure_outcome: RequestResult = "upstream_error"
+    # Prompt block hashes and session for prefix/session affinity (None: affinity off).
+    affinity: AffinityKey | None = None
 
     def answer_headers(
         self,

@@ -127,6 +127,7 @@ async def open_request(
         retry_key=key,
         upstream_headers=forward_headers(request.headers, bool(gw.cfg.auth.api_keys)),
     )
+    ctx.affinity = await gw.affinity.key_of(request, parsed)
     if key is not None:
         try:
             listed = await gw.store_call("failed_on", lambda: gw.store.failed_on(key))
