@@ -102,9 +102,8 @@ def _add_content(content: Any, add: Callable[[str], bool]) -> bool:
         if isinstance(part, str):
             text = part
         elif isinstance(part, dict):
-            text = (
-                part.get("text") if isinstance(part.get("text"), str) else f"<{part.get('type')}>"
-            )
+            got = part.get("text")
+            text = got if isinstance(got, str) else f"<{part.get('type')}>"
         else:
             continue
         if not add(str(text)):
