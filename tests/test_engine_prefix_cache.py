@@ -65,8 +65,8 @@ def test_release_frees_tail_blocks_first() -> None:
 
 def test_engine_hashes_share_leading_blocks_of_a_shared_document() -> None:
     doc = "alpha beta gamma delta " * 100
-    q1 = {"messages": [{"role": "user", "content": doc + "first question?"}]}
-    q2 = {"messages": [{"role": "user", "content": doc + "another one entirely"}]}
+    q1 = {"messages": [{"role": "user", "content": doc + "first question? " * 20}]}
+    q2 = {"messages": [{"role": "user", "content": doc + "another one entirely " * 20}]}
     a, b = prompt_block_hashes(q1, BS), prompt_block_hashes(q2, BS)
     common = sum(1 for x, y in zip(a, b, strict=False) if x == y)
     assert common >= 20 and a[:common] == b[:common] and a != b
