@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from loadtest.workload import WORDS
-from proxy.backends.registry import adapter_for
 from tests.support.gateway import gateway_cfg, run_gateway, wait_until
 
 CAPACITY = 16_000
@@ -118,7 +117,7 @@ def post(gw: str, body: dict[str, Any], headers: dict[str, str] | None = None) -
 
 
 def inflight(gw: str) -> int:
-    return sum(b.get("inflight", 0) or 0 for b in httpx.get(gw + "/fleet").json()["backends"])
+    return sum(b["overlay"]["inflight"] for b in httpx.get(gw + "/fleet").json()["backends"])
 
 
 @pytest.mark.parametrize("affinity", [True, False])
