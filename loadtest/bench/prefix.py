@@ -12,8 +12,11 @@ affinity: failed requests, since there a cached prefix saves nothing in memory.
     python -m loadtest.bench.prefix                      # both fleets, ~1.5 min on 2 cores
     python -m loadtest.bench.prefix --only vllm --json out/prefix.json --plot docs/img/prefix.png
 
-vllm-router (``cache_aware``, ``consistent_hash``) is not compared: it is a Rust crate and
-this machine cannot reach crates.io to build it.
+Peers, where installed: vllm-router (the Rust router; PyPI ships it as a prebuilt wheel,
+``python -m venv /tmp/vllm-router-venv && /tmp/vllm-router-venv/bin/pip install vllm-router``)
+with ``--policy cache_aware`` (its default: approximate prefix tree per worker, with load
+balancing thresholds) and ``--policy consistent_hash``, straight in front of the same
+engines. Without it those rows are skipped with the reason printed.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.local_fleet import EngineSpec, LocalFleet
+from loadtest.bench.overhead_targets import find_vllm_router
+from loadtest.local_fleet import EngineSpec, LocalFleet, Proc, free_port
 from loadtest.workload import SharedDocs, Turn, conversation_messages, shared_documents
 
 
@@ -45,6 +49,8 @@ class Run:
 
 RUNS = (
     Run("round robin", "vllm", "round_robin", False),
+    Run("vllm-router cache_aware", "vllm", "vllm-router:cache_aware", False),
+    Run("vllm-router consistent_hash", "vllm", "vllm-router:consistent_hash", False),
     Run("kvroute, no affinity", "vllm", "kvroute", False),
     Run("kvroute + affinity", "vllm", "kvroute", True),
     Run("kvroute, no affinity", "contiguous", "kvroute", False),
@@ -161,24 +167,64 @@ def wait_reported(gw: str, timeout_s: float = 20.0) -> None:
     raise RuntimeError("the engines did not report in time")
 
 
-def one_run(run: Run, w: SharedDocs, payloads: list[dict[str, Any]], args: Any) -> Outcome:
+def wait_serving(url: str, proc: Proc, timeout_s: float = 60.0) -> None:
+    """A router is ready when a real request gets a 200 through it."""
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.popen is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited (log: {proc.log_path})")
+        try:
+            if httpx.post(url + "/v1/chat/completions", json=body, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} never served within {timeout_s}s")
+
+
+def start_vllm_router(exe: str, policy: str, fleet: LocalFleet) -> Proc:
+    port = free_port()
+    argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    argv += ["--log-level", "warning", "--worker-urls", *(p.url for p in fleet.engines)]
+    proc = Proc("vllm-router", argv, f"http://127.0.0.1:{port}")
+    proc.start(log_dir=fleet.workdir)
+    wait_serving(proc.url, proc)
+    return proc
+
+
+def one_run(run: Run, w: SharedDocs, payloads: list[dict[str, Any]], args: Any) -> Outcome | None:
+    """One fresh fleet, one router, the whole workload; None when the router is not installed."""
     capacity = args.capacity if run.engines == "vllm" else args.contiguous_capacity
+    peer = run.policy.partition("vllm-router:")[2]
+    exe = find_vllm_router(None) if peer else None
+    if peer and exe is None:
+        print(f"skipped {run.label}: vllm-router not installed (see the module docstring)")
+        return None
     fleet = fleet_for(run, capacity, args.speedup)
+    router: Proc | None = None
     try:
         fleet.start_engines()
-        if run.engines == "vllm":
-            # The backends are vLLM servers: read with the vLLM adapter.
-            fleet.config_overrides["backends"] = [
-                {"name": s.name, "url": p.url, "kind": "vllm"}
-                for s, p in zip(fleet.specs, fleet.engines, strict=True)
-            ]
-        fleet.start_gateway(run.policy)
-        wait_reported(fleet.gateway_url)
+        if exe is not None:
+            router = start_vllm_router(exe, peer, fleet)
+            url = router.url
+        else:
+            if run.engines == "vllm":
+                # The backends are vLLM servers: read with the vLLM adapter.
+                fleet.config_overrides["backends"] = [
+                    {"name": s.name, "url": p.url, "kind": "vllm"}
+                    for s, p in zip(fleet.specs, fleet.engines, strict=True)
+                ]
+            fleet.start_gateway(run.policy)
+            url = fleet.gateway_url
+            wait_reported(url)
         t0 = time.monotonic()
-        results = asyncio.run(drive(fleet.gateway_url, w, payloads))
+        results = asyncio.run(drive(url, w, payloads))
         wall = time.monotonic() - t0
         metrics = [scrape(p.url) for p in fleet.engines]
     finally:
+        if router is not None:
+            router.stop()
         fleet.stop()
     ok = [r for r in results if r["status"] == 200]
     ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
@@ -226,9 +272,9 @@ def plot(outcomes: Sequence[Outcome], path: Path) -> None:
     vllm = [o for o in outcomes if o.engines == "vllm"]
     if not vllm:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), dpi=80)
-    labels = [o.label for o in vllm]
-    colours = ["#c51b7d", "#2166ac", "#1b7837"][: len(vllm)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), dpi=80)
+    labels = [o.label.replace("vllm-router ", "vllm-router\n").replace(", ", "\n") for o in vllm]
+    colours = ["#1b7837" if "affinity" in o.label and "+" in o.label else "#888888" for o in vllm]
     axes[0].bar(labels, [100 * o.hit_rate for o in vllm], color=colours)
     axes[0].set_title("prefix-cache hit rate (%)")
     x = range(len(vllm))
@@ -264,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.only is not None and run.engines != args.only:
             continue
         o = one_run(run, w, payloads, args)
+        if o is None:
+            continue
         print(f"{o.engines:10s} {o.label:22s} {json.dumps(asdict(o))}", flush=True)
         outcomes.append(o)
     print(table(outcomes))
