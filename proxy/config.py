@@ -131,6 +131,10 @@ class PrefixConfig(_Strict):
         default=True,
         description="paged, queueing servers: the cached prefix lowers the demand checked and reserved",
     )
+    spread_new: bool = Field(
+        default=True,
+        description="paged fleets: a new long prefix goes where it displaces the least cached content",
+    )
     session_header: str = Field(default="x-session-id", min_length=1)
     session_from_user: bool = Field(
         default=True, description="the OpenAI `user` field is a session key"

@@ -221,3 +221,14 @@ def test_affinity_can_be_switched_off() -> None:
     # And a disabled discount does not let a request into a node it does not fit.
     snap = FleetSnapshot((replace(paged("a", free=10_000)),))
     assert policy.rank(snap, req, now=1.0) == []
+
+
+def test_a_new_prefix_spreads_to_the_paged_node_holding_least_cached_content() -> None:
+    a, b = paged("a", free=150_000), paged("b", free=150_000)
+    # Nothing cached anywhere: by name (equal nodes) without the index sizes ...
+    assert rank(a, b, demand=25_300) == ["a", "b"]
+    # ... to b, whose cache holds less of what the gateway sent, with them.
+    assert rank(a, b, demand=25_300, indexed={"a": 90_000, "b": 10_000}) == ["b", "a"]
+    # Contiguous candidates keep best fit: there, big blocks matter more than cache content.
+    c, d = contiguous("c", largest=60_000), contiguous("d", largest=100_000)
+    assert rank(c, d, demand=25_300, indexed={"c": 90_000, "d": 0}) == ["c", "d"]

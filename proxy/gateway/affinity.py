@@ -49,6 +49,7 @@ def affinity_settings(p: PrefixConfig) -> AffinitySettings:
         max_utilisation=p.max_utilisation,
         session_tokens=p.session_tokens,
         discount_paged=p.discount_paged,
+        spread_new=p.spread_new,
     )
 
 
@@ -123,7 +124,15 @@ class Affinity:
                 blocks = self.index.match(n.name, key.hashes, now)
                 if blocks:
                     cached[n.name] = blocks * self.cfg.block_tokens
-        return replace(base, cached=cached, session_node=self._session_node(key.session, now))
+        indexed = None
+        if (
+            self.cfg.spread_new
+            and len(key.hashes) * self.cfg.block_tokens >= self.cfg.min_saving_tokens
+        ):
+            bt = self.cfg.block_tokens
+            indexed = {n.name: self.index.size(n.name) * bt for n in view.nodes}
+        session_node = self._session_node(key.session, now)
+        return replace(base, cached=cached, session_node=session_node, indexed=indexed)
 
     def demand_on(self, req: RouteRequest, view: FleetSnapshot, name: str) -> int:
         """What to reserve on ``name``: the demand, less its cached prefix where it is reused."""

@@ -17,6 +17,11 @@ the fit test, so a cached prefix can win a node only where the request fits:
    ahead, best score first: ``gain * (1 - load_weight * utilisation)``, where ``gain`` is
    the cached prompt tokens plus ``session_tokens`` on the session's last node.
    Everything else keeps the fit order (long: best fit; short: into gaps).
+4. A prompt worth caching that no node holds yet (``indexed`` given) goes, when every
+   candidate is a paged, queueing server (no fragmentation to protect there), to the node
+   whose cache holds least of what the gateway sent it, load weighed in:
+   ``indexed / capacity + load_weight * utilisation``. New documents thus spread over the
+   fleet's caches instead of piling onto the best-fit node and evicting each other.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class AffinitySettings:
     max_utilisation: float = 0.9
     session_tokens: int = 1024
     discount_paged: bool = True
+    spread_new: bool = True
 
 
 def reuses_cached_blocks(n: NodeView) -> bool:
@@ -70,10 +76,13 @@ def prefer_cached(
     cached: Mapping[str, int],
     session_node: str | None,
     settings: AffinitySettings,
+    indexed: Mapping[str, int] | None = None,
 ) -> list[NodeView]:
     """``ordered`` (nodes that fit, best first) with the worthwhile affinity nodes moved ahead."""
-    if not settings.enabled or (not cached and session_node is None):
+    if not settings.enabled:
         return ordered
+    if not cached and session_node is None:
+        return spread_new(ordered, indexed, settings) if indexed is not None else ordered
     scored: list[tuple[float, int, NodeView]] = []
     for i, n in enumerate(ordered):
         gain = cached.get(n.name, 0)
@@ -86,8 +95,24 @@ def prefer_cached(
             continue
         scored.append((-gain * (1.0 - settings.load_weight * load), i, n))
     if not scored:
-        return ordered
+        return spread_new(ordered, indexed, settings) if indexed is not None else ordered
     scored.sort(key=lambda t: (t[0], t[1]))
     ahead = [n for _, _, n in scored]
     moved = {n.name for n in ahead}
     return ahead + [n for n in ordered if n.name not in moved]
+
+
+def spread_new(
+    ordered: list[NodeView], indexed: Mapping[str, int], settings: AffinitySettings
+) -> list[NodeView]:
+    """A new prefix worth caching: the paged node whose cache it displaces least (rule 4)."""
+    if not settings.spread_new or not ordered or not all(map(reuses_cached_blocks, ordered)):
+        return ordered
+
+    def cost(n: NodeView) -> float:
+        cap = n.report.capacity_tokens if n.report is not None else 0
+        held = indexed.get(n.name, 0) / cap if cap > 0 else 1.0
+        return held + settings.load_weight * utilisation(n)
+
+    rank = {n.name: i for i, n in enumerate(ordered)}
+    return sorted(ordered, key=lambda n: (cost(n), rank[n.name]))

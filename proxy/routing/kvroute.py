@@ -100,8 +100,8 @@ class KvroutePolicy(Policy):
                 key=lambda n: (-n.usable_block(), n.name)
             )  # spill: least harm where most room
             ordered = general + long_pool
-        if cached or req.session_node is not None:
-            ordered = prefer_cached(ordered, cached, req.session_node, affinity)
+        if cached or req.session_node is not None or req.indexed is not None:
+            ordered = prefer_cached(ordered, cached, req.session_node, affinity, req.indexed)
         # Nodes with no report: nothing to fit against, so last; by length only (pool role).
         want = "long" if req.cls == "long" else "general"
         unknown.sort(key=lambda n: (n.role != want, n.overlay.inflight, n.name))

@@ -42,6 +42,9 @@ class RouteRequest:
     cached: Mapping[str, int] = field(default_factory=lambda: _NOTHING_CACHED)
     # The node this request's session went to last (``x-session-id`` / the ``user`` field).
     session_node: str | None = None
+    # Given for a prompt worth caching: tokens the prefix index holds per node (spreads new
+    # prefixes over the fleet's caches, ``proxy.routing.affinity``).
+    indexed: Mapping[str, int] | None = None
 
 
 _NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})
