@@ -14,6 +14,7 @@ gateway's prefix index must work from its own approximation, as it does against 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -23,8 +24,8 @@ from proxy.core.tokens import encoding
 _ROOT = 0x6B76
 
 
-def render(body: dict[str, Any]) -> str:
-    """The prompt text as this engine's 'chat template' renders it (completions: the prompt)."""
+def render(body: dict[str, Any]) -> list[str]:
+    """The prompt as this engine's 'chat template' renders it, one text per message."""
     msgs = body.get("messages")
     if isinstance(msgs, list):
         parts = []
@@ -33,11 +34,17 @@ def render(body: dict[str, Any]) -> str:
             if isinstance(content, list):
                 content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
             parts.append(f"<|{m.get('role')}|>\n{content or ''}\n")
-        return "".join(parts) + "<|assistant|>\n"
+        return [*parts, "<|assistant|>\n"]
     p = body.get("prompt")
     if isinstance(p, list) and p and isinstance(p[0], str):
-        return p[0]
-    return p if isinstance(p, str) else ""
+        return [p[0]]
+    return [p] if isinstance(p, str) else []
+
+
+@functools.lru_cache(maxsize=256)
+def _ids(text: str) -> tuple[int, ...]:
+    # A shared document is resent with every question: tokenized once per engine process.
+    return tuple(encoding().ids(text))
 
 
 def prompt_block_hashes(body: dict[str, Any], block_size: int) -> tuple[int, ...]:
@@ -46,7 +53,7 @@ def prompt_block_hashes(body: dict[str, Any], block_size: int) -> tuple[int, ...
     if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
         ids: Sequence[int] = p
     else:
-        ids = encoding().ids(render(body))
+        ids = [t for part in render(body) for t in _ids(part)]
     out: list[int] = []
     parent = _ROOT
     for i in range(len(ids) // block_size):
