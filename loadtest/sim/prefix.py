@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(row(run("kvroute", no_spread, "kvroute + affinity, no spread")), flush=True)
     if args.sweep:
         for min_saving, load_w, max_util in itertools.product(
-            (0, 512, 4_096), (0.0, 0.5, 1.0), (0.7, 0.9, 1.0)
+            (0, 512, 4_096), (0.0, 1.0), (0.8, 0.9, 1.0)
         ):
             aff = AffinitySettings(
                 min_saving_tokens=min_saving, load_weight=load_w, max_utilisation=max_util
