@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loadtest.bench import prefix as bench
 from loadtest.sim.prefix import SimCfg, simulate
-from loadtest.workload import conversation_messages, shared_documents
+from loadtest.workload import Turn, conversation_messages, shared_documents
 from proxy.routing.affinity import AffinitySettings
 
 
@@ -20,7 +20,7 @@ def test_shared_documents_mix_popularity_and_follow_ups() -> None:
     assert docs[0] > 3 * docs[39]  # Zipf: the first document is far more popular
     assert all(15_000 <= n <= 30_000 for n in w.doc_tokens) and len(w.doc_tokens) == 40
     # A follow-up resends its conversation: the earlier turn's messages are its prefix.
-    history: dict[int, list] = {}
+    history: dict[int, list[Turn]] = {}
     checked = 0
     for t in w.turns:
         past = history.setdefault(t.conversation, [])
