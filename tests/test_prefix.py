@@ -232,3 +232,25 @@ def test_a_new_prefix_spreads_to_the_paged_node_holding_least_cached_content() -
     # Contiguous candidates keep best fit: there, big blocks matter more than cache content.
     c, d = contiguous("c", largest=60_000), contiguous("d", largest=100_000)
     assert rank(c, d, demand=25_300, indexed={"c": 90_000, "d": 0}) == ["c", "d"]
+
+
+def test_the_gateway_forgets_a_node_that_restarted_and_remembers_sessions() -> None:
+    from proxy.config import parse_config
+    from proxy.gateway.affinity import Affinity, AffinityKey
+
+    cfg = parse_config(
+        {"backends": [{"name": "a", "url": "http://127.0.0.1:1", "kind": "vllm"}]}, "t", {}
+    )
+    aff = Affinity(cfg)
+    key = AffinityKey(tuple(block_hashes(list(range(64 * BS)), BS)), session="m|s1")
+    node = paged("a", free=150_000)
+    snap = FleetSnapshot((node,))
+    base = RouteRequest(64 * BS + 100, "short")
+    aff.placed(key, "a", now=1.0)
+    req = aff.route_request(key, base, snap, now=2.0)
+    assert req.cached == {"a": 64 * BS} and req.session_node == "a"
+    # A discounted reservation on the paged node that holds the prefix.
+    assert aff.demand_on(req, snap, "a") == 100
+    restarted = replace(node, report=replace(node.report, started_at=50.0))  # type: ignore[type-var]
+    req = aff.route_request(key, base, FleetSnapshot((restarted,)), now=3.0)
+    assert req.cached == {} and req.session_node == "a"

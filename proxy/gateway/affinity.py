@@ -74,6 +74,8 @@ class Affinity:
         self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._full_cfg = cfg
         self._next_expiry = 0.0
+        # Each node's last reported start time: a restarted server's cache is empty.
+        self._started: dict[str, float] = {}
 
     @property
     def enabled(self) -> bool:
@@ -166,8 +168,13 @@ class Affinity:
 
     def _observe(self, view: FleetSnapshot, now: float) -> None:
         for n in view.nodes:
-            if n.report is not None:
-                self.index.observe(n.name, n.report.capacity_tokens, _evicting(n))
+            r = n.report
+            if r is None:
+                continue
+            if self._started.setdefault(n.name, r.started_at) != r.started_at:
+                self.index.forget(n.name)
+                self._started[n.name] = r.started_at
+            self.index.observe(n.name, r.capacity_tokens, _evicting(n))
         if now >= self._next_expiry:
             # Age expiry sweeps at most once a second: matching checks ages anyway.
             self.index.expire(now)
