@@ -99,6 +99,57 @@ class PoolConfig(_Strict):
     role: PoolRole = "general"
 
 
+class PrefixConfig(_Strict):
+    """Prefix-cache and session affinity (``proxy.routing.affinity``, ``proxy.core.prefix``)."""
+
+    enabled: bool = Field(default=True, description="false: route by fit and length only")
+    block_tokens: int = Field(
+        default=16, gt=0, description="tokens per hashed block (vLLM's default block size)"
+    )
+    max_prompt_tokens: int = Field(
+        default=131_072, ge=0, description="only this many leading prompt tokens are hashed"
+    )
+    ttl_s: float = Field(
+        default=600.0, gt=0, description="a block not used for this long is forgotten"
+    )
+    pressure_ttl_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="the same on a node that is queueing, preempting or >95% full",
+    )
+    max_blocks_per_node: int = Field(
+        default=200_000,
+        gt=0,
+        description="bound of the index per node (LRU; also <= its KV capacity)",
+    )
+    min_saving_tokens: int = Field(
+        default=512, ge=0, description="a smaller expected saving leaves the fit order alone"
+    )
+    load_weight: float = Field(
+        default=1.0, ge=0.0, le=1.0, description="score = saving x (1 - load_weight x utilisation)"
+    )
+    max_utilisation: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="a node fuller than this never wins by affinity"
+    )
+    discount_paged: bool = Field(
+        default=True,
+        description="paged, queueing servers: the cached prefix lowers the demand checked and reserved",
+    )
+    spread_new: bool = Field(
+        default=True,
+        description="paged fleets: a new long prefix goes where it displaces the least cached content",
+    )
+    session_header: str = Field(default="x-session-id", min_length=1)
+    session_from_user: bool = Field(
+        default=True, description="the OpenAI `user` field is a session key"
+    )
+    session_tokens: int = Field(
+        default=1024, ge=0, description="the session's last node counts as this many cached tokens"
+    )
+    session_ttl_s: float = Field(default=1800.0, gt=0)
+    max_sessions: int = Field(default=100_000, ge=0)
+
+
 class RoutingConfig(_Strict):
     policy: PolicyName = "kvroute"
     long_threshold_tokens: int = Field(default=8_000, gt=0)
@@ -114,6 +165,7 @@ class RoutingConfig(_Strict):
     tokenize_in_thread_chars: int = Field(
         default=8_192, ge=0, description="prompts longer than this are tokenized off the event loop"
     )
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
 
 
 class SizingConfig(_Strict):

@@ -742,6 +742,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-parallel", type=int, default=1, help="engines behind one port (vllm/sglang)"
     )
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="vllm: turn off the automatic prefix cache (cached prompt blocks skip prefill)",
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -802,6 +807,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         decode_tokens_per_s=args.decode_tokens_per_s,
         speedup=args.speedup,
         seed=args.seed,
+        prefix_caching=not getattr(args, "no_prefix_caching", False),
     )
 
 

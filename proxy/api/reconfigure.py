@@ -15,6 +15,7 @@ from collections.abc import Callable
 from proxy.api.reload import ConfigHolder
 from proxy.backends.collector import Collector
 from proxy.config import Config
+from proxy.gateway.affinity import Affinity, affinity_settings
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.restart_hooks import make_hook
@@ -31,6 +32,7 @@ def policy_for(cfg: Config) -> Policy:
         safety_margin=cfg.routing.safety_margin,
         stale_after_s=cfg.collector.stale_after_s,
         long_threshold_tokens=cfg.routing.long_threshold_tokens,
+        affinity=affinity_settings(cfg.routing.prefix),
     )
     return make_policy(cfg.routing.policy, settings)
 
@@ -41,6 +43,9 @@ def reconfigure_gateway(gateway: Gateway, old: Config, new: Config) -> None:
     # What a discovered backend list never changes, a reloaded file can.
     if old.routing != new.routing or old.collector.stale_after_s != new.collector.stale_after_s:
         gateway.policy = policy_for(new)
+    if old.routing.prefix != new.routing.prefix:
+        # New index settings: start a fresh index (it is a hint; a miss costs one prefill).
+        gateway.affinity = Affinity(new)
     gateway.health.cfg = new.health
     if gateway.checker is not None:
         gateway.checker.interval_s = new.health.active.interval_s

@@ -18,6 +18,7 @@ from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import ParsedRequest
 from proxy.errors import UpstreamFailure
+from proxy.gateway.affinity import AffinityKey
 from proxy.routing.policy import Policy, RequestClass
 
 # Label values of kvroute_attempts_total{result}: how one attempt on one backend ended.
@@ -97,6 +98,8 @@ class RequestContext:
     failure: Response | None = None
     # How the request ends if ``failure`` is the answer (kvroute_requests_total{outcome}).
     failure_outcome: RequestResult = "upstream_error"
+    # Prompt block hashes and session for prefix/session affinity (None: affinity off).
+    affinity: AffinityKey | None = None
 
     def answer_headers(
         self,

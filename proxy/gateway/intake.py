@@ -137,6 +137,7 @@ async def open_request(
         cfg=cfg,
         policy=policy,
     )
+    ctx.affinity = await gw.affinity.key_of(request, parsed)
     if key is not None:
         try:
             listed = await gw.store_call("failed_on", lambda: gw.store.failed_on(key))

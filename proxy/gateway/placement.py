@@ -42,7 +42,9 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
         avoid = frozenset(ctx.exclude) | gw.health.avoid()
         now = gw.clock()
         view = gw.local.apply(ctx.snap)
-        ranked = ctx.policy.rank(view, RouteRequest(ctx.demand, ctx.cls, avoid), now)
+        request = RouteRequest(ctx.demand, ctx.cls, avoid)
+        request = gw.affinity.route_request(ctx.affinity, request, view, now)
+        ranked = ctx.policy.rank(view, request, now)
         if not ctx.decided:
             gw.metrics.decision.observe(time.perf_counter() - ctx.started)
             ctx.decided = True
@@ -52,7 +54,10 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
                 gw.metrics.retries.labels("budget_exhausted").inc()
                 return give_up(gw, ctx)
             ctx.retries += 1
-        backend = await reserve_first(gw, ctx, ranked, now)
+        demands = (
+            {n: gw.affinity.demand_on(request, view, n) for n in ranked} if request.cached else None
+        )
+        backend = await reserve_first(gw, ctx, ranked, now, demands)
         if backend is not None:
             _begin_attempt(gw, ctx)
             return backend
@@ -114,19 +119,28 @@ async def move_on(gw: Gateway, ctx: RequestContext, backend: str) -> None:
 
 
 async def reserve_first(
-    gw: Gateway, ctx: RequestContext, ranked: list[str], now: float
+    gw: Gateway,
+    ctx: RequestContext,
+    ranked: list[str],
+    now: float,
+    demands: dict[str, int] | None = None,
 ) -> str | None:
-    """Reserve on the best candidate that accepts; a lost race moves on to the next."""
+    """Reserve on the best candidate that accepts; a lost race moves on to the next.
+
+    ``demands``: what to reserve per node where it differs from the request's demand (a
+    cached prefix that the server reuses, ``proxy.gateway.affinity``).
+    """
     for name in ranked:
+        tokens = demands.get(name, ctx.demand) if demands else ctx.demand
         # Counted in this replica's view before the store answers: concurrent requests
         # ranking meanwhile already see it.
-        gw.local.add(name, ctx.reservation_id, ctx.demand)
+        gw.local.add(name, ctx.reservation_id, tokens)
         try:
             reserve = functools.partial(
                 gw.store.reserve,
                 name,
                 ctx.reservation_id,
-                ctx.demand,
+                tokens,
                 now,
                 ctx.cfg.store.reservation_ttl_s,
                 check_fit=ctx.policy.checks_fit,
@@ -136,16 +150,18 @@ async def reserve_first(
             # The ledger holds whatever the call may reserve, also when this request is
             # cancelled while the call is in flight or the store times out (it may still land).
             ok = await gw.ledger.reserve(
-                name, ctx.reservation_id, reserve, tokens=ctx.demand, created_at=now
+                name, ctx.reservation_id, reserve, tokens=tokens, created_at=now
             )
         except StoreUnavailable:
             # Degraded: route without a shared reservation rather than fail (counted locally).
+            gw.affinity.placed(ctx.affinity, name, now)
             return name
         except BaseException:
             gw.local.remove(name, ctx.reservation_id)
             raise
         if ok:
             gw.local.confirm(name, ctx.reservation_id, gw.fleet.clock())
+            gw.affinity.placed(ctx.affinity, name, now)
             return name
         gw.local.remove(name, ctx.reservation_id)
     return None

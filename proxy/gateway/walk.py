@@ -32,6 +32,7 @@ from proxy.core.validation import Endpoint
 from proxy.errors import ApiError
 from proxy.gateway import attempt, intake, placement
 from proxy.gateway.admission import Admission
+from proxy.gateway.affinity import Affinity
 from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
@@ -108,6 +109,8 @@ class Gateway:
         fleet.on_degraded_change.append(self._store_lost)
         # This replica's reservations in flight, laid over the cached snapshot when ranking.
         self.local = LocalReservations()
+        # Prefix-cache and session affinity of this replica (proxy.gateway.affinity).
+        self.affinity = Affinity(cfg)
         self.checker: ActiveChecker | None = None
         self._probe_headers: dict[str, dict[str, str]] = {}
         self.health.register(metrics.registry)
