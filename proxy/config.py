@@ -47,6 +47,17 @@ class BackendConfig(_Strict):
         description="model ids served here; empty: discovered from the backend's /v1/models",
     )
     models_path: str = "/v1/models"
+    prefill_tokens_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="queueing backends: prompt tokens prefilled per second (expected wait); "
+        "none: 10000 per engine",
+    )
+    decode_tokens_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="queueing backends: output tokens per second per request; none: 30",
+    )
 
     @property
     def base_url(self) -> str:
@@ -73,6 +84,16 @@ class RoutingConfig(_Strict):
     chat_tokens_reply_priming: int = Field(default=3, ge=0)
     tokenize_in_thread_chars: int = Field(
         default=8_192, ge=0, description="prompts longer than this are tokenized off the event loop"
+    )
+    unknown_model: Literal["reject", "pass_through"] = Field(
+        default="reject",
+        description="a model no backend lists: 404 model_not_found (as vLLM), or send it anyway",
+    )
+    spill_margin_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="a long request leaves the long pool when its expected wait exceeds a "
+        "general node's by more than this (queueing backends)",
     )
 
 
@@ -180,6 +201,11 @@ class CollectorConfig(_Strict):
     report_ttl_s: float = Field(default=60.0, gt=0)
     models_refresh_s: float = Field(
         default=30.0, gt=0, description="how often each backend's /v1/models is read again"
+    )
+    pressure_hold_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="a node that showed queueing, preemption or full slots stays full this long",
     )
     fall: int = Field(
         default=2, ge=1, description="failed scrapes in a row before a backend is marked down"

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from proxy.api.admin import ops_router
 from proxy.api.limits import RequestGuard
+from proxy.api.models import fleet_models
 from proxy.backends.collector import Collector
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
@@ -114,6 +115,7 @@ def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]
                 "draining": n.overlay.draining,
                 "cooldown_until": n.overlay.cooldown_until or None,
                 "ceiling_tokens": n.overlay.ceiling_tokens,
+                "pressure": n.overlay.pressure or None,
             },
             "report": None,
         }
@@ -126,6 +128,12 @@ def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]
                 "block_size": r.block_size,
                 "running": r.running,
                 "waiting": r.waiting,
+                "queueing": r.queueing,
+                "preemptions": r.preemptions,
+                "engines": r.engines,
+                "engine_free_tokens": list(r.engine_free_tokens),
+                "max_num_seqs": r.max_num_seqs,
+                "sleeping": r.sleeping,
                 "started_at": r.started_at,
                 "reported_at": r.reported_at,
                 "age_s": round(now - r.reported_at, 3),
@@ -172,6 +180,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         metrics.attach_fleet(lambda: fleet.latest, st.now)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
         if collector is not None:
+            gateway.models_info = collector.models
             collector.on_report.append(lambda name, report: gateway.admission.notify())
             collector.start()
         app.state.rt = Runtime(cfg, st, fleet, gateway, collector, upstream, metrics, owner)
@@ -252,6 +261,9 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         now = time.monotonic()
         if r.models_cache is not None and now - r.models_cache[0] < 5.0:
             return Response(r.models_cache[1], media_type="application/json")
+        listed = fleet_models(r.cfg, r.gateway.models_info, int(r.started_at))
+        if listed is not None:
+            return _json(listed)
         snap = await r.fleet.snapshot()
         up = [n.name for n in snap.nodes if n.up]
 

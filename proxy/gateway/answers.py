@@ -9,6 +9,7 @@ full before anything reaches the client, so a body that stalls or breaks can sti
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 from aiohttp import ClientResponse
 from starlette.responses import Response
 
+from proxy.backends.registry import adapter_for
 from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError, UpstreamBroken, UpstreamFailure, upstream_answer
 from proxy.gateway.context import FAILURE_RESULTS, AttemptResult, RequestContext
@@ -57,7 +59,8 @@ async def error_answer(
         body = b""
     finally:
         resp.close()
-    verdict = classify_response(resp.status, body, resp.headers.get("retry-after"))
+    generic = classify_response(resp.status, body, resp.headers.get("retry-after"))
+    verdict = by_kind(gw, backend, generic, resp.status, body)
     if verdict.verdict == "client_error":
         gw.metrics.attempts.labels(backend, verdict.verdict).inc()
         gw.health.success(backend)
@@ -69,6 +72,20 @@ async def error_answer(
         return _allocation_failed(gw, ctx, backend, resp, body, verdict)
     _failed_or_busy(gw, ctx, backend, resp, body, verdict)
     return None
+
+
+def by_kind(
+    gw: Gateway, backend: str, verdict: UpstreamVerdict, status: int, body: bytes
+) -> UpstreamVerdict:
+    """The backend kind's own reading of its error (TGI's 424 out of memory is an allocation
+    failure, its 429 overload); the kvroute contract's exact allocation error is kept as is."""
+    if verdict.verdict == "allocation" and verdict.free_tokens is not None:
+        return verdict
+    try:
+        kind = adapter_for(gw.cfg.backend(backend).kind).classify_error(status, body)
+    except KeyError:
+        return verdict
+    return dataclasses.replace(verdict, verdict=kind) if kind != verdict.verdict else verdict
 
 
 def _allocation_failed(

@@ -75,6 +75,8 @@ class RequestContext:
     retry_key: str | None
     upstream_headers: dict[str, str]
     exclude: set[str] = field(default_factory=set)
+    # Backends that do not serve the request's model or whose max_model_len is too small.
+    ruled_out: frozenset[str] = frozenset()
     failed_on: list[str] = field(default_factory=list)
     backend: str = ""
     attempts: int = 0
@@ -84,6 +86,8 @@ class RequestContext:
     decided: bool = False
     # When waiting in the admission queue must end (set on first entry, monotonic clock).
     queue_deadline: float | None = None
+    # When holding at the gateway began (monotonic; queueing backends bound it by their wait).
+    hold_started: float | None = None
     # The answer if we stop now after an upstream failure; None while nothing failed.
     failure: Response | None = None
 

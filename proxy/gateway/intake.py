@@ -17,6 +17,7 @@ from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
 from proxy.gateway.context import RequestContext
+from proxy.gateway.models import check_length, route_model
 from proxy.gateway.sizing import size_request
 from proxy.routing.policy import classify
 from proxy.state.base import StoreUnavailable
@@ -81,13 +82,16 @@ async def open_request(
     """Size and classify a valid request, refuse one no backend could ever hold, recall its failures."""
     rcfg = gw.cfg.routing
     deadline = asyncio.get_running_loop().time() + gw.cfg.upstream.total_timeout_s
-    sized = await size_request(parsed, gw.cfg)
+    served = route_model(gw, parsed)
+    sized = await size_request(parsed, gw.cfg, served.limit)
     prompt_tokens, demand = sized.prompt_tokens, sized.total
+    too_small = check_length(gw, served, parsed, prompt_tokens)
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
     cap = max_capacity(gw.cfg, snap)
     need = demand * (1.0 + rcfg.safety_margin) if gw.policy.checks_fit else float(demand)
-    if cap is not None and need > cap:
+    # With the model's max_model_len known, that is the limit the servers enforce (above).
+    if served.limit is None and cap is not None and need > cap:
         raise ApiError(
             400,
             f"this request needs {demand} tokens of KV cache ({prompt_tokens} prompt + "
@@ -109,6 +113,7 @@ async def open_request(
         snap=snap,
         retry_key=key,
         upstream_headers=forward_headers(request.headers),
+        ruled_out=served.ruled_out | too_small,
     )
     if key is not None:
         try:

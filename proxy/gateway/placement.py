@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError
+from proxy.gateway import queueing
 from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import record_allocation_failure
 from proxy.routing.policy import RouteRequest, nothing_fits_reason
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
     """The backend that now holds this request's reservation, or the request's final answer."""
     while ctx.attempts < gw.cfg.retry.max_attempts:
-        avoid = frozenset(ctx.exclude) | gw.health.avoid()
+        avoid = frozenset(ctx.exclude) | gw.health.avoid() | ctx.ruled_out
         now = gw.clock()
         ranked = gw.policy.rank(ctx.snap, RouteRequest(ctx.demand, ctx.cls, avoid), now)
         if not ctx.decided:
@@ -50,6 +51,11 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
             ctx.queue_deadline = time.monotonic() + gw.cfg.queue.max_wait_s
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
         if waited is None:
+            # Queueing backends (vLLM, SGLang, TGI) are a place to wait, never a 503.
+            queued = await queueing.join_queue(gw, ctx, avoid, "hold_over")
+            if queued is not None:
+                _begin_attempt(gw, ctx)
+                return queued
             return nothing_fits(gw, ctx, exhausted=ctx.attempts > 0)
         ctx.snap = waited
     if ctx.failure is not None:
@@ -108,6 +114,8 @@ async def wait_for_fit(
         return None
     gw.metrics.queue_depth.set(gw.admission.depth)
     start = time.monotonic()
+    if ctx.hold_started is None:
+        ctx.hold_started = start
     try:
         while True:
             remaining = deadline - time.monotonic()
@@ -118,6 +126,8 @@ async def wait_for_fit(
             request = RouteRequest(ctx.demand, ctx.cls, exclude | gw.health.avoid())
             if gw.policy.rank(snap, request, gw.clock()):
                 return snap
+            if queueing.hold_over(gw, ctx, snap, request.exclude):
+                return None
     finally:
         gw.admission.leave()
         gw.metrics.queue_depth.set(gw.admission.depth)
@@ -126,7 +136,8 @@ async def wait_for_fit(
 
 def nothing_fits(gw: Gateway, ctx: RequestContext, exhausted: bool = False) -> Response:
     """A 503 that says why nothing can take the request: fragmentation or genuine capacity."""
-    cause, why = nothing_fits_reason(ctx.snap, ctx.demand, gw.clock())
+    serving = [n.name for n in ctx.snap.nodes if n.name not in ctx.ruled_out]
+    cause, why = nothing_fits_reason(ctx.snap, ctx.demand, gw.clock(), serving)
     if exhausted and ctx.failed_on:
         why = f"tried {', '.join(ctx.failed_on)}: all failed to allocate; " + why
     record_allocation_failure(gw, "", cause, ctx.demand, ctx.snap)

@@ -34,6 +34,8 @@ from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.metrics import GatewayMetrics
+from proxy.gateway.models import ModelsLookup
+from proxy.gateway.queueing import BackendQueues
 from proxy.gateway.resilience_metrics import ResilienceCollector
 from proxy.gateway.retry_budget import RetryBudget
 from proxy.routing.policy import Policy
@@ -80,6 +82,9 @@ class Gateway:
             on_error=lambda op: metrics.store_errors.labels(op).inc(),
         )
         self.checker: ActiveChecker | None = None
+        # What each backend's /v1/models said (the collector's cache; the app wires it).
+        self.models_info: ModelsLookup = lambda name: None
+        self.queues = BackendQueues(cfg, metrics.registry)
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
 

@@ -1,0 +1,34 @@
+"""``GET /v1/models`` for the whole fleet: every served model once, with its context limit.
+
+Built from the catalog (configured ``models`` and each backend's own ``/v1/models``, cached
+by the collector), so listing models costs no upstream call. Each entry is OpenAI's model
+object plus vLLM's ``max_model_len`` (the largest over the backends that serve it: the
+longest request the fleet accepts) and ``backends``, the names serving it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.config import Config
+from proxy.gateway.models import ModelsLookup, build_catalog
+
+
+def fleet_models(cfg: Config, lookup: ModelsLookup, created: int) -> dict[str, Any] | None:
+    """The list, or None while no backend's models are known (the caller asks them live)."""
+    catalog = build_catalog(cfg, lookup)
+    ids = catalog.served_ids()
+    if not ids:
+        return None
+    data = [
+        {
+            "id": model,
+            "object": "model",
+            "created": created,
+            "owned_by": "kvroute",
+            "max_model_len": catalog.model_limit(model),
+            "backends": sorted(b.name for b in catalog.backends if b.serves(model)),
+        }
+        for model in ids
+    ]
+    return {"object": "list", "data": data}
