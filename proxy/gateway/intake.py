@@ -1,7 +1,9 @@
 """Steps 1-3 of the walk: read and validate the body, size it in KV tokens, classify it.
 
 Bad input is answered here, before any state is touched: a body over the limit is a 413, a
-request larger than any backend's whole cache a 400 (``context_length_exceeded``).
+model served nowhere a 404 (``model_not_found``), a request longer than the model's
+``max_model_len`` a 400 in vLLM's words (``proxy.gateway.models``), and, where no limit is
+known, one larger than any backend's whole cache a 400 (``context_length_exceeded``).
 """
 
 from __future__ import annotations
