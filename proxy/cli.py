@@ -16,6 +16,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from proxy.api.app import create_app
     from proxy.api.logs import setup_logging
+    from proxy.api.server import server_config
     from proxy.config import ConfigError, load_config
 
     try:
@@ -26,19 +27,18 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or cfg.listen.host
     port = args.port if args.port is not None else cfg.listen.port
     setup_logging(args.log_level, args.log_format)
-    uvicorn.run(
+    server_cfg = server_config(
         create_app(cfg),
-        host=host,
-        port=port,
+        cfg,
+        host,
+        port,
         loop="uvloop",
-        http="httptools",
-        access_log=False,
         log_level=args.log_level,
         log_config=None,  # keep our handlers
-        timeout_keep_alive=30,
         backlog=4096,
         timeout_graceful_shutdown=30,
     )
+    uvicorn.Server(server_cfg).run()
     return 0
 
 
@@ -51,9 +51,12 @@ def _check_config(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 1
     store = cfg.store.redis_url or "embedded (in-process)"
+    if cfg.store.sentinel is not None:
+        store = f"sentinel master {cfg.store.sentinel.master!r}"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
+    found = "" if cfg.discovery.type == "static" else f" + {cfg.discovery.type} discovery"
     print(
-        f"{args.file}: OK: {len(cfg.backends)} backends, pools {pools}, policy {cfg.routing.policy}, store {store}"
+        f"{args.file}: OK: {len(cfg.backends)} backends{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
     )
     return 0
 

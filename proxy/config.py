@@ -7,9 +7,12 @@ the admin key, the listen port). Validation errors name the offending key and va
 
 from __future__ import annotations
 
+import base64
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
@@ -42,6 +45,16 @@ class BackendConfig(_Strict):
         default=None, gt=0, description="for backends that report bytes"
     )
     metrics_path: str = "/metrics"
+    api_key: str | None = Field(
+        default=None,
+        min_length=1,
+        description="sent upstream as 'Authorization: Bearer KEY' instead of the client's",
+    )
+    api_key_env: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of an environment variable holding api_key (read when the gateway starts)",
+    )
     models: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(
         default=(),
         description="model ids served here; empty: discovered from the backend's /v1/models",
@@ -59,9 +72,35 @@ class BackendConfig(_Strict):
         description="queueing backends: output tokens per second per request; none: 30",
     )
 
+    @model_validator(mode="after")
+    def _one_key_source(self) -> BackendConfig:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        return self
+
     @property
     def base_url(self) -> str:
         return str(self.url).rstrip("/")
+
+    @property
+    def plain_url(self) -> str:
+        """The URL without ``user:pass@``: the gateway sends those as a header (``credential``)."""
+        parts = urlsplit(str(self.url))
+        netloc = parts.netloc.rpartition("@")[2]
+        return urlunsplit(parts._replace(netloc=netloc)).rstrip("/")
+
+    def credential(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The Authorization value sent upstream: api_key(_env) as Bearer, else the URL's user:pass."""
+        key = self.api_key
+        if key is None and self.api_key_env is not None:
+            key = (os.environ if environ is None else environ).get(self.api_key_env) or None
+        if key is not None:
+            return f"Bearer {key}"
+        if self.url.username is not None:
+            user = unquote(self.url.username)
+            password = unquote(self.url.password or "")
+            return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+        return None
 
 
 class PoolConfig(_Strict):
@@ -162,8 +201,35 @@ def _check_tokenizer_file(path: Path | None) -> None:
         raise ValueError(f"tokenizer_file: no such file (got {str(path)!r})")
 
 
+class SentinelConfig(_Strict):
+    """Redis Sentinel: the gateway asks the sentinels for the current master of ``master``."""
+
+    master: str = Field(min_length=1, description="the master's name in the sentinels' config")
+    nodes: list[str] = Field(min_length=1, description="sentinels as host:port")
+    db: int = Field(default=0, ge=0)
+    password: str | None = Field(default=None, description="the Redis servers' password")
+    sentinel_password: str | None = None
+
+    @model_validator(mode="after")
+    def _host_ports(self) -> SentinelConfig:
+        for i, node in enumerate(self.nodes):
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"nodes.{i}: {node!r} is not host:port")
+        return self
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(n.rpartition(":")[0].strip("[]"), int(n.rpartition(":")[2])) for n in self.nodes]
+
+
 class StoreConfig(_Strict):
     redis_url: str | None = Field(default=None, description="absent: the embedded in-process store")
+    sentinel: SentinelConfig | None = Field(
+        default=None, description="Redis through Sentinel (instead of redis_url)"
+    )
+    cluster: bool = Field(
+        default=False, description="redis_url names a seed node of a Redis Cluster"
+    )
     key_prefix: str = "kvroute"
     op_timeout_s: float = Field(default=0.1, gt=0)
     reservation_ttl_s: float = Field(default=900.0, gt=0)
@@ -192,6 +258,18 @@ class StoreConfig(_Strict):
         description="with Redis unreachable: local (scrape and reserve in this replica) or "
         "snapshot (the last shared snapshot, then length only)",
     )
+
+    @model_validator(mode="after")
+    def _one_redis(self) -> StoreConfig:
+        if self.sentinel is not None and self.redis_url:
+            raise ValueError("store: set redis_url or sentinel, not both")
+        if self.cluster and not self.redis_url:
+            raise ValueError("store.cluster needs store.redis_url (any node of the cluster)")
+        return self
+
+    @property
+    def uses_redis(self) -> bool:
+        return bool(self.redis_url) or self.sentinel is not None
 
 
 class CollectorConfig(_Strict):
@@ -260,6 +338,11 @@ class UpstreamConfig(_Strict):
     idle_timeout_s: float = Field(default=60.0, gt=0)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
+    max_answer_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        gt=0,
+        description="a non-streamed answer above this is refused as a bad response (502)",
+    )
 
 
 class LimitsConfig(_Strict):
@@ -274,6 +357,24 @@ class LimitsConfig(_Strict):
         default=1,
         ge=1,
         description="Retry-After sent with 429 when max_concurrent_requests is reached",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a connection must deliver a request's whole header block within this",
+    )
+    body_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="grace for a request body; after it the body must keep body_min_rate_bytes_s",
+    )
+    body_min_rate_bytes_s: int = Field(
+        default=4096, gt=0, description="average rate a body must keep once body_timeout_s passed"
+    )
+    max_buffered_body_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        gt=0,
+        description="request bodies held across all requests at once (429 above)",
     )
 
 
@@ -327,7 +428,52 @@ class AdminConfig(_Strict):
     api_key: str | None = Field(default=None, description="absent: admin endpoints are disabled")
 
 
-HookType = Literal["http", "command", "none"]
+HookType = Literal["http", "command", "kubernetes", "none"]
+
+# The in-cluster defaults: every pod's service account is mounted here.
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class KubernetesApiConfig(_Strict):
+    """How to reach the Kubernetes API: the in-cluster defaults, overridable (tests, kubectl proxy)."""
+
+    api_url: str = "https://kubernetes.default.svc"
+    token_path: str | None = f"{SERVICE_ACCOUNT_DIR}/token"
+    ca_path: str | None = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
+    namespace: str | None = Field(
+        default=None, description="absent: the gateway pod's own namespace"
+    )
+
+
+class DiscoveryConfig(KubernetesApiConfig):
+    """Where the backend list comes from: ``static`` (``backends``), ``kubernetes``, ``dns``."""
+
+    type: Literal["static", "kubernetes", "dns"] = "static"
+    label_selector: str = Field(
+        default="", description="kubernetes: selects the inference Services' EndpointSlices"
+    )
+    port: int | str | None = Field(
+        default=None, description="kubernetes: port number or name (absent: the slice's first port)"
+    )
+    pool_label: str = Field(
+        default="kvroute.io/pool", description="kubernetes: the slice label naming the pool"
+    )
+    pool: str = Field(default="general", description="the pool when no pool label says otherwise")
+    kind: BackendKind = "vllm"
+    name: str | None = Field(default=None, description="dns: the name to resolve (A or SRV)")
+    interval_s: float = Field(
+        default=10.0, gt=0, description="dns: re-resolve period; kubernetes: watch timeout"
+    )
+    capacity_tokens: int | None = Field(default=None, gt=0)
+    bytes_per_token: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _complete(self) -> DiscoveryConfig:
+        if self.type == "dns" and not self.name:
+            raise ValueError("discovery.name is required when discovery.type is 'dns'")
+        if self.type == "dns" and self.port is not None and not isinstance(self.port, int):
+            raise ValueError("discovery.port must be a number for dns (or absent with SRV)")
+        return self
 
 
 class RestartHookConfig(_Strict):
@@ -339,9 +485,17 @@ class RestartHookConfig(_Strict):
     headers: dict[str, str] = Field(default_factory=dict)
     argv: list[str] = Field(default_factory=list, description="command: run without a shell")
     timeout_s: float = Field(default=30.0, gt=0)
+    pod_selector: str | None = Field(
+        default=None, description="kubernetes: only pods matching this label selector are deleted"
+    )
+    kubernetes: KubernetesApiConfig = KubernetesApiConfig()
 
     @model_validator(mode="after")
     def _complete(self) -> RestartHookConfig:
+        if self.type == "kubernetes" and not self.pod_selector:
+            raise ValueError("hook.pod_selector is required when hook.type is 'kubernetes'")
+        if self.pod_selector and ("(" in self.pod_selector or " in " in self.pod_selector):
+            raise ValueError("hook.pod_selector: only equality selectors (a=b,c!=d) are supported")
         if self.type == "http" and not self.url:
             raise ValueError("hook.url is required when hook.type is 'http'")
         if self.type == "command" and not self.argv:
@@ -402,7 +556,8 @@ class MaintenanceConfig(_Strict):
 
 class Config(_Strict):
     listen: ListenConfig = ListenConfig()
-    backends: list[BackendConfig] = Field(min_length=1)
+    backends: list[BackendConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig = DiscoveryConfig()
     pools: dict[str, PoolConfig] = Field(default_factory=lambda: {"general": PoolConfig()})
     routing: RoutingConfig = RoutingConfig()
     store: StoreConfig = StoreConfig()
@@ -420,6 +575,10 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
+        if not self.backends and self.discovery.type == "static":
+            raise ValueError("backends: at least one backend is required (or a discovery section)")
+        if self.discovery.type != "static" and self.discovery.pool not in self.pools:
+            raise ValueError(f"discovery.pool: {self.discovery.pool!r} is not a defined pool")
         seen: set[str] = set()
         for i, b in enumerate(self.backends):
             if b.name in seen:

@@ -11,7 +11,8 @@ The hierarchy (the httpx ``_exceptions.py`` habit: one base, the whole tree in o
     │   ├── UpstreamTimeout        no response headers in time (connect or TTFB)
     │   ├── UpstreamConnectError   refused or dropped before answering
     │   ├── BodyTimeout            the body stalled (idle gap) or ran past the total limit
-    │   └── UpstreamBroken         the connection broke while the body was being read
+    │   ├── UpstreamBroken         the connection broke while the body was being read
+    │   └── AnswerTooLarge         a whole answer above ``upstream.max_answer_bytes``
     └── ApiError               an error answered to the client as OpenAI-format JSON
 
 Library errors (aiohttp, OSError) are translated into ``UpstreamError`` inside
@@ -22,10 +23,12 @@ the kind to a status (``UPSTREAM_ANSWERS`` below, ``proxy.api.admin`` for restar
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
-from starlette.responses import Response
+
+if TYPE_CHECKING:
+    from starlette.responses import Response
 
 
 class KvrouteError(Exception):
@@ -113,6 +116,12 @@ class UpstreamBroken(UpstreamError):
         self.cause = cause
 
 
+class AnswerTooLarge(UpstreamError):
+    """A non-streamed answer went past ``upstream.max_answer_bytes``: refused as a bad response."""
+
+    failure: UpstreamFailure = "bad_response"
+
+
 # Upstream failure -> (HTTP status, error code) of the client's answer.
 UPSTREAM_ANSWERS: dict[UpstreamFailure, tuple[int, str]] = {
     "connect_timeout": (504, "upstream_connect_timeout"),
@@ -161,6 +170,10 @@ class ApiError(KvrouteError):
         return {"error": err}
 
     def response(self, headers: dict[str, str] | None = None) -> Response:
+        # Imported here: the base layer stays free of the web stack (the simulator and the
+        # pure modules import this one).
+        from starlette.responses import Response
+
         h = dict(self.headers)
         if headers:
             h.update(headers)

@@ -310,3 +310,38 @@ def test_bookkeeping_reads_restarts_from_the_shared_event_log() -> None:
     assert set(b.in_progress) == {"c"}
     assert b.last_started == {"c": NOW - 10, "b": NOW - 30, "a": NOW - 50, "d": NOW - 5_000}
     assert b.last_failed == {"b": NOW - 20}
+
+
+def test_one_capacity_and_one_fragmentation_failure_tie_goes_to_scale_up() -> None:
+    """A tie is a capacity problem: a restart cannot make room for a demand no node has free."""
+    snap = fleet(node("a", 38_000, 1_200), node("b", 5_000, 5_000))
+    a = run(snap, failures=[cap_failure(40_000), frag_failure(22_000)])
+    assert a.failures["capacity_still_short"] == 1
+    assert a.failures["fragmentation_still_fragmented"] == 1
+    assert a.action == "scale_up", a.reasons
+
+
+def paged_node(name: str, free: int, largest: int, block_size: int) -> NodeView:
+    r = MemoryReport(
+        CAP,
+        free,
+        largest,
+        allocator="paged",
+        block_size=block_size,
+        started_at=NOW - 5 * DAY,
+        reported_at=NOW - 0.5,
+    )
+    return NodeView(name=name, pool="general", up=True, report=r)
+
+
+def test_still_fragmented_counts_whole_blocks() -> None:
+    """A 22,005-token request needs 1,376 blocks of 16 (22,016 tokens): a 22,010-token block
+    does not hold it, so the node is still fragmented for it (as NodeView.fits decides)."""
+    snap = fleet(paged_node("a", 38_000, 22_010, 16), node("b", 5_000, 5_000))
+    a = run(snap, failures=[frag_failure(22_005)])
+    assert a.failures["fragmentation_still_fragmented"] == 1
+    # A block of whole blocks that holds it: no longer fragmented for this request.
+    healed = fleet(paged_node("a", 38_000, 22_016, 16), node("b", 5_000, 5_000))
+    assert (
+        run(healed, failures=[frag_failure(22_005)]).failures["fragmentation_still_fragmented"] == 0
+    )

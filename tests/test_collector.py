@@ -135,6 +135,7 @@ vllm:cache_config_info{{block_size="16",cache_dtype="auto",calculate_kv_scales="
 )
 
 # An older vLLM: the deprecated usage name, no engine label, two served model names.
+# Usage 0.125, not 0.5: a parser that took usage for the free share must give a wrong answer.
 VLLM_V0 = """\
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
@@ -149,14 +150,14 @@ vllm:num_requests_waiting{model_name="base"} 5.0
 vllm:num_requests_waiting{model_name="base-lora-sql"} 1.0
 # HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
 # TYPE vllm:gpu_cache_usage_perc gauge
-vllm:gpu_cache_usage_perc{model_name="base"} 0.5
-vllm:gpu_cache_usage_perc{model_name="base-lora-sql"} 0.5
+vllm:gpu_cache_usage_perc{model_name="base"} 0.125
+vllm:gpu_cache_usage_perc{model_name="base-lora-sql"} 0.125
 """
 
 # Data parallel: one series per engine; cache_config_info repeats the all-engine totals.
 VLLM_DP = """\
 # TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.75
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
@@ -212,7 +213,7 @@ def test_vllm_v1_formula_and_labels() -> None:
 def test_vllm_deprecated_usage_name_and_summed_label_sets() -> None:
     r = parse_report("vllm", VLLM_V0, NOW)
     assert r.capacity_tokens == 4096 * 32
-    assert r.free_tokens == r.largest_free_block_tokens == 2048 * 32
+    assert r.free_tokens == r.largest_free_block_tokens == 3584 * 32  # 87.5% of 4096 blocks
     assert (r.running, r.waiting) == (6, 6)
     assert r.started_at == 0.0  # no process_start_time_seconds in this text
 
@@ -269,6 +270,19 @@ def test_vllm_unknown_geometry_needs_override() -> None:
         parse_report("vllm", text, NOW)
     r = parse_report("vllm", text, NOW, capacity_override=80_000)
     assert (r.capacity_tokens, r.free_tokens) == (80_000, 60_000)
+
+
+def test_vllm_data_parallel_override_is_shared_between_engines() -> None:
+    """Data parallel without geometry: the operator's capacity is the server's, split evenly
+    over its engines; a request lives on one engine, so the largest block is one engine's."""
+    text = VLLM_DP.replace('num_gpu_blocks="1000"', 'num_gpu_blocks="None"')
+    r = parse_report("vllm", text, NOW, capacity_override=80_000)
+    # Each engine 40,000 tokens: 25% free (usage 0.75) and 75% free (usage 0.25).
+    assert (r.capacity_tokens, r.free_tokens, r.largest_free_block_tokens) == (
+        80_000,
+        10_000 + 30_000,
+        30_000,
+    )
 
 
 @pytest.mark.parametrize(
@@ -343,11 +357,11 @@ class MetricsServer:
         path = request.path
         self.hits[path] = self.hits.get(path, 0) + 1
         if path == "/slow":  # never sends headers in time
-            await asyncio.sleep(5)
-        if path == "/drip":  # headers at once, then a line every 0.1 s: each read is quick
+            await asyncio.sleep(30)
+        if path == "/drip":  # headers at once, then a line every 0.1 s for 10 s: each read is quick
             resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
             await resp.prepare(request)
-            for _ in range(50):
+            for _ in range(100):
                 await resp.write(b"# still going\n")
                 await asyncio.sleep(0.1)
             await resp.write_eof()
@@ -414,7 +428,9 @@ async def test_scrape_round_writes_reports_and_marks_failures_down(
             {"name": "slow", "url": base, "kind": "contiguous", "metrics_path": "/slow"},
             {"name": "drip", "url": base, "kind": "contiguous", "metrics_path": "/drip"},
         ],
-        timeout_s=0.3,
+        # Seven scrapes share one loop: the good ones take ~10 ms, so 1.5 s is far (> 5x) from
+        # failing them on a busy machine, and far (> 5x) below /slow's 30 s and /drip's 10 s.
+        timeout_s=1.5,
     )
     store = InProcessStore()
     clock = Clock()

@@ -341,23 +341,35 @@ async def _flush(url: str) -> None:
 def test_redis_store_used_by_gateway_leaves_no_reservations(
     engine_factory: Callable[..., Any], redis_server: str
 ) -> None:
+    """Checked while the gateway still runs (its shutdown releases everything it holds, which
+    would hide a leak), with reservations that live 900 s (the default TTL)."""
     import asyncio
+    import time
 
     from proxy.config import StoreConfig
 
     asyncio.run(_flush(redis_server))
     e = engine_factory(name="r1")
-    with run_gateway(gateway_cfg([backend(e)], store={"redis_url": redis_server})) as url:
-        wait_reports(url, 1)
-        assert all(chat(url, 50).status_code == 200 for _ in range(5))
 
     async def left() -> int:
         store = RedisStore(StoreConfig(redis_url=redis_server))
         try:
-            import time
-
             return len(await store.reservations("r1", time.time()))
         finally:
             await store.close()
 
-    assert asyncio.run(left()) == 0
+    seen: list[Any] = []
+
+    def released(url: str) -> bool:
+        seen[:] = [fleet_state(url)["reservations"], asyncio.run(left())]
+        return seen == [{"held": 0, "pending_releases": 0}, 0]
+
+    with run_gateway(gateway_cfg([backend(e)], store={"redis_url": redis_server})) as url:
+        wait_reports(url, 1)
+        assert all(chat(url, 50).status_code == 200 for _ in range(3))
+        assert all(chat(url, 50, stream=True).status_code == 200 for _ in range(2))
+        assert chat(url, 50, max_tokens=-1).status_code == 400
+        try:
+            wait_until(lambda: released(url), what="every reservation released")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen (ledger, in Redis): {seen}") from None

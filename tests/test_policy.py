@@ -1,4 +1,4 @@
-"""Unit tests of the pure routing policy (proxy/routing/policy.py) on hand-built fleet snapshots."""
+"""Unit tests of the pure routing policy (proxy/routing/) on hand-built fleet snapshots."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
-from proxy.routing.policy import (
+from proxy.routing import (
     POLICIES,
     PolicySettings,
     RouteRequest,
@@ -322,7 +322,33 @@ def fleets(draw: st.DrawFn) -> FleetSnapshot:
     return fleet(*nodes)
 
 
-@settings(max_examples=200, deadline=None)
+def may_take(n: NodeView, exclude: set[str], stale_after_s: float) -> bool:
+    """Oracle, from the documented rules (not policy.eligible): up, not draining, not cooling
+    down, not excluded for this retry key, and a report (if any) no older than stale_after_s."""
+    ov = n.overlay
+    if not n.up or ov.draining or ov.cooldown_until > NOW or n.name in exclude:
+        return False
+    return n.report is None or NOW - n.report.reported_at <= stale_after_s
+
+
+def holds(n: NodeView, demand: int, margin: float) -> bool:
+    """Oracle, from the documented rules (not NodeView.fits): a node with a report holds a
+    request when the demand plus the safety margin, in whole blocks on a paged allocator, is at
+    most its largest free block less pending reservations; a learned ceiling that is still
+    active refuses that size and above."""
+    r, ov = n.report, n.overlay
+    assert r is not None
+    if ov.ceiling_tokens is not None and NOW < ov.ceiling_until and demand >= ov.ceiling_tokens:
+        return False
+    need = demand + demand * margin
+    if r.allocator == "paged" and r.block_size > 1:
+        blocks = int(need) // r.block_size + (1 if int(need) % r.block_size else 0)
+        need = blocks * r.block_size
+    room = r.largest_free_block_tokens - ov.pending_tokens
+    return need <= room
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     snap=fleets(),
     demand=st.integers(1, 40_000),
@@ -336,17 +362,71 @@ def test_every_ranked_node_is_eligible_and_kvroute_ranks_only_fitting_nodes(
     s = replace(S, safety_margin=margin)
     req = RouteRequest(demand, classify(demand, s.long_threshold_tokens), frozenset(exclude))
     ranked = make_policy(policy, s).rank(snap, req, NOW)
-    ok = {n.name: n for n in eligible(snap, req, NOW, s)}
+    ok = {n.name: n for n in snap.nodes if may_take(n, exclude, s.stale_after_s)}
+    assert {n.name for n in eligible(snap, req, NOW, s)} == set(ok)
     assert len(ranked) == len(set(ranked))
     assert set(ranked) <= set(ok)
     if policy == "kvroute":
-        for name in ranked:
-            n = ok[name]
-            assert n.report is None or n.fits(demand, NOW, margin)
         known = [n for n in ranked if ok[n].report is not None]
         assert ranked[: len(known)] == known  # unknown nodes come last
         assert set(known) == {
-            n.name for n in ok.values() if n.report is not None and n.fits(demand, NOW, margin)
+            n.name for n in ok.values() if n.report is not None and holds(n, demand, margin)
         }
+        assert set(ranked) - set(known) == {n.name for n in ok.values() if n.report is None}
     else:
         assert set(ranked) == set(ok)
+
+
+@st.composite
+def near_the_edge(draw: st.DrawFn) -> tuple[FleetSnapshot, int, float]:
+    """Fleets whose blocks sit within a few tokens of what the request needs: where the margin,
+    whole-block rounding, pending reservations and learned ceilings decide (random fleets
+    rarely land there)."""
+    demand = draw(st.integers(1_000, 30_000))
+    margin = draw(st.sampled_from([0.0, 0.02, 0.1]))
+    nodes = []
+    for i in range(draw(st.integers(1, 6))):
+        paged = draw(st.booleans())
+        pending = draw(st.sampled_from([0, 0, 1, 16, 40]))
+        largest = int(demand * (1 + margin)) + pending + draw(st.integers(-40, 40))
+        ceiling = draw(st.sampled_from([None, demand - 1, demand, demand + 1]))
+        nodes.append(
+            node(
+                f"n{i}",
+                free=largest + draw(st.sampled_from([0, 5_000])) if not paged else largest,
+                largest=largest,
+                allocator="paged" if paged else "contiguous",
+                block_size=16 if paged else 1,
+                pending_tokens=pending,
+                ceiling_tokens=ceiling,
+                ceiling_until=NOW + draw(st.sampled_from([-1.0, 10.0])),
+            )
+        )
+    return fleet(*nodes), demand, margin
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=near_the_edge())
+def test_kvroute_ranks_exactly_the_nodes_that_hold_the_request_at_the_edge(
+    case: tuple[FleetSnapshot, int, float],
+) -> None:
+    snap, demand, margin = case
+    s = replace(S, safety_margin=margin)
+    req = RouteRequest(demand, classify(demand, s.long_threshold_tokens), frozenset())
+    ranked = make_policy("kvroute", s).rank(snap, req, NOW)
+    assert set(ranked) == {n.name for n in snap.nodes if holds(n, demand, margin)}
+
+
+def test_the_oracle_agrees_with_hand_made_cases() -> None:
+    """The oracle itself, on cases worked out by hand (a wrong oracle proves nothing)."""
+    assert holds(node("a", free=50_000, largest=22_000), 22_000, 0.0)
+    assert not holds(node("a", free=50_000, largest=21_999), 22_000, 0.0)
+    assert not holds(node("a", free=50_000, largest=22_000, pending_tokens=1), 22_000, 0.0)
+    assert not holds(node("a", free=50_000, largest=22_000), 21_000, 0.05)  # 22,050 > 22,000
+    paged = node("p", free=22_010, allocator="paged", block_size=16)
+    assert not holds(paged, 22_005, 0.0)  # 1,376 blocks = 22,016 tokens
+    assert holds(node("p", free=22_016, allocator="paged", block_size=16), 22_005, 0.0)
+    capped = node("c", free=CAP, ceiling_tokens=20_000, ceiling_until=NOW + 10)
+    assert not holds(capped, 20_000, 0.0) and holds(capped, 19_999, 0.0)
+    expired = node("c", free=CAP, ceiling_tokens=20_000, ceiling_until=NOW - 1)
+    assert holds(expired, 30_000, 0.0)

@@ -165,14 +165,14 @@ async def test_documented_push_example_is_read_back(
         # The pushed block is what the atomic reserve checks against.
         assert not await s.reserve("gpu-07", "big", 1_201, now + 1, 60)
         assert await s.reserve("gpu-07", "fits", 1_200, now + 1, 60)
-        assert 0 < await admin.pttl("kvroute:backend:gpu-07:state") <= 15_000
+        assert 0 < await admin.pttl("kvroute:backend:{gpu-07}:state") <= 15_000
     finally:
         await s.close()
 
 
 async def test_minimal_push_without_sadd(admin: aioredis.Redis, redis_server: str) -> None:
     await admin.hset(
-        "kvroute:backend:edge-1:state",
+        "kvroute:backend:{edge-1}:state",
         mapping={
             "capacity_tokens": "64000",
             "free_tokens": "9000.0",
@@ -214,7 +214,7 @@ async def test_malformed_push_reads_as_no_report(
         "reported_at": "1700000000",
         field: value,
     }
-    await admin.hset("kvroute:backend:bad:state", mapping=fields)
+    await admin.hset("kvroute:backend:{bad}:state", mapping=fields)
     s = store_for(redis_server)
     try:
         st = (await s.read(["bad"], T0))["bad"]
@@ -234,7 +234,7 @@ async def test_wrong_type_key_spoils_only_its_backend(
     try:
         await s.put_report("good", rep(10_000), ttl_s=60)
         await s.put_report("odd", rep(10_000), ttl_s=60)
-        await admin.set("kvroute:backend:odd:flags", "not a hash")
+        await admin.set("kvroute:backend:{odd}:flags", "not a hash")
         got = await s.read(["good", "odd"], T0)
         assert got["good"].report is not None and got["good"].status_reason == ""
         assert got["odd"].report is not None
@@ -259,10 +259,10 @@ async def test_keys_types_and_ttls_match_the_doc(admin: aioredis.Redis, redis_se
         await s.try_lock("restart", "gw-a", 30)
         await s.append_event({"kind": "restart"})
         expected = {
-            "kvroute:backend:n1:state": ("hash", 60_000),
+            "kvroute:backend:{n1}:state": ("hash", 60_000),
             "kvroute:backends": ("set", None),
-            "kvroute:backend:n1:res": ("hash", 900_000 + 60_000),
-            "kvroute:backend:n1:flags": ("hash", None),
+            "kvroute:backend:{n1}:res": ("hash", 900_000 + 60_000),
+            "kvroute:backend:{n1}:flags": ("hash", None),
             "kvroute:retry:req-9": ("set", 300_000),
             "kvroute:lock:restart": ("string", 30_000),
             "kvroute:events": ("list", None),
@@ -275,8 +275,8 @@ async def test_keys_types_and_ttls_match_the_doc(admin: aioredis.Redis, redis_se
                 assert pttl == -1, key
             else:
                 assert 0 < pttl <= ttl_ms, key
-        assert await admin.hget("kvroute:backend:n1:res", "r1") == f"1000 {T0!r} {T0 + 900!r}"
-        flags = await admin.hgetall("kvroute:backend:n1:flags")
+        assert await admin.hget("kvroute:backend:{n1}:res", "r1") == f"1000 {T0!r} {T0 + 900!r}"
+        flags = await admin.hgetall("kvroute:backend:{n1}:flags")
         assert flags == {
             "draining": "1",
             "ceiling_tokens": "5000",
@@ -295,7 +295,7 @@ async def test_key_prefix_is_honoured(admin: aioredis.Redis, redis_server: str) 
         await a.put_report("n1", rep(1_000), ttl_s=60)
         await a.append_event({"k": 1})
         assert set(await admin.keys("*")) == {
-            "acme:backend:n1:state",
+            "acme:backend:{n1}:state",
             "acme:backends",
             "acme:events",
         }
@@ -312,7 +312,7 @@ async def test_reservations_key_expiry_only_grows(admin: aioredis.Redis, redis_s
     try:
         await s.reserve("n1", "long", 1, T0, 3_600)
         await s.reserve("n1", "short", 1, T0, 1)
-        assert await admin.pttl("kvroute:backend:n1:res") > 3_000_000
+        assert await admin.pttl("kvroute:backend:{n1}:res") > 3_000_000
     finally:
         await s.close()
 

@@ -1,9 +1,13 @@
 """One contract for both state stores: the embedded in-process store and Redis.
 
-Every test runs against both (fixture ``store``), so the gateway behaves the same whichever
-is configured. Times for reservations and ceilings are passed in (synthetic, around T0);
-report, retry-key and lock TTLs run on the store's own clock, so those few tests sleep a
-little past a short TTL (an expiry lower bound, never a speed assertion).
+Every test runs against both (fixture ``store``), and the Redis store in its three
+deployments: one server, a 3-master Redis Cluster, and through Sentinel (master + replica +
+sentinel), so the gateway behaves the same whichever is configured. Times for reservations
+and ceilings are passed in (synthetic, around T0); report, retry-key and lock TTLs run on the
+store's own clock. For the in-process store that clock is injected and the expiry tests move
+it explicitly; Redis expires keys on its own clock, so there they sleep past a TTL of a full
+second (an expiry lower bound, never a speed assertion), a TTL no pause between two calls
+comes near.
 
 The ``redis_server`` fixture comes from tests/support/redis_server.py (registered in
 tests/conftest.py).
@@ -17,7 +21,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.config import StoreConfig
+from proxy.config import SentinelConfig, StoreConfig
 from proxy.core.fleet import MemoryReport
 from proxy.state import (
     BackendState,
@@ -27,10 +31,33 @@ from proxy.state import (
     StateStore,
     open_store,
 )
+from tests.support.redis_server import RedisClusterProcs, SentinelGroup
 
 T0 = 1_700_000_000.0
-SHORT_TTL = 0.1  # store-clock TTLs in the expiry tests
-PAST_TTL = 0.35  # how long those tests wait: well past SHORT_TTL
+SHORT_TTL = 1.0  # store-clock TTLs in the expiry tests: far above the time between two calls
+PAST_TTL = 1.3  # how far those tests move the store's clock (or sleep, for Redis)
+
+
+class ManualClock:
+    """The in-process store's TTL clock, moved only by the test."""
+
+    def __init__(self) -> None:
+        self.t = 1_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+CLOCKS: dict[int, ManualClock] = {}
+
+
+async def pass_ttl(store: StateStore) -> None:
+    """Let PAST_TTL go by on the store's clock: move the injected clock, or sleep for Redis."""
+    clock = CLOCKS.get(id(store))
+    if clock is not None:
+        clock.t += PAST_TTL
+    else:
+        await asyncio.sleep(PAST_TTL)
 
 
 def rep(largest: int, reported_at: float = T0, **kw: object) -> MemoryReport:
@@ -45,11 +72,24 @@ def rep(largest: int, reported_at: float = T0, **kw: object) -> MemoryReport:
     return MemoryReport(**fields)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster", "redis-sentinel"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
     s: StateStore
     if request.param == "memory":
-        s = InProcessStore()
+        clock = ManualClock()
+        s = InProcessStore(clock=clock)
+        CLOCKS[id(s)] = clock
+    elif request.param == "redis-cluster":
+        cluster: RedisClusterProcs = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        s = RedisStore(StoreConfig(redis_url=cluster.url, cluster=True, op_timeout_s=2.0))
+    elif request.param == "redis-sentinel":
+        group: SentinelGroup = request.getfixturevalue("redis_sentinel")
+        admin = aioredis.from_url(f"redis://127.0.0.1:{group.master_port()}/0")
+        await admin.flushdb()
+        await admin.aclose()
+        sentinel = SentinelConfig(master=group.name, nodes=group.nodes)
+        s = RedisStore(StoreConfig(sentinel=sentinel, op_timeout_s=2.0))
     else:
         url = request.getfixturevalue("redis_server")
         admin = aioredis.from_url(url)
@@ -60,6 +100,7 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
     try:
         yield s
     finally:
+        CLOCKS.pop(id(s), None)
         await s.close()
 
 
@@ -121,7 +162,7 @@ async def test_newer_report_replaces_older(store: StateStore) -> None:
 async def test_report_expires_after_ttl(store: StateStore) -> None:
     await store.put_report("n1", rep(30_000), ttl_s=SHORT_TTL)
     assert (await one(store, "n1", T0)).report is not None
-    await asyncio.sleep(PAST_TTL)
+    await pass_ttl(store)
     st = await one(store, "n1", T0)
     assert st.report is None
     assert st.status == "unknown"
@@ -146,7 +187,7 @@ async def test_mark_down_without_report_and_its_ttl(store: StateStore) -> None:
     st = await one(store, "n2", T0)
     assert (st.status, st.status_reason, st.report) == ("down", "timeout", None)
     assert "n2" in await store.known_backends()
-    await asyncio.sleep(PAST_TTL)
+    await pass_ttl(store)
     assert (await one(store, "n2", T0)).status == "unknown"
 
 
@@ -367,7 +408,7 @@ async def test_retry_memory(store: StateStore) -> None:
 async def test_retry_memory_expires(store: StateStore) -> None:
     await store.add_failed("req-1", "n1", ttl_s=SHORT_TTL)
     assert await store.failed_on("req-1") == {"n1"}
-    await asyncio.sleep(PAST_TTL)
+    await pass_ttl(store)
     assert await store.failed_on("req-1") == set()
     await store.add_failed("req-1", "n2", ttl_s=60)
     assert await store.failed_on("req-1") == {"n2"}
@@ -389,7 +430,7 @@ async def test_lock_expires_and_extension_keeps_it(store: StateStore) -> None:
     assert await store.try_lock("kept", "gw-a", SHORT_TTL)
     assert await store.try_lock("kept", "gw-a", 60)  # extended well past the first TTL
     assert await store.try_lock("lapsed", "gw-a", SHORT_TTL)
-    await asyncio.sleep(PAST_TTL)
+    await pass_ttl(store)
     assert not await store.try_lock("kept", "gw-b", 30)
     assert await store.try_lock("lapsed", "gw-b", 30)  # expired: free to take
     await store.unlock("lapsed", "gw-a")  # the old owner cannot release the new owner's lock

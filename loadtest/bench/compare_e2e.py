@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +135,7 @@ def print_report(res: dict[str, Any]) -> None:
         f"{w['rate_per_s']:.1f} req/s offered; engines: {res['fleet']}"
     )
     rows = res["runs"]
-    cols = [
+    cols: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("final failures", lambda r: f"{r['final_failures']} ({r['final_failure_rate']:.1%})"),
         ("long failed", lambda r: f"{r['long_failures']}/{r['long_requests']}"),
         ("short failed", lambda r: f"{r['short_failures']}/{r['short_requests']}"),

@@ -38,7 +38,7 @@ from loadtest.workload import chat_overhead_tokens, make_prompt
 from proxy.core import tokens
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.gateway import sizing
-from proxy.routing.policy import POLICIES, PolicySettings, RouteRequest, classify, make_policy
+from proxy.routing import POLICIES, PolicySettings, RouteRequest, classify, make_policy
 
 SIZES = (200, 2_000, 30_000)
 DEFAULT_THREAD_CHARS = 4_096  # proxy.config RoutingConfig.tokenize_in_thread_chars default
@@ -250,7 +250,7 @@ def loop_lag(prompts: int, concurrency: int) -> dict[str, Any]:
     return out
 
 
-def _f(v: Any, spec: str = ".1f") -> str:
+def _fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
@@ -275,7 +275,7 @@ def print_report(res: dict[str, Any]) -> None:
         )
         print(
             line
-            + f" {r['decision_us']:>9.1f} {_f(r['decision_x_200'], '.1f'):>9} {_f(r['tokenize_share'], '.0%'):>9}"
+            + f" {r['decision_us']:>9.1f} {_fmt(r['decision_x_200'], '.1f'):>9} {_fmt(r['tokenize_share'], '.0%'):>9}"
         )
     lag = res["loop_lag"]
     print(
@@ -287,8 +287,8 @@ def print_report(res: dict[str, Any]) -> None:
     for k in ("idle", "inline", "off_loop"):
         d = lag[k]
         print(
-            f"{k:>9} {d['elapsed_s']:>9.2f} {_f(d.get('prompts_per_s')):>9} {_f(d['lag_mean_ms'], '.3f'):>8} "
-            f"{_f(d['lag_p99_ms'], '.3f'):>8} {_f(d['lag_max_ms'], '.3f'):>8} {_f(d.get('lag_p99_x_idle')):>10}"
+            f"{k:>9} {d['elapsed_s']:>9.2f} {_fmt(d.get('prompts_per_s')):>9} {_fmt(d['lag_mean_ms'], '.3f'):>8} "
+            f"{_fmt(d['lag_p99_ms'], '.3f'):>8} {_fmt(d['lag_max_ms'], '.3f'):>8} {_fmt(d.get('lag_p99_x_idle')):>10}"
         )
 
 

@@ -8,19 +8,45 @@ exports vLLM's names, as a real vLLM server would.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from loadtest.engine.allocators import ContiguousAllocator
+from loadtest.engine.allocators import ContiguousAllocator, PagedAllocator
 from proxy.core import backend_contract as c
 
-if TYPE_CHECKING:
-    from loadtest.engine.server import Engine
+
+class _ModelName(Protocol):
+    @property
+    def model(self) -> str: ...
+
+
+class EngineState(Protocol):
+    """What the exposition reads from an engine (``loadtest.engine.server.Engine`` has it).
+
+    A protocol rather than an import of the engine: the engine imports this module, so the
+    dependency runs one way only.
+    """
+
+    @property
+    def allocator(self) -> ContiguousAllocator | PagedAllocator: ...
+    @property
+    def config(self) -> _ModelName: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def allocation_failures(self) -> int: ...
+    @property
+    def outcomes(self) -> Mapping[str, int]: ...
+
 
 FREE_GAPS = "kvroute_engine_kv_free_gaps"
 REQUESTS = "kvroute_engine_requests"  # counter, label outcome (exposed as ..._total)
@@ -31,7 +57,7 @@ def _counter_base(name: str) -> str:
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineState) -> None:
         self.engine = engine
 
     def describe(self) -> list[Metric]:

@@ -196,7 +196,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def full_body(rid: str, created: int, p: Parsed, text: str, prompt_tokens: int) -> bytes:
+def full_body(completion_id: str, created: int, p: Parsed, text: str, prompt_tokens: int) -> bytes:
     if p.chat:
         choice: dict[str, Any] = {
             "index": 0,
@@ -210,7 +210,7 @@ def full_body(rid: str, created: int, p: Parsed, text: str, prompt_tokens: int) 
         obj = "text_completion"
     return orjson.dumps(
         {
-            "id": rid,
+            "id": completion_id,
             "object": obj,
             "created": created,
             "model": p.model,
@@ -228,7 +228,12 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def chunk(
-    rid: str, created: int, p: Parsed, text: str | None, finish: str | None, role: bool = False
+    completion_id: str,
+    created: int,
+    p: Parsed,
+    text: str | None,
+    finish: str | None,
+    role: bool = False,
 ) -> bytes:
     """One streamed chunk: a text delta (or the chat role opener) and maybe the finish reason."""
     if p.chat:
@@ -249,7 +254,7 @@ def chunk(
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     body: dict[str, Any] = {
-        "id": rid,
+        "id": completion_id,
         "object": obj,
         "created": created,
         "model": p.model,
@@ -260,11 +265,11 @@ def chunk(
     return sse(body)
 
 
-def usage_chunk(rid: str, created: int, p: Parsed, prompt_tokens: int) -> bytes:
+def usage_chunk(completion_id: str, created: int, p: Parsed, prompt_tokens: int) -> bytes:
     obj = "chat.completion.chunk" if p.chat else "text_completion"
     return sse(
         {
-            "id": rid,
+            "id": completion_id,
             "object": obj,
             "created": created,
             "model": p.model,

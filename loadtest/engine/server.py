@@ -110,7 +110,7 @@ class EngineRestarted(Exception):
 
 @dataclass(slots=True, eq=False)
 class _Live:
-    rid: int
+    request_no: int
     waiter: asyncio.Future[None] | None = None
     restarted: bool = False
 
@@ -308,8 +308,8 @@ class Engine:
                 400, error_body(msg, "invalid_request_error", what, "context_length_exceeded")
             )
         self._next += 1
-        rid = self._next
-        if alloc.allocate(rid, demand) is None:
+        request_no = self._next
+        if alloc.allocate(request_no, demand) is None:
             self.allocation_failures += 1
             self.lifetime_allocation_failures += 1
             self.outcomes["allocation_failed"] += 1
@@ -317,8 +317,8 @@ class Engine:
                 demand, alloc.free_tokens, alloc.largest_free_block_tokens, alloc.kind
             )
             return self._error(contract.ALLOCATION_ERROR_STATUS, body_bytes)
-        live = _Live(rid)
-        self._live[rid] = live
+        live = _Live(request_no)
+        self._live[request_no] = live
         self.running += 1
         outcome = "cancelled"
         try:
@@ -331,10 +331,10 @@ class Engine:
             outcome = "ok"
             return web.Response(
                 body=full_body(
-                    self._rid(p, rid),
+                    self._completion_id(p, request_no),
                     int(time.time()),
                     p,
-                    self._text(rid, 0, p.max_tokens),
+                    self._text(request_no, 0, p.max_tokens),
                     prompt_tokens,
                 ),
                 content_type=JSON,
@@ -345,19 +345,19 @@ class Engine:
             return self._error(503, self._restarted_body())
         finally:
             if not live.restarted:  # after a restart the allocator and counters are already fresh
-                self._live.pop(rid, None)
-                alloc.free(rid)
+                self._live.pop(request_no, None)
+                alloc.free(request_no)
                 self.running -= 1
             self.outcomes[outcome] += 1
 
     def _prefill_s(self, prompt_tokens: int) -> float:
         return prompt_tokens / (self.config.prefill_tokens_per_s * self.config.speedup)
 
-    def _rid(self, p: Parsed, rid: int) -> str:
-        return f"{'chatcmpl' if p.chat else 'cmpl'}-{self._id_prefix}-{rid}"
+    def _completion_id(self, p: Parsed, request_no: int) -> str:
+        return f"{'chatcmpl' if p.chat else 'cmpl'}-{self._id_prefix}-{request_no}"
 
-    def _text(self, rid: int, pos: int, n: int) -> str:
-        return generated_text(rid * 7919 + self.config.seed + pos, n)
+    def _text(self, request_no: int, pos: int, n: int) -> str:
+        return generated_text(request_no * 7919 + self.config.seed + pos, n)
 
     def _restarted_body(self) -> bytes:
         return error_body(
@@ -378,27 +378,27 @@ class Engine:
             }
         )
         await resp.prepare(request)
-        rid_s = self._rid(p, live.rid)
+        completion_id = self._completion_id(p, live.request_no)
         created = int(time.time())
         loop = asyncio.get_running_loop()
         try:
             await self._sleep(live, self._prefill_s(prompt_tokens))
             t0 = loop.time()
             if p.chat:
-                await resp.write(chunk(rid_s, created, p, None, None, role=True))
+                await resp.write(chunk(completion_id, created, p, None, None, role=True))
             sent = 0
             total = p.max_tokens
             per = self._per_token_s
             while sent < total:
                 k = min(self._tokens_per_chunk, total - sent)
                 await self._sleep(live, t0 + (sent + k) * per - loop.time())
-                text = self._text(live.rid, sent, k)
+                text = self._text(live.request_no, sent, k)
                 sent += k
                 await resp.write(
-                    chunk(rid_s, created, p, text, "length" if sent == total else None)
+                    chunk(completion_id, created, p, text, "length" if sent == total else None)
                 )
             if p.include_usage:
-                await resp.write(usage_chunk(rid_s, created, p, prompt_tokens))
+                await resp.write(usage_chunk(completion_id, created, p, prompt_tokens))
             await resp.write(SSE_DONE)
             await resp.write_eof()
             return resp, "ok"

@@ -21,7 +21,7 @@ from loadtest.engine.allocators import make_allocator
 from loadtest.sim.model import HIGH_FREE, POLICY_NAMES, RESTART_MODES, SimConfig, SimResult
 from loadtest.sim.workload import ReqLike
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
-from proxy.routing.policy import Policy, RouteRequest, classify, make_policy
+from proxy.routing import Policy, RouteRequest, classify, make_policy
 
 __all__ = [
     "POLICY_NAMES",

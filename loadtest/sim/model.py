@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loadtest.sim.workload import HoldModel
+from proxy.config import QueueConfig, RetryConfig
 from proxy.routing.policy import PolicySettings
 
 POLICY_NAMES = ("kvroute", "round_robin", "least_loaded", "most_free", "oracle")
 RESTART_MODES = ("none", "uptime", "frag")
 HIGH_FREE = 0.25  # the problem statement's "failure while > 25% free" line
+# The gateway's own defaults, from the config model rather than retyped.
+_RETRY, _QUEUE = RetryConfig(), QueueConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +32,15 @@ class SimConfig:
     prefill_tps: float = 10_000.0  # prompt tokens per second per request
     decode_tps: float = 30.0  # output tokens per second per sequence
     max_concurrency: int = 0  # per node; 0 = unlimited
-    max_attempts: int = 3  # gateway: candidates tried per request
+    max_attempts: int = _RETRY.max_attempts  # gateway: candidates tried per request
     client_retries: int = 0  # blind client retries after a final failure
     client_retry_delay_s: float = 2.0
     report_lag_s: float = 0.0  # 0: every decision sees fresh reports; else scraped every lag s
-    ceiling_ttl_s: float = 30.0
-    queue_wait_s: float = 5.0  # queue.max_wait_s: a request nothing fits waits this long for room
-    queue_max: int = 256  # queue.max_size
+    ceiling_ttl_s: float = _RETRY.ceiling_ttl_s
+    queue_wait_s: float = (
+        _QUEUE.max_wait_s
+    )  # queue.max_wait_s: a request nothing fits waits this long for room
+    queue_max: int = _QUEUE.max_size  # queue.max_size
     settings: PolicySettings = field(default_factory=PolicySettings)
     hold: HoldModel = field(default_factory=HoldModel)
     restart: str = "none"

@@ -23,6 +23,7 @@ from loadtest.sim.replicas import ReplicaSearch, replicas_needed
 from loadtest.sim.report import document, print_report, write_json
 from loadtest.sim.runner import Job, WorkloadSpec, at_load, default_jobs, offered_load, run_jobs
 from loadtest.sim.workload import HoldModel, parse_mix, problem_mix
+from proxy.config import QueueConfig, RetryConfig, RoutingConfig
 from proxy.routing.policy import PolicySettings
 
 DEFAULT_TRACE = str(
@@ -160,12 +161,24 @@ def add_workload_options(ap: argparse.ArgumentParser) -> None:
 
 
 def add_gateway_options(ap: argparse.ArgumentParser) -> None:
+    # The gateway's own defaults, read from the config model rather than retyped here.
+    routing, retry, queue = RoutingConfig(), RetryConfig(), QueueConfig()
     g = ap.add_argument_group("gateway")
     g.add_argument(
-        "--long-threshold", type=int, default=8_000, help="routing.long_threshold_tokens"
+        "--long-threshold",
+        type=int,
+        default=routing.long_threshold_tokens,
+        help="routing.long_threshold_tokens",
     )
-    g.add_argument("--safety-margin", type=_fraction, default=0.02, help="routing.safety_margin")
-    g.add_argument("--max-attempts", type=int, default=3, help="retry.max_attempts")
+    g.add_argument(
+        "--safety-margin",
+        type=_fraction,
+        default=routing.safety_margin,
+        help="routing.safety_margin",
+    )
+    g.add_argument(
+        "--max-attempts", type=int, default=retry.max_attempts, help="retry.max_attempts"
+    )
     g.add_argument(
         "--client-retries", type=int, default=0, help="blind client retries after a failure"
     )
@@ -176,14 +189,16 @@ def add_gateway_options(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="scrape interval: decisions see reports this old (default: fresh)",
     )
-    g.add_argument("--ceiling-ttl", type=duration, default=30.0, help="retry.ceiling_ttl_s")
+    g.add_argument(
+        "--ceiling-ttl", type=duration, default=retry.ceiling_ttl_s, help="retry.ceiling_ttl_s"
+    )
     g.add_argument(
         "--queue-wait",
         type=float,
-        default=5.0,
+        default=queue.max_wait_s,
         help="queue.max_wait_s: seconds a request nothing fits may wait (0: fail at once)",
     )
-    g.add_argument("--queue-max", type=int, default=256, help="queue.max_size")
+    g.add_argument("--queue-max", type=int, default=queue.max_size, help="queue.max_size")
     r = ap.add_argument_group("restarts")
     r.add_argument(
         "--restart",

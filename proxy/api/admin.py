@@ -2,8 +2,11 @@
 
 Admin actions need the admin key (``admin.api_key`` / ``KVROUTE_ADMIN_KEY``), sent as
 ``Authorization: Bearer KEY`` or ``X-Admin-Key: KEY`` and compared in constant time. With no
-key configured they answer 404: disabled, not merely forbidden. The read-only endpoints
-(``/fleet/advice``, ``/fleet/events``, the status page at ``/``) are open like ``/fleet``.
+key configured they answer 404: disabled, not merely forbidden. So does the OpenAPI
+document (``/openapi.json``): it lists the admin routes. The read-only endpoints
+(``/fleet/advice``, ``/fleet/events``, the status page at ``/``) are open like ``/fleet``;
+their answers are cached for up to a second (``proxy.api.cache``) so a flood of them costs
+one computation per second, and events carry no hook output or URL (those go to the log).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.api.cache import Coalesced
 from proxy.errors import ApiError, RefusalReason, RestartRefused
 from proxy.ops.maintenance import Maintenance
 from proxy.state.base import StoreUnavailable
@@ -101,8 +105,20 @@ def _flag(request: Request, name: str) -> bool:
     return request.query_params.get(name, "").lower() in ("1", "true", "yes")
 
 
+# How old an open read endpoint's answer may be (advice and events change every few seconds).
+READ_CACHE_S = 1.0
+
+
 def ops_router() -> APIRouter:
     router = APIRouter()
+    advice_cache: Coalesced[bytes] = Coalesced(READ_CACHE_S)
+    events_cache: Coalesced[list[dict[str, Any]]] = Coalesced(READ_CACHE_S)
+
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        if (denied := check_admin(request)) is not None:
+            return denied
+        return _json(request.app.openapi())
 
     @router.post("/admin/backends/{name}/drain")
     async def drain(name: str, request: Request) -> Response:
@@ -145,16 +161,22 @@ def ops_router() -> APIRouter:
     @router.get("/fleet/advice")
     async def advice(request: Request) -> Response:
         ops = _ops(request)
-        current = await ops.evaluate()
-        body = current.to_json()
-        body["maintenance"] = {
-            "enabled": ops.m.enabled,
-            "acts": ops.acts,
-            "hook": ops.hook.kind,
-            "restarting": ops.restarting,
-            "max_concurrent_restarts": ops.m.max_concurrent_restarts,
-        }
-        return _json(body)
+
+        async def compute() -> bytes:
+            body = (await ops.evaluate()).to_json()
+            body["maintenance"] = {
+                "enabled": ops.settings.enabled,
+                "acts": ops.acts,
+                "hook": ops.hook.kind,
+                "restarting": ops.restarting,
+                "max_concurrent_restarts": ops.settings.max_concurrent_restarts,
+            }
+            return orjson.dumps(body)
+
+        payload = await advice_cache.get("advice", compute)
+        return Response(
+            payload, media_type="application/json", headers={"cache-control": "no-store"}
+        )
 
     @router.get("/fleet/events")
     async def events(request: Request) -> Response:
@@ -164,8 +186,9 @@ def ops_router() -> APIRouter:
                 400, "limit must be an integer within 1..1000", param="limit", code="invalid_value"
             ).response()
         backend = request.query_params.get("backend")
+        store = _ops(request).store
         try:
-            items = await _ops(request).store.events(int(raw))
+            items = await events_cache.get(int(raw), lambda: store.events(int(raw)))
         except StoreUnavailable:
             return ApiError(
                 503, "state store unavailable", type="server_error", code="store_unavailable"

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.api.admin import ops_router
+from proxy.api.cache import Coalesced
 from proxy.api.limits import RequestGuard
-from proxy.api.models import fleet_models
+from proxy.api.models import fleet_models, kind_errors, lookup_from
 from proxy.backends.collector import Collector
-from proxy.config import Config
+from proxy.backends.discovery import Discovery, make_discovery
+from proxy.config import BackendConfig, Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError
 from proxy.gateway.metrics import GatewayMetrics
@@ -38,7 +40,7 @@ from proxy.gateway.sizing import load_sizer
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
-from proxy.routing.policy import PolicySettings, make_policy
+from proxy.routing import PolicySettings, make_policy
 from proxy.state import open_store, with_local_fallback
 from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache
@@ -146,6 +148,21 @@ def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]
     return out
 
 
+def follow_backends(rt: Runtime, ops: Maintenance) -> Callable[[list[BackendConfig]], None]:
+    """Hand a discovered backend list to every part that keeps one."""
+
+    def apply(backends: list[BackendConfig]) -> None:
+        cfg = rt.cfg.model_copy(update={"backends": backends})
+        rt.cfg = cfg
+        rt.fleet.reconfigure(cfg)
+        rt.gateway.reconfigure(cfg)
+        ops.reconfigure(cfg)
+        if rt.collector is not None:
+            rt.collector.reconfigure(cfg)
+
+    return apply
+
+
 def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
@@ -175,12 +192,13 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         gateway = Gateway(
             cfg, st, fleet, make_policy(cfg.routing.policy, settings), upstream, metrics, st.now
         )
+        gateway.kind_errors = kind_errors  # each backend kind's adapter reads its errors
         await gateway.start()  # active health checks (proxy.upstream.health)
         collector = Collector(cfg, st, owner) if run_collector else None
         metrics.attach_fleet(lambda: fleet.latest, st.now)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
         if collector is not None:
-            gateway.models_info = collector.models
+            gateway.models_info = lookup_from(collector.models)
             collector.on_report.append(lambda name, report: gateway.admission.notify())
             collector.start()
         app.state.rt = Runtime(cfg, st, fleet, gateway, collector, upstream, metrics, owner)
@@ -192,15 +210,25 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             collector.on_report.append(ops.on_report)
         metrics.registry.register(OpsCollector(ops, st.now))
         app.state.ops = ops
+        # Discovery (kubernetes, dns) changes the backend list while serving; static: None.
+        discovery: Discovery | None = make_discovery(cfg)
+        if discovery is not None:
+            discovery.on_change.append(follow_backends(app.state.rt, ops))
+            await discovery.start()
+        app.state.discovery = discovery
         ops.start()
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)
         log.info(
-            "kvroute gateway ready: %d backends, policy %s", len(cfg.backends), cfg.routing.policy
+            "kvroute gateway ready: %d backends, policy %s",
+            len(app.state.rt.cfg.backends),
+            cfg.routing.policy,
         )
         try:
             yield
         finally:
+            if discovery is not None:
+                await discovery.stop()
             await ops.stop()
             if collector is not None:
                 await collector.stop()
@@ -209,8 +237,15 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             if store is None:
                 await st.close()
 
+    # No public OpenAPI document (it lists the admin routes): /openapi.json is served to the
+    # admin key only (proxy.api.admin), and there is no /docs page.
     app = FastAPI(
-        title="kvroute", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+        title="kvroute",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.add_middleware(
         RequestGuard, cfg=cfg
@@ -269,7 +304,8 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
 
         async def one(name: str) -> list[dict[str, Any]]:
             try:
-                status, body = await r.upstream.get(r.gateway.urls[name] + "/v1/models", 2.0)
+                url = r.gateway.urls[name] + "/v1/models"
+                status, body = await r.upstream.get(url, 2.0, r.gateway.auth_headers(name))
                 data = orjson.loads(body) if status == 200 else {}
                 items = data.get("data", []) if isinstance(data, dict) else []
                 return [m for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)]
@@ -300,27 +336,39 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             200 if status != "no_backends" else 503,
         )
 
+    # Open read endpoints: callers that arrive while an answer is being computed share it, so
+    # a flood costs one computation at a time (proxy.api.cache); answers stay live (age 0).
+    live: Coalesced[bytes] = Coalesced(0.0)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(
-            generate_latest(rt(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
+        async def render() -> bytes:
+            return generate_latest(rt(request).metrics.registry)
+
+        return Response(await live.get("metrics", render), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/fleet")
     async def fleet(request: Request) -> Response:
         r = rt(request)
-        snap = await r.fleet.snapshot(
-            force=True
-        )  # operators want the live state, not the router's cache
-        now = r.store.now()
-        return _json(
-            {
-                "taken_at": snap.taken_at,
-                "degraded": r.fleet.degraded,
-                "policy": r.cfg.routing.policy,
-                "queue_depth": r.gateway.admission.depth,
-                "backends": snapshot_json(snap, now),
-            }
-        )
+
+        async def render() -> bytes:
+            # Operators want the live state, not the router's cache.
+            snap = await r.fleet.snapshot(force=True)
+            return orjson.dumps(
+                {
+                    "taken_at": snap.taken_at,
+                    "degraded": r.fleet.degraded,
+                    "policy": r.cfg.routing.policy,
+                    "queue_depth": r.gateway.admission.depth,
+                    # What this replica still holds: a leak shows here before any TTL hides it.
+                    "reservations": {
+                        "held": len(r.gateway.ledger.held),
+                        "pending_releases": len(r.gateway.ledger.pending),
+                    },
+                    "backends": snapshot_json(snap, r.store.now()),
+                }
+            )
+
+        return Response(await live.get("fleet", render), media_type="application/json")
 
     return app

@@ -8,10 +8,32 @@ longest request the fleet accepts) and ``backends``, the names serving it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from proxy.backends.base import ModelsInfo
+from proxy.backends.registry import adapter_for
 from proxy.config import Config
 from proxy.gateway.models import ModelsLookup, build_catalog
+
+
+def lookup_from(models: Callable[[str], ModelsInfo | None]) -> ModelsLookup:
+    """The collector's cache as the gateway reads it: model id -> max_model_len."""
+
+    def lookup(name: str) -> Mapping[str, int | None] | None:
+        info = models(name)
+        return None if info is None else {m.id: m.max_model_len for m in info.models}
+
+    return lookup
+
+
+def kind_errors(kind: str, status: int, body: bytes) -> str | None:
+    """A backend kind's own reading of an error answer (``Adapter.classify_error``)."""
+    try:
+        adapter = adapter_for(kind)
+    except KeyError:
+        return None
+    return adapter.classify_error(status, body)
 
 
 def fleet_models(cfg: Config, lookup: ModelsLookup, created: int) -> dict[str, Any] | None:

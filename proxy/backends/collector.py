@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 
@@ -41,6 +41,7 @@ from proxy.backends.parse import ScrapeError, parse_report
 from proxy.config import BackendConfig, Config
 from proxy.core.fleet import MemoryReport
 from proxy.state.base import StateStore, StoreUnavailable
+from proxy.tasks import PeriodicTask
 
 __all__ = ["LOCK_NAME", "Collector", "ReportHook", "ScrapeError", "ScrapeOutcome", "parse_report"]
 
@@ -52,8 +53,11 @@ ACCEPT = (
     "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # the classic text format that the parser reads
 )
 
-ReportHook = Callable[[str, MemoryReport], object]
-"""Called as ``hook(name, report)`` after each successful scrape; may return an awaitable."""
+
+class ReportHook(Protocol):
+    """Called as ``hook(name, report)`` after each successful scrape; may return an awaitable."""
+
+    def __call__(self, name: str, report: MemoryReport) -> object: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +122,13 @@ class Collector:
         self._client: httpx.AsyncClient | None = None
         self._client_slots = 0
         self._background: set[asyncio.Task[None]] = set()  # old clients being closed
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
-        self._c = _Counters()
+        self._loop = PeriodicTask(
+            f"kvroute-collector-{owner_id}",
+            lambda: self.scrape_once(),
+            lambda: self.interval_s,
+            on_error=self._round_failed,
+        )
+        self._counters = _Counters()
         self.on_report: list[ReportHook] = []
         self._models = ModelsDirectory()
 
@@ -140,32 +148,25 @@ class Collector:
         """Take a reloaded config; the next round scrapes the new backend list."""
         self._config = config
         names = {b.name for b in config.backends}
-        for gone in set(self._c.backends) - names:
-            del self._c.backends[gone]
+        for gone in set(self._counters.backends) - names:
+            del self._counters.backends[gone]
         # URLs or kinds may have changed: ask every backend for its models again.
         self._models = ModelsDirectory()
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._task is not None and not self._task.done():
-            return
-        self._stopping = False
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"kvroute-collector-{self._owner}"
-        )
+        self._loop.start()
 
     async def stop(self) -> None:
         """Stop the loop, hand the lock back (so another replica takes over at once), close the client."""
-        task, self._task = self._task, None
-        if task is not None:
-            await self._finish(task)
-        if self._c.leader:
-            self._c.leader = False
+        await self._loop.stop(max(5.0, 3.0 * self._config.collector.timeout_s))
+        if self._counters.leader:
+            self._counters.leader = False
             try:
                 await self._store.unlock(LOCK_NAME, self._owner)
             except StoreUnavailable:
-                self._c.store_errors_total += 1
+                self._counters.store_errors_total += 1
                 log.warning(
                     "collector: store unavailable while releasing the lock (it will expire)"
                 )
@@ -173,47 +174,13 @@ class Collector:
             client, self._client = self._client, None
             await client.aclose()
 
-    async def _finish(self, task: asyncio.Task[None]) -> None:
-        """Cancel the loop and wait for it, bounded.
-
-        Why not a bare ``await task``: timeout helpers in libraries below us (HTTP, Redis)
-        can turn a cancellation that races their own deadline into their timeout error and
-        swallow it; the loop then runs on and a bare await would never return. The
-        ``_stopping`` flag ends the loop at its next turn whatever happened to the
-        cancellation, and the cancellation is repeated until the task is done.
-        """
-        self._stopping = True
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + max(5.0, 3.0 * self._config.collector.timeout_s)
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.2)
-            if not task.done() and loop.time() > give_up_at:
-                log.error("collector: the scrape loop did not stop; leaving it behind")
-                return
-        if not task.cancelled() and task.exception() is not None:
-            log.error("collector: the scrape loop had failed", exc_info=task.exception())
-
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._loop.running
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
-        while not self._stopping:
-            try:
-                await self.scrape_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the loop must outlive anything one round does
-                self._c.round_errors_total += 1
-                log.exception("collector: round failed")
-            next_at += self.interval_s
-            now = loop.time()
-            if next_at < now:  # fell behind (slow round): start again from now, no burst
-                next_at = now
-            await asyncio.sleep(next_at - now)
+    def _round_failed(self, exc: Exception) -> None:
+        self._counters.round_errors_total += 1
+        log.error("collector: round failed", exc_info=exc)
 
     # --- one round -----------------------------------------------------------------------
 
@@ -226,14 +193,14 @@ class Collector:
         models = self._refresh_models(backends)
         if leader is False:
             await models
-            self._c.rounds_skipped_total += 1
+            self._counters.rounds_skipped_total += 1
             return None
         outcomes, _ = await asyncio.gather(
             asyncio.gather(*(self._scrape(b) for b in backends)), models
         )
         await asyncio.gather(*(self._publish(o) for o in outcomes))
-        self._c.rounds_total += 1
-        self._c.last_round_at = self._clock()
+        self._counters.rounds_total += 1
+        self._counters.last_round_at = self._clock()
         return {o.name: o for o in outcomes}
 
     async def _take_lock(self) -> bool | None:
@@ -242,12 +209,12 @@ class Collector:
             got = await self._store.try_lock(LOCK_NAME, self._owner, self.lock_ttl_s)
         except StoreUnavailable as exc:
             self._store_failed("try_lock", exc)
-            self._c.leader = False
+            self._counters.leader = False
             return None
         self._store_recovered()
-        if got != self._c.leader:
+        if got != self._counters.leader:
             log.info("collector: %s %s the scrape lock", self._owner, "took" if got else "lost")
-        self._c.leader = got
+        self._counters.leader = got
         return got
 
     def _http(self) -> httpx.AsyncClient:
@@ -282,7 +249,8 @@ class Collector:
             if backend.metrics_path.startswith("/")
             else "/" + backend.metrics_path
         )
-        url = backend.base_url + path
+        url = backend.plain_url + path
+        cred = backend.credential()
         timeout_s = self._config.collector.timeout_s
         client = self._http()
         taken_at = self._clock()  # the figures are no older than this
@@ -292,7 +260,9 @@ class Collector:
             # Bounded by httpx's own per-phase timeouts (connect, send, each read) plus the
             # deadline checked per chunk, which stops a server that drips its body. Not by
             # asyncio.timeout: a native cancellation racing httpx's timeouts can be lost.
-            async with client.stream("GET", url) as resp:
+            async with client.stream(
+                "GET", url, headers={"authorization": cred} if cred is not None else None
+            ) as resp:
                 if resp.status_code != 200:
                     raise ScrapeError(f"HTTP {resp.status_code} from {path}")
                 body = bytearray()
@@ -325,7 +295,7 @@ class Collector:
         return ScrapeOutcome(backend.name, None, reason, time.perf_counter() - started)
 
     async def _publish(self, o: ScrapeOutcome) -> None:
-        st = self._c.backends.setdefault(o.name, _BackendStatus())
+        st = self._counters.backends.setdefault(o.name, _BackendStatus())
         now = self._clock()
         st.scrapes_total += 1
         st.last_scrape_at = now
@@ -375,21 +345,21 @@ class Collector:
         except StoreUnavailable as exc:
             self._store_failed(what, exc)
         except Exception:  # a store bug: logged loudly, but the other backends still publish
-            self._c.round_errors_total += 1
+            self._counters.round_errors_total += 1
             log.exception("collector: store %s failed unexpectedly", what)
         else:
             self._store_recovered()
 
     def _store_failed(self, what: str, exc: Exception) -> None:
-        self._c.store_errors_total += 1
-        if self._c.store_ok:
+        self._counters.store_errors_total += 1
+        if self._counters.store_ok:
             log.warning("collector: state store unavailable (%s): %s", what, exc)
-        self._c.store_ok = False
+        self._counters.store_ok = False
 
     def _store_recovered(self) -> None:
-        if not self._c.store_ok:
+        if not self._counters.store_ok:
             log.info("collector: state store reachable again")
-        self._c.store_ok = True
+        self._counters.store_ok = True
 
     async def _run_hooks(self, name: str, report: MemoryReport) -> None:
         for hook in list(self.on_report):
@@ -398,7 +368,7 @@ class Collector:
                 if inspect.isawaitable(result):
                     await result
             except Exception:  # a consumer's bug must not stop collection
-                self._c.hook_errors_total += 1
+                self._counters.hook_errors_total += 1
                 log.exception("collector: on_report hook %r failed for %s", hook, name)
 
     # --- served models (GET /v1/models, cached) ------------------------------------------------
@@ -428,20 +398,20 @@ class Collector:
         now = self._clock()
         stale_after = self._config.collector.stale_after_s
         backends: dict[str, dict[str, Any]] = {}
-        for name, st in self._c.backends.items():
+        for name, st in self._counters.backends.items():
             d = asdict(st)
             d["stale"] = st.last_success_at <= 0 or now - st.last_success_at > stale_after
             backends[name] = d
         return {
             "owner_id": self._owner,
             "running": self.running,
-            "leader": self._c.leader,
-            "store_ok": self._c.store_ok,
-            "rounds_total": self._c.rounds_total,
-            "rounds_skipped_total": self._c.rounds_skipped_total,
-            "round_errors_total": self._c.round_errors_total,
-            "store_errors_total": self._c.store_errors_total,
-            "hook_errors_total": self._c.hook_errors_total,
-            "last_round_at": self._c.last_round_at,
+            "leader": self._counters.leader,
+            "store_ok": self._counters.store_ok,
+            "rounds_total": self._counters.rounds_total,
+            "rounds_skipped_total": self._counters.rounds_skipped_total,
+            "round_errors_total": self._counters.round_errors_total,
+            "store_errors_total": self._counters.store_errors_total,
+            "hook_errors_total": self._counters.hook_errors_total,
+            "last_round_at": self._counters.last_round_at,
             "backends": backends,
         }

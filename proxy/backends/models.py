@@ -55,7 +55,10 @@ class ModelsDirectory:
         )
         try:
             # Bounded by the client's own timeouts, and by size here.
-            async with client.stream("GET", backend.base_url + path) as resp:
+            # The backend's own credential (api_key, or the URL's user:pass), as the gateway sends it.
+            cred = backend.credential()
+            headers = {"authorization": cred} if cred is not None else None
+            async with client.stream("GET", backend.plain_url + path, headers=headers) as resp:
                 if resp.status_code != 200:
                     raise ValueError(f"HTTP {resp.status_code} from {path}")
                 body = bytearray()

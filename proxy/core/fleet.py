@@ -14,6 +14,14 @@ from proxy.core.lazy import lazy_headroom
 
 AllocatorKind = Literal["contiguous", "paged"]
 
+# Why an allocation failed: the memory was there but broken up, or it was not there.
+FailureCause = Literal["fragmentation", "capacity"]
+
+
+def classify_failure(demand: int, free_tokens: int | None) -> FailureCause:
+    """``fragmentation`` when the free memory would have held the demand, just not in one block."""
+    return "fragmentation" if free_tokens is not None and free_tokens >= demand else "capacity"
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryReport:
@@ -41,6 +49,12 @@ class MemoryReport:
     # (vLLM, SGLang, TGI), instead of failing at admission (kvroute's contiguous engine).
     queueing: bool = False
     sleeping: bool = False  # vLLM sleep mode: near-zero usage that must not look empty
+
+    def whole_blocks(self, tokens: float) -> float:
+        """``tokens`` rounded up to whole blocks where the allocator hands out blocks (paged)."""
+        if self.allocator == "paged" and self.block_size > 1:
+            return float(-(-int(tokens) // self.block_size) * self.block_size)
+        return tokens
 
     @property
     def free_fraction(self) -> float:
@@ -92,6 +106,12 @@ class NodeView:
     def stale(self, now: float, stale_after_s: float) -> bool:
         return self.report is None or now - self.report.reported_at > stale_after_s
 
+    def usable_free(self) -> int:
+        """Free memory by its report less pending reservations (never below 0; 0 without a report)."""
+        if self.report is None:
+            return 0
+        return max(0, self.report.free_tokens - self.overlay.pending_tokens)
+
     def usable_block(self) -> int:
         """The largest request this node can take now.
 
@@ -115,13 +135,8 @@ class NodeView:
         if self.overlay.pressure:
             return False
         need = demand * (1.0 + safety_margin)
-        if (
-            self.report is not None
-            and self.report.allocator == "paged"
-            and self.report.block_size > 1
-        ):
-            bs = self.report.block_size
-            need = -(-int(need) // bs) * bs  # whole blocks
+        if self.report is not None:
+            need = self.report.whole_blocks(need)
         return need <= self.usable_block()
 
 

@@ -17,13 +17,18 @@ from typing import TYPE_CHECKING
 from aiohttp import ClientResponse
 from starlette.responses import Response
 
-from proxy.backends.registry import adapter_for
-from proxy.core.fleet import FleetSnapshot
+from proxy.core.fleet import FailureCause, FleetSnapshot, classify_failure
 from proxy.errors import ApiError, UpstreamBroken, UpstreamFailure, upstream_answer
 from proxy.gateway.context import FAILURE_RESULTS, AttemptResult, RequestContext
 from proxy.gateway.divert import divert, record_allocation_failure
-from proxy.upstream.classify import UpstreamVerdict, classify_response, is_json_object
-from proxy.upstream.client import BodyTimeout, read_body, read_limited, response_headers
+from proxy.upstream.classify import UpstreamVerdict, Verdict, classify_response, is_json_object
+from proxy.upstream.client import (
+    AnswerTooLarge,
+    BodyTimeout,
+    read_body,
+    read_limited,
+    response_headers,
+)
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -82,10 +87,18 @@ def by_kind(
     if verdict.verdict == "allocation" and verdict.free_tokens is not None:
         return verdict
     try:
-        kind = adapter_for(gw.cfg.backend(backend).kind).classify_error(status, body)
+        read = _KIND_VERDICTS.get(gw.kind_errors(gw.cfg.backend(backend).kind, status, body) or "")
     except KeyError:
         return verdict
-    return dataclasses.replace(verdict, verdict=kind) if kind != verdict.verdict else verdict
+    return dataclasses.replace(verdict, verdict=read) if read is not None else verdict
+
+
+_KIND_VERDICTS: dict[str, Verdict] = {
+    "allocation": "allocation",
+    "overload": "overload",
+    "client_error": "client_error",
+    "server_error": "server_error",
+}
 
 
 def _allocation_failed(
@@ -150,13 +163,14 @@ def _failed_or_busy(
 
 def cause_at_backend(
     verdict: UpstreamVerdict, demand: int, backend: str, snap: FleetSnapshot
-) -> str:
-    """Fragmentation when the backend had enough free memory in total, else capacity."""
+) -> FailureCause:
+    """Fragmentation when the backend had enough free memory in total (its error's figure,
+    else its last report), else capacity."""
     free = verdict.free_tokens
     if free is None:
         node = snap.by_name().get(backend)
         free = node.report.free_tokens if node is not None and node.report is not None else None
-    return "fragmentation" if free is not None and free >= demand else "capacity"
+    return classify_failure(demand, free)
 
 
 async def whole_answer(
@@ -164,7 +178,13 @@ async def whole_answer(
 ) -> Response | None:
     """A non-streamed 2xx: read it all (nothing reached the client yet, so a failure may still divert)."""
     try:
-        body = await read_body(resp, gw.cfg.upstream.idle_timeout_s, ctx.deadline)
+        body = await read_body(
+            resp, gw.cfg.upstream.idle_timeout_s, ctx.deadline, gw.cfg.upstream.max_answer_bytes
+        )
+    except AnswerTooLarge as exc:
+        message = f"backend {backend} sent an answer too large to relay: {exc}"
+        broken_answer(gw, ctx, backend, resp, "bad_response", message)
+        return None
     except BodyTimeout as exc:
         message = f"backend {backend} stopped answering: {exc}"
         broken_answer(gw, ctx, backend, resp, exc.failure, message)

@@ -17,10 +17,11 @@ from starlette.responses import Response
 
 from proxy.core.validation import Endpoint
 from proxy.errors import UpstreamConnectError, UpstreamError, upstream_answer
-from proxy.gateway.answers import error_answer, whole_answer
+from proxy.gateway.answers import broken_answer, error_answer, whole_answer
 from proxy.gateway.context import FAILURE_RESULTS, RequestContext
 from proxy.gateway.divert import divert
 from proxy.gateway.stream import start_stream
+from proxy.upstream.client import with_credential
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -35,16 +36,20 @@ async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | 
     started = time.perf_counter()
     ttfb_deadline = min(loop.time() + gw.cfg.upstream.ttfb_timeout_s, ctx.deadline)
     resp: ClientResponse | None = None
+    headers = with_credential(ctx.upstream_headers, gw.credentials[backend])
     try:
         try:
-            resp = await gw.upstream.post(
-                url, ctx.parsed.raw, ctx.upstream_headers, ttfb_deadline - loop.time()
-            )
+            resp = await gw.upstream.post(url, ctx.parsed.raw, headers, ttfb_deadline - loop.time())
         except UpstreamError as exc:
             _not_answered(gw, ctx, backend, exc)
             return None
         if resp.status >= 400:
             return await error_answer(gw, ctx, backend, resp)
+        if resp.status >= 300:
+            # Not followed (the prompt would go elsewhere) and not relayed: a broken answer.
+            message = f"backend {backend} answered a redirect (HTTP {resp.status})"
+            broken_answer(gw, ctx, backend, resp, "bad_response", message)
+            return None
         if ctx.parsed.stream and resp.headers.get("content-type", "").lower().startswith(
             "text/event-stream"
         ):

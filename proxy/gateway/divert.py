@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from starlette.responses import Response
 
-from proxy.core.fleet import FleetSnapshot
+from proxy.core.fleet import FailureCause, FleetSnapshot
 from proxy.gateway.context import AttemptResult, RequestContext
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class AllocationFailureHook(Protocol):
     """Told about every allocation failure (``backend`` is "" when nothing fit at the gateway)."""
 
     def __call__(
-        self, backend: str, cause: str, demand: int, fleet_free_fraction: float
+        self, backend: str, cause: FailureCause, demand: int, fleet_free_fraction: float
     ) -> None: ...
 
 
@@ -101,7 +101,7 @@ def cool_down(gw: Gateway, backend: str, retry_after_s: float) -> None:
 
 
 def record_allocation_failure(
-    gw: Gateway, backend: str, cause: str, demand: int, snap: FleetSnapshot
+    gw: Gateway, backend: str, cause: FailureCause, demand: int, snap: FleetSnapshot
 ) -> None:
     """Count an allocation failure and tell the hooks (the fleet operations' diagnosis)."""
     cap = snap.total_capacity()

@@ -56,14 +56,30 @@ async def read_and_parse(cfg: Config, request: Request, endpoint: Endpoint) -> P
     )
 
 
-def retry_key(cfg: Config, request: Request, raw: bytes) -> str | None:
-    """What identifies the client's retry of this request (to keep it off nodes that failed it)."""
+def retry_key(cfg: Config, request: Request, parsed: ParsedRequest) -> str | None:
+    """What identifies the client's retry of this request (to keep it off nodes that failed it).
+
+    Namespaced by who sent it (a digest of its API key, or its address when auth is off) and
+    by model: another client choosing the same Idempotency-Key must not steer this one.
+    """
     key = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
     if key:
-        return key[:200]
-    if cfg.retry.hash_body:
-        return "body:" + hashlib.blake2b(raw, digest_size=16).hexdigest()
-    return None
+        key = key[:200]
+    elif cfg.retry.hash_body:
+        key = "body:" + hashlib.blake2b(parsed.raw, digest_size=16).hexdigest()
+    else:
+        return None
+    return f"{client_namespace(cfg, request)}|{parsed.model[:200]}|{key}"
+
+
+def client_namespace(cfg: Config, request: Request) -> str:
+    """Who the client is, for retry keys: its API key's digest, else its address."""
+    if cfg.auth.api_keys:
+        # The guard let exactly one Authorization header through, holding a valid key.
+        token = request.headers.get("authorization", "").encode()
+        return "key:" + hashlib.blake2b(token, digest_size=12).hexdigest()
+    client = request.client
+    return "addr:" + (client.host if client is not None else "-")
 
 
 def max_capacity(cfg: Config, snap: FleetSnapshot) -> int | None:
@@ -101,7 +117,7 @@ async def open_request(
             param="messages" if parsed.endpoint == "chat" else "prompt",
             code="context_length_exceeded",
         )
-    key = retry_key(gw.cfg, request, parsed.raw)
+    key = retry_key(gw.cfg, request, parsed)
     ctx = RequestContext(
         request=request,
         parsed=parsed,
@@ -114,7 +130,7 @@ async def open_request(
         cls=cls,
         snap=snap,
         retry_key=key,
-        upstream_headers=forward_headers(request.headers),
+        upstream_headers=forward_headers(request.headers, bool(gw.cfg.auth.api_keys)),
         ruled_out=served.ruled_out | too_small,
     )
     if key is not None:

@@ -11,6 +11,15 @@ entry (measured: 9,011 tokens held for 897 s). A reserve that never reached the 
 breaker was open) needs no release, so none is queued for it. ``reserve()`` runs the
 store call itself so that a request cancelled while its reserve is in flight still
 releases whatever that call reserved, after the call is done (never before it).
+
+After the store was unreachable (a Redis restart, a Sentinel failover) the store may not know
+what this gateway has placed: requests placed in degraded mode have no reservation, and
+reservations acknowledged by a master that died before replicating them are gone. Those
+requests still hold memory on their nodes, and until a report taken after they allocated
+reaches the store, the fit check would not see them. So before its next reservation the
+gateway re-asserts every reservation it holds (same id, tokens, creation time and expiry;
+no fit check): the store counts them as pending against any older report again, and no node
+is over-committed once the store is back.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from collections.abc import Awaitable, Callable
 
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker
+from proxy.tasks import PeriodicTask
 
 log = logging.getLogger("kvroute.reservations")
 
@@ -51,22 +61,97 @@ class ReservationLedger:
         self.unsent: set[Key] = set()  # reserves the breaker stopped: nothing to release
         self.unsure: set[Key] = set()  # reserves that timed out once sent: release with forget
         self.pending: dict[Key, float] = {}  # releases to retry -> give up at
-        self._flusher: asyncio.Task[None] | None = None
+        self.claims: dict[Key, tuple[int, float]] = {}  # -> (tokens, created at), to re-assert
+        # Set when the store failed us: it may be missing some of what we hold.
+        self.store_may_have_lost = False
+        self.reasserted = 0
+        self._reasserting = asyncio.Lock()
+        # Runs only while releases are queued: started by a failed release, ends when none is left.
+        self._retries = PeriodicTask(
+            "kvroute-release-retry",
+            self.flush,
+            retry_interval_s,
+            wait_first=True,
+            keep_going=self._still_pending,
+        )
         self._bg: set[asyncio.Task[object]] = set()
 
-    def hold(self, backend: str, rid: str, *, sent: bool = True) -> None:
+    def hold(
+        self,
+        backend: str,
+        reservation_id: str,
+        *,
+        sent: bool = True,
+        tokens: int = 0,
+        created_at: float = 0.0,
+    ) -> None:
         """Record a reservation (also one whose reserve call failed: it may still land).
 
         ``sent=False``: the reserve never reached the store (breaker open), so its release
-        is a no-op rather than a queued retry.
+        is a no-op rather than a queued retry. ``tokens``/``created_at``: what to re-assert
+        after a store outage.
         """
+        key = (reservation_id, backend)
+        if tokens > 0:
+            self.claims[key] = (tokens, created_at)
         if sent:
-            self.held[(rid, backend)] = True
-            self.unsent.discard((rid, backend))
+            self.held[key] = True
+            self.unsent.discard(key)
         else:
-            self.unsent.add((rid, backend))
+            self.unsent.add(key)
 
-    async def reserve(self, backend: str, rid: str, call: Callable[[], Awaitable[bool]]) -> bool:
+    def mark_unsure(self) -> None:
+        """The store failed a call: re-assert what we hold once it answers again."""
+        self.store_may_have_lost = True
+
+    async def reassert(self, chunk: int = 32) -> None:
+        """Write every held reservation again if the store may have lost some (see above).
+
+        Cheap when nothing failed (one flag test). Fails quietly while the store is still down
+        (the breaker answers at once) and tries again before the next reservation.
+        """
+        if not self.store_may_have_lost:
+            return
+        async with self._reasserting:
+            if not self.store_may_have_lost:
+                return
+            todo = [(key, *self.claims[key]) for key in self.claims if key in self.held]
+            try:
+                for i in range(0, len(todo), chunk):
+                    await asyncio.gather(*(self._reassert_one(*t) for t in todo[i : i + chunk]))
+            except StoreUnavailable:
+                self.on_error("reassert")
+                return
+            self.store_may_have_lost = False
+            self.reasserted += len(todo)
+            if todo:
+                log.info("re-asserted %d reservations after a store outage", len(todo))
+
+    async def _reassert_one(self, key: Key, tokens: int, created_at: float) -> None:
+        if key not in self.held:
+            return  # released meanwhile
+        reservation_id, backend = key
+        await self.breaker.call(
+            functools.partial(
+                self.store.reserve,
+                backend,
+                reservation_id,
+                tokens,
+                created_at,
+                self.ttl_s,
+                check_fit=False,
+            ),
+            "reserve",
+        )
+
+    async def reserve(
+        self,
+        backend: str,
+        reservation_id: str,
+        call: Callable[[], Awaitable[bool]],
+        tokens: int = 0,
+        created_at: float = 0.0,
+    ) -> bool:
         """Run one reserve call through the breaker and hold whatever it may have reserved.
 
         Returns the store's answer; raises StoreUnavailable (holding the id when the call
@@ -80,25 +165,29 @@ class ReservationLedger:
             sent = True
             return await call()
 
+        # After a store outage, first tell the store what this gateway already placed.
+        await self.reassert()
         task = asyncio.ensure_future(self.breaker.call(sent_call, "reserve"))
         try:
             ok = await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._release_after(t, backend, rid, sent))
+            task.add_done_callback(lambda t: self._release_after(t, backend, reservation_id, sent))
             raise
         except StoreUnavailable:
             self.on_error("reserve")
-            self.hold(backend, rid, sent=sent)
+            self.hold(backend, reservation_id, sent=sent, tokens=tokens, created_at=created_at)
+            # Re-assert it once the store answers, in case it never landed.
+            self.mark_unsure()
             if sent:
                 # A timed-out reserve may still land after our release: release it "unsure".
-                self.unsure.add((rid, backend))
+                self.unsure.add((reservation_id, backend))
             raise
         if ok:
-            self.hold(backend, rid)
+            self.hold(backend, reservation_id, tokens=tokens, created_at=created_at)
         return ok
 
     def _release_after(
-        self, task: asyncio.Future[bool], backend: str, rid: str, sent: bool
+        self, task: asyncio.Future[bool], backend: str, reservation_id: str, sent: bool
     ) -> None:
         """The cancelled request's reserve call ended: release what it may have reserved."""
         if task.cancelled():
@@ -108,22 +197,23 @@ class ReservationLedger:
         else:
             landed = bool(task.result())
         if landed:
-            self.hold(backend, rid)
-            self._spawn(self.release(backend, rid, unsure=True))
+            self.hold(backend, reservation_id)
+            self._spawn(self.release(backend, reservation_id, unsure=True))
 
     def _spawn(self, coro: Awaitable[object]) -> None:
         t = asyncio.ensure_future(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
-    async def release(self, backend: str, rid: str, *, unsure: bool = False) -> None:
+    async def release(self, backend: str, reservation_id: str, *, unsure: bool = False) -> None:
         """Release one reservation; a failed release is queued and retried.
 
         ``unsure``: the reserve's outcome is unknown (it timed out, or may still be on its
         way), so the store is told to ``forget`` the id: a reserve landing later is refused.
         """
-        key = (rid, backend)
+        key = (reservation_id, backend)
         self.held.pop(key, None)
+        self.claims.pop(key, None)
         if key in self.unsure:
             self.unsure.discard(key)
             unsure = True
@@ -131,23 +221,18 @@ class ReservationLedger:
             self.unsent.discard(key)
             return  # the reserve never reached the store: nothing there to release
         try:
-            await self.breaker.call(lambda: self._drop(backend, rid, unsure), "release")
+            await self.breaker.call(lambda: self._drop(backend, reservation_id, unsure), "release")
         except StoreUnavailable:
             self.on_error("release")
+            self.mark_unsure()
             self.pending[key] = self.clock() + self.ttl_s
-            self._ensure_flusher()
+            self._retries.start()
 
-    async def _drop(self, backend: str, rid: str, unsure: bool) -> None:
+    async def _drop(self, backend: str, reservation_id: str, unsure: bool) -> None:
         if unsure:
-            await self.store.forget(backend, rid, self.store.now() + self.ttl_s)
+            await self.store.forget(backend, reservation_id, self.store.now() + self.ttl_s)
         else:
-            await self.store.release(backend, rid)
-
-    def _ensure_flusher(self) -> None:
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(
-                self._flush_loop(), name="kvroute-release-retry"
-            )
+            await self.store.release(backend, reservation_id)
 
     async def flush(self) -> None:
         """Retry every queued release once."""
@@ -156,23 +241,22 @@ class ReservationLedger:
             if now >= give_up:
                 self.pending.pop(key, None)  # expired in the store by now
                 continue
-            rid, backend = key
+            reservation_id, backend = key
             try:
                 # A queued release may answer a reserve that lands later still: forget the id.
                 await self.breaker.call(
-                    functools.partial(self._drop, backend, rid, True), "release"
+                    functools.partial(self._drop, backend, reservation_id, True), "release"
                 )
             except StoreUnavailable:
                 return  # still down: the next round tries again
             self.pending.pop(key, None)
 
-    async def _flush_loop(self) -> None:
-        while self.pending:
-            await asyncio.sleep(self.retry_interval_s)
-            try:
-                await self.flush()
-            except Exception:
-                log.exception("retrying queued releases failed")
+    def _still_pending(self) -> bool:
+        if self.pending:
+            return True
+        log.info("every queued reservation release went through")
+        return False
+
         log.info("every queued reservation release went through")
 
     async def close(self, deadline_s: float = 5.0) -> None:
@@ -181,18 +265,14 @@ class ReservationLedger:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(deadline_s):
                     await asyncio.gather(*self._bg, return_exceptions=True)
-        for rid, backend in list(self.held):
+        for reservation_id, backend in list(self.held):
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(deadline_s):
-                    await self.release(backend, rid)
+                    await self.release(backend, reservation_id)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(deadline_s):
                 await self.flush()
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-            self._flusher = None
+        await self._retries.stop()
         if self.pending:
             log.warning(
                 "%d reservation releases could not be sent; they expire on their own",

@@ -10,10 +10,9 @@ for this request are ruled out of its routing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from proxy.backends.base import ModelsInfo
 from proxy.config import Config
 from proxy.core.catalog import BackendModels, Catalog, ModelRoute
 from proxy.core.model_limits import LimitError, context_length_error, model_not_found
@@ -23,7 +22,12 @@ from proxy.errors import ApiError
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
 
-ModelsLookup = Callable[[str], "ModelsInfo | None"]
+# Backend name -> what its /v1/models listed (model id -> max_model_len), None while unknown.
+# The app wires it to the collector's cache (gateway code does not import the adapters).
+ModelsLookup = Callable[[str], "Mapping[str, int | None] | None"]
+# (backend kind, status, body) -> "allocation" | "overload" | "client_error" | "server_error",
+# or None when no adapter reads that kind.
+KindErrors = Callable[[str, int, bytes], "str | None"]
 
 
 def build_catalog(cfg: Config, lookup: ModelsLookup) -> Catalog:
@@ -31,20 +35,14 @@ def build_catalog(cfg: Config, lookup: ModelsLookup) -> Catalog:
     out: list[BackendModels] = []
     for b in cfg.backends:
         info = lookup(b.name)
-        ids: tuple[str, ...] | None = b.models or (info.ids if info is not None else None)
+        ids: tuple[str, ...] | None = b.models or (tuple(info) if info is not None else None)
         limits: dict[str, int | None] = {}
         for model in ids or ():
-            found = _listed_limit(info, model)
+            found = info.get(model) if info is not None else None
             conf = cfg.models.get(model)
             limits[model] = found if found is not None else (conf.max_model_len if conf else None)
         out.append(BackendModels(b.name, ids, limits))
     return Catalog(tuple(out))
-
-
-def _listed_limit(info: ModelsInfo | None, model: str) -> int | None:
-    if info is None:
-        return None
-    return next((m.max_model_len for m in info.models if m.id == model), None)
 
 
 def as_api_error(err: LimitError) -> ApiError:

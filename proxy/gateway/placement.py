@@ -97,7 +97,9 @@ async def reserve_first(
             )
             # The ledger holds whatever the call may reserve, also when this request is
             # cancelled while the call is in flight or the store times out (it may still land).
-            ok = await gw.ledger.reserve(name, ctx.reservation_id, reserve)
+            ok = await gw.ledger.reserve(
+                name, ctx.reservation_id, reserve, tokens=ctx.demand, created_at=now
+            )
         except StoreUnavailable:
             # Degraded: route without a shared reservation rather than fail.
             return name

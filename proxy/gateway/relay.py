@@ -8,10 +8,17 @@ runs its ``on_close`` callback exactly once, whatever happens.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("kvroute.gateway")
+
+# Seconds past the request's deadline that a blocked write to the client may still take.
+WRITE_GRACE_S = 2.0
 
 
 class OnceCallback:
@@ -29,6 +36,14 @@ class OnceCallback:
 
 
 class RelayResponse(StreamingResponse):
+    """A relayed stream bounded by the request's deadline, on the write side too.
+
+    Reads from the backend stop at ``deadline`` (``next_chunk``), but a client that stops
+    reading blocks the *write* instead, holding the upstream connection, the reservation
+    and a concurrency slot. So the whole response is cut ``WRITE_GRACE_S`` after the
+    deadline (the grace lets the final SSE error event out to a client that still reads).
+    """
+
     def __init__(
         self,
         content: AsyncIterable[bytes],
@@ -36,12 +51,22 @@ class RelayResponse(StreamingResponse):
         status_code: int = 200,
         headers: Mapping[str, str] | None = None,
         media_type: str | None = None,
+        deadline: float | None = None,
     ) -> None:
         super().__init__(content, status_code=status_code, headers=headers, media_type=media_type)
         self.on_close = on_close
+        self.deadline = deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if self.deadline is None:
+                await super().__call__(scope, receive, send)
+                return
+            try:
+                async with asyncio.timeout_at(self.deadline + WRITE_GRACE_S):
+                    await super().__call__(scope, receive, send)
+            except TimeoutError:
+                # Returning unfinished makes the server close the client's connection.
+                log.warning("stream cut: the client stopped reading past the total time limit")
         finally:
             await self.on_close()

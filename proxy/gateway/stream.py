@@ -67,6 +67,7 @@ async def start_stream(
         status_code=resp.status,
         headers=ctx.answer_headers(backend, response_headers(resp.headers)),
         media_type=resp.headers.get("content-type", "text/event-stream"),
+        deadline=ctx.deadline,
     )
 
 

@@ -17,6 +17,7 @@ every reservation is released, or its release retried, whatever happens.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.config import Config
+from proxy.core.redact import safe_request_id
 from proxy.core.validation import Endpoint
 from proxy.errors import ApiError
 from proxy.gateway import attempt, intake, placement
@@ -34,7 +36,7 @@ from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.metrics import GatewayMetrics
-from proxy.gateway.models import ModelsLookup
+from proxy.gateway.models import KindErrors, ModelsLookup
 from proxy.gateway.queueing import BackendQueues
 from proxy.gateway.resilience_metrics import ResilienceCollector
 from proxy.gateway.retry_budget import RetryBudget
@@ -45,6 +47,7 @@ from proxy.upstream.client import Upstream
 from proxy.upstream.health import ActiveChecker, BackendHealth
 
 T = TypeVar("T")
+log = logging.getLogger("kvroute.gateway")
 
 
 class Gateway:
@@ -68,7 +71,13 @@ class Gateway:
         self.metrics = metrics
         self.clock = clock
         self.admission = Admission(cfg.queue.max_size)
-        self.urls = {b.name: b.base_url for b in cfg.backends}
+        # Without user:pass@ (aiohttp refuses those next to an Authorization header): each
+        # backend's credential goes as a header instead, in place of the client's.
+        self.urls = {b.name: b.plain_url for b in cfg.backends}
+        self.credentials = {b.name: b.credential() for b in cfg.backends}
+        for b in cfg.backends:
+            if b.api_key_env is not None and self.credentials[b.name] is None:
+                log.warning("backend %s: environment variable %s is not set", b.name, b.api_key_env)
         self.on_allocation_failure: list[AllocationFailureHook] = []
         self._background: set[asyncio.Task[None]] = set()
         self.active = 0
@@ -81,9 +90,15 @@ class Gateway:
             cfg.store.reservation_ttl_s,
             on_error=lambda op: metrics.store_errors.labels(op).inc(),
         )
+        # A store outage (failover) may have lost reservations the store acknowledged.
+        fleet.on_degraded_change.append(self._store_lost)
         self.checker: ActiveChecker | None = None
+        self._probe_headers: dict[str, dict[str, str]] = {}
         # What each backend's /v1/models said (the collector's cache; the app wires it).
         self.models_info: ModelsLookup = lambda name: None
+        # A backend kind's own reading of an error answer (its adapter's classify_error);
+        # the app wires the adapters in. Unset, the generic verdict stands.
+        self.kind_errors: KindErrors = lambda kind, status, body: None
         self.queues = BackendQueues(cfg, metrics.registry)
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
@@ -92,7 +107,7 @@ class Gateway:
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
         reservation_id = uuid.uuid4().hex
-        request_id = request.headers.get("x-request-id") or reservation_id
+        request_id = safe_request_id(request.headers.get("x-request-id")) or reservation_id
         try:
             # 1. parse + validate the body
             parsed = await intake.read_and_parse(self.cfg, request, endpoint)
@@ -129,6 +144,11 @@ class Gateway:
         finally:
             self.budget.release(ctx.retries)
 
+    def _store_lost(self, degraded: bool) -> None:
+        """A store outage (a failover) may have lost reservations it acknowledged."""
+        if degraded:
+            self.ledger.mark_unsure()
+
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Start the active health checks (needs the upstream session started)."""
@@ -136,12 +156,30 @@ class Gateway:
         if ac.enabled and self.checker is None:
             path = ac.path if ac.path.startswith("/") else "/" + ac.path
             urls = {name: url + path for name, url in self.urls.items()}
+            self._probe_headers = {urls[n]: self.auth_headers(n) for n in urls}
             self.checker = ActiveChecker(self.health, urls, self._probe, ac.interval_s)
             self.checker.start()
 
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed backend list (discovery). URLs of removed backends are kept, so a
+        request already placed on one still reaches it; probes cover the current list only."""
+        self.cfg = cfg
+        self.urls.update({b.name: b.base_url for b in cfg.backends})
+        self.health.retain([b.name for b in cfg.backends])
+        if self.checker is not None:
+            path = cfg.health.active.path
+            path = path if path.startswith("/") else "/" + path
+            self.checker.urls = {b.name: b.base_url + path for b in cfg.backends}
+
     async def _probe(self, url: str) -> bool:
-        status, _ = await self.upstream.get(url, self.cfg.health.active.timeout_s)
+        headers = self._probe_headers.get(url)
+        status, _ = await self.upstream.get(url, self.cfg.health.active.timeout_s, headers)
         return 200 <= status < 300
+
+    def auth_headers(self, backend: str) -> dict[str, str]:
+        """Headers of the gateway's own calls to ``backend`` (probes, model lists): its credential."""
+        cred = self.credentials.get(backend)
+        return {"authorization": cred} if cred is not None else {}
 
     async def close(self) -> None:
         """Shutdown: stop probing, let background work finish, release every reservation still held."""

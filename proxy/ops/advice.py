@@ -142,11 +142,7 @@ def can_take_out(
             f"below min_healthy_capacity_fraction {cfg.min_healthy_capacity_fraction:.0%}"
         )
     traffic = node.overlay.reserved_tokens if node is not None else 0
-    spare = sum(
-        max(0, n.report.free_tokens - n.overlay.pending_tokens)
-        for n in others
-        if n.report is not None
-    )
+    spare = sum(n.usable_free() for n in others if n.report is not None)
     if spare < traffic:
         return False, f"the other nodes have {spare} tokens free for its {traffic} tokens in flight"
     return True, (
@@ -325,7 +321,7 @@ def advise(
         (n.report.largest_free_block_tokens for n in reported if n.report is not None), default=0
     )
     largest_node_free = max(
-        (n.report.free_tokens - n.overlay.pending_tokens for n in reported if n.report is not None),
+        (n.usable_free() for n in reported if n.report is not None),
         default=0,
     )
     # A capacity failure still stands while no node has that much free memory; once one has
@@ -340,7 +336,11 @@ def advise(
         for name in f.room_on:
             n = by_name.get(name)
             r = n.report if n is not None else None
-            if r is not None and r.largest_free_block_tokens < f.demand <= r.free_tokens:
+            # In whole blocks, as NodeView.fits decides: a block a few tokens short is short.
+            if (
+                r is not None
+                and r.largest_free_block_tokens < r.whole_blocks(f.demand) <= r.free_tokens
+            ):
                 return True
         return False
 

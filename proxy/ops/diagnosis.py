@@ -18,20 +18,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.core.fleet import FleetSnapshot, MemoryReport
+from proxy.core.fleet import FailureCause, FleetSnapshot, MemoryReport
+from proxy.core.fleet import classify_failure as classify_failure
 
-Cause = Literal["fragmentation", "capacity"]
+# The gateway's label for an allocation failure (proxy.core.fleet, shared with the gateway).
+Cause = FailureCause
 Level = Literal["ok", "high", "severe", "full", "unknown"]
 
 HIGH_FREE_FRACTION = 0.25  # the problem statement's line: failures above it are not exhaustion
 HIGH_RATIO = 0.6  # largest_contiguous_free_block_ratio below this: schedule a restart
 SEVERE_RATIO = 0.5  # below this: restart now
 RATE_WINDOW_S = 60.0  # allocation_failure_rate_at_high_free_memory is per second over this window
-
-
-def classify_failure(demand: int, free_tokens: int | None) -> Cause:
-    """``fragmentation`` when the free memory would have held the demand, just not in one block."""
-    return "fragmentation" if free_tokens is not None and free_tokens >= demand else "capacity"
 
 
 def level(report: MemoryReport | None, min_free_fraction: float = 0.1) -> Level:
@@ -77,9 +74,7 @@ def nodes_with_room(snapshot: FleetSnapshot | None, demand: int) -> tuple[str, .
         sorted(
             n.name
             for n in snapshot.nodes
-            if n.up
-            and n.report is not None
-            and n.report.free_tokens - n.overlay.pending_tokens >= demand
+            if n.up and n.report is not None and n.usable_free() >= demand
         )
     )
 

@@ -2,8 +2,15 @@
 
 ``http``: one request (method, URL, headers; ``{name}`` and ``{url}`` filled in), success on
 2xx. ``command``: a program run with an argv list, never through a shell, success on exit 0.
-``none``: no hook, advise only. Each call has a timeout and never raises: a failure comes
+``kubernetes``: delete the backend's pod (named like the backend, as discovery names them)
+through the API, then wait for its ReplicaSet's replacement to be Running and Ready;
+``replaced_by`` names it, and the maintenance loop waits for that pod to report a fresh
+allocator before the next restart. ``none``: no hook, advise only. Each call has a timeout and never raises: a failure comes
 back as a ``HookResult`` with ``ok=False`` and the reason.
+
+A result has two texts: ``summary`` (exit code, HTTP status, timeout: no output, no URL)
+goes into the open event log (``/fleet/events``); ``detail`` (a command's output, an HTTP
+hook's target and response body, URL credentials redacted) goes to the gateway's log only.
 """
 
 from __future__ import annotations
@@ -17,15 +24,25 @@ from dataclasses import dataclass
 import httpx
 
 from proxy.config import RestartHookConfig
+from proxy.core.redact import redact
 
-OUTPUT_LIMIT = 2_000  # characters of a command's output or an HTTP body kept for the event log
+OUTPUT_LIMIT = 2_000  # characters of a command's output or an HTTP body kept for the log
 
 
 @dataclass(frozen=True, slots=True)
 class HookResult:
     ok: bool
+    # For the log only: may hold a command's output or an HTTP hook's target and body.
     detail: str
     duration_s: float = 0.0
+    # The backend that replaces the restarted one, when it comes back under another name.
+    replaced_by: str | None = None
+    # For the open event log: what happened, without output or URLs ("" = the detail is safe).
+    summary: str = ""
+
+    @property
+    def public(self) -> str:
+        return self.summary or self.detail
 
 
 def fill(template: str, name: str, url: str) -> str:
@@ -79,19 +96,24 @@ class HttpHook(RestartHook):
         except (TimeoutError, httpx.TimeoutException):
             return HookResult(
                 False,
-                f"{self.method} {target}: timeout after {self.timeout_s:g}s",
+                redact(f"{self.method} {target}: timeout after {self.timeout_s:g}s"),
                 time.monotonic() - t0,
+                f"http hook: timeout after {self.timeout_s:g}s",
             )
         except httpx.HTTPError as exc:
             return HookResult(
-                False, f"{self.method} {target}: {type(exc).__name__}: {exc}", time.monotonic() - t0
+                False,
+                redact(f"{self.method} {target}: {type(exc).__name__}: {exc}"),
+                time.monotonic() - t0,
+                f"http hook: {type(exc).__name__}",
             )
         body = resp.text[:OUTPUT_LIMIT]
         ok = 200 <= resp.status_code < 300
         return HookResult(
             ok,
-            f"{self.method} {target}: HTTP {resp.status_code} {body}".strip(),
+            redact(f"{self.method} {target}: HTTP {resp.status_code} {body}".strip()),
             time.monotonic() - t0,
+            f"http hook: HTTP {resp.status_code}",
         )
 
     async def close(self) -> None:
@@ -122,7 +144,10 @@ class CommandHook(RestartHook):
             )
         except OSError as exc:
             return HookResult(
-                False, f"cannot run {argv[0]!r}: {exc.strerror or exc}", time.monotonic() - t0
+                False,
+                redact(f"cannot run {argv[0]!r}: {exc.strerror or exc}"),
+                time.monotonic() - t0,
+                f"command hook: cannot run ({exc.strerror or type(exc).__name__})",
             )
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -133,8 +158,9 @@ class CommandHook(RestartHook):
             await proc.wait()
             return HookResult(
                 False,
-                f"{argv[0]}: timeout after {self.timeout_s:g}s (killed)",
+                redact(f"{argv[0]}: timeout after {self.timeout_s:g}s (killed)"),
                 time.monotonic() - t0,
+                f"command hook: timeout after {self.timeout_s:g}s (killed)",
             )
         except asyncio.CancelledError:
             with contextlib.suppress(ProcessLookupError):
@@ -142,10 +168,20 @@ class CommandHook(RestartHook):
             raise
         text = out.decode("utf-8", errors="replace")[-OUTPUT_LIMIT:].strip()
         rc = proc.returncode
-        return HookResult(rc == 0, f"{argv[0]}: exit {rc} {text}".strip(), time.monotonic() - t0)
+        return HookResult(
+            rc == 0,
+            redact(f"{argv[0]}: exit {rc} {text}".strip()),
+            time.monotonic() - t0,
+            f"command hook: exit {rc}",
+        )
 
 
 def make_hook(cfg: RestartHookConfig) -> RestartHook:
+    if cfg.type == "kubernetes":
+        from proxy.ops.restart_kubernetes import KubernetesHook
+
+        assert cfg.pod_selector is not None  # the config model requires it
+        return KubernetesHook(cfg.kubernetes, cfg.pod_selector, cfg.timeout_s)
     if cfg.type == "http":
         assert cfg.url is not None  # the config model requires it
         return HttpHook(cfg.method, cfg.url, cfg.headers, cfg.timeout_s)

@@ -1,21 +1,24 @@
-"""Routing policy: classify a request and rank the backends for it.
+"""Routing policy, the contract: classify a request, the ``Policy`` that ranks backends for it.
 
 Pure and deterministic: a fleet snapshot, a request and the time go in, an ordered list
 of backend names comes out. The gateway and the offline fleet simulator run this same
 code, so what the simulator shows is what the gateway does.
 
-``kvroute`` is the fragmentation-aware policy; ``round_robin``, ``least_loaded`` and
-``most_free`` are what peer routers do, kept selectable so operators can A/B them.
+Each policy lives in its own module of ``proxy.routing`` (the Rust routers' ``policies/``
+shape) and is found by name in ``proxy.routing.registry``: ``kvroute`` is the
+fragmentation-aware policy; ``round_robin``, ``least_loaded`` and ``most_free`` are what peer
+routers do, kept selectable so operators can A/B them.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.config import CollectorConfig, RoutingConfig
+from proxy.core.fleet import FailureCause, FleetSnapshot, NodeView
 
 RequestClass = Literal["short", "long"]
 
@@ -32,20 +35,15 @@ class RouteRequest:
     exclude: frozenset[str] = frozenset()
 
 
+# The config model's defaults, not retyped here.
+_ROUTING, _COLLECTOR = RoutingConfig(), CollectorConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class PolicySettings:
-    safety_margin: float = 0.02
-    stale_after_s: float = 5.0
-    long_threshold_tokens: int = 8_000
-
-
-@dataclass(frozen=True, slots=True)
-class KvrouteWeights:
-    """Weights of the short-request score (lower is better)."""
-
-    load: float = 0.6  # how full the node is (after pending reservations)
-    freshness: float = 0.4  # penalty for nodes that still have their big blocks whole
-    inflight: float = 0.002  # tie-break per request in flight
+    safety_margin: float = _ROUTING.safety_margin
+    stale_after_s: float = _COLLECTOR.stale_after_s
+    long_threshold_tokens: int = _ROUTING.long_threshold_tokens
 
 
 def eligible(
@@ -70,17 +68,6 @@ def eligible(
     return out
 
 
-def _utilisation(n: NodeView) -> float:
-    r = n.report
-    if r is None or r.capacity_tokens <= 0:
-        return 1.0
-    return 1.0 - max(0, r.free_tokens - n.overlay.pending_tokens) / r.capacity_tokens
-
-
-def _fragmentation(n: NodeView) -> float:
-    return n.report.fragmentation if n.report is not None else 1.0
-
-
 class Policy(abc.ABC):
     """Ranks backends for one request. `checks_fit` says whether it reads memory state at all."""
 
@@ -95,146 +82,9 @@ class Policy(abc.ABC):
         """Backend names, best first. Empty when nothing can take the request now."""
 
 
-@dataclass
-class KvroutePolicy(Policy):
-    """Length- and fragmentation-aware placement.
-
-    Long requests: the long pool first, best fit on the largest free block (the tightest
-    block that holds it) so the biggest blocks stay whole for the next long request; then
-    the general nodes, best fit again. Short requests: the general pool, preferring nodes
-    whose memory is already broken into gaps and away from nodes that still hold big blocks,
-    balanced by load; the long pool only when no general node fits. The long pool is thus
-    the set of nodes kept free of short-request churn, which is what fragments a contiguous
-    allocator.
-
-    Why best fit for the general spill too, rather than the freshest general node: in the
-    offline simulator (docs/simulator.md: problem statement's mix, 8 contiguous nodes, 55%
-    load, no admission queue, 3 seeds x 6 h) it failed 31% fewer requests with a long pool
-    of 4 nodes (0.137% vs 0.200%) and the same with 7 (0.089%). A fresh node's one big
-    block is worth more to the next long request than to this one.
-    """
-
-    settings: PolicySettings = field(default_factory=PolicySettings)
-    weights: KvrouteWeights = field(default_factory=KvrouteWeights)
-    name: str = "kvroute"
-    checks_fit: bool = True
-
-    def rank(self, snapshot: FleetSnapshot, req: RouteRequest, now: float) -> list[str]:
-        margin = self.settings.safety_margin
-        demand = req.demand
-        fit: list[NodeView] = []
-        unknown: list[NodeView] = []
-        for n in eligible(snapshot, req, now, self.settings):
-            r = n.report
-            if r is None:
-                unknown.append(n)
-            # usable block < demand can never fit (margin and block rounding only add): skip fits()
-            elif r.largest_free_block_tokens - n.overlay.pending_tokens >= demand and n.fits(
-                demand, now, margin
-            ):
-                fit.append(n)
-
-        if req.cls == "long":
-            # Long pool first; in each, the tightest block that holds it (the largest blocks
-            # stay whole for the largest requests).
-            fit.sort(key=lambda n: (n.role != "long", n.usable_block(), n.overlay.inflight, n.name))
-            ordered = fit
-        else:
-            long_pool = [n for n in fit if n.role == "long"]
-            general = [n for n in fit if n.role != "long"]
-            w = self.weights
-            threshold = self.settings.long_threshold_tokens
-
-            def short_score(n: NodeView) -> tuple[float, str]:
-                # A node whose largest block could still hold a long request is "fresh": keep it so.
-                fresh = 1.0 - _fragmentation(n) if n.usable_block() >= threshold else 0.0
-                return (
-                    w.load * _utilisation(n)
-                    + w.freshness * fresh
-                    + w.inflight * n.overlay.inflight,
-                    n.name,
-                )
-
-            general.sort(key=short_score)
-            long_pool.sort(
-                key=lambda n: (-n.usable_block(), n.name)
-            )  # spill: least harm where most room
-            ordered = general + long_pool
-        # Nodes with no report: nothing to fit against, so last; by length only (pool role).
-        want = "long" if req.cls == "long" else "general"
-        unknown.sort(key=lambda n: (n.role != want, n.overlay.inflight, n.name))
-        return [n.name for n in ordered] + [n.name for n in unknown]
-
-
-@dataclass
-class RoundRobinPolicy(Policy):
-    """Plain rotation over eligible nodes, blind to memory (what most load balancers do)."""
-
-    settings: PolicySettings = field(default_factory=PolicySettings)
-    name: str = "round_robin"
-    checks_fit: bool = False
-    _next: int = 0
-
-    def rank(self, snapshot: FleetSnapshot, req: RouteRequest, now: float) -> list[str]:
-        names = sorted(n.name for n in eligible(snapshot, req, now, self.settings))
-        if not names:
-            return []
-        start = self._next % len(names)
-        self._next += 1
-        return names[start:] + names[:start]
-
-
-@dataclass
-class LeastLoadedPolicy(Policy):
-    """Fewest requests in flight first (running as reported plus the gateway's own)."""
-
-    settings: PolicySettings = field(default_factory=PolicySettings)
-    name: str = "least_loaded"
-    checks_fit: bool = False
-
-    def rank(self, snapshot: FleetSnapshot, req: RouteRequest, now: float) -> list[str]:
-        def load(n: NodeView) -> tuple[int, str]:
-            running = n.report.running + n.report.waiting if n.report is not None else 0
-            return (max(running, n.overlay.inflight), n.name)
-
-        return [n.name for n in sorted(eligible(snapshot, req, now, self.settings), key=load)]
-
-
-@dataclass
-class MostFreePolicy(Policy):
-    """Most total free KV memory first: aware of memory, blind to fragmentation."""
-
-    settings: PolicySettings = field(default_factory=PolicySettings)
-    name: str = "most_free"
-    checks_fit: bool = False
-
-    def rank(self, snapshot: FleetSnapshot, req: RouteRequest, now: float) -> list[str]:
-        def free(n: NodeView) -> tuple[int, str]:
-            f = n.report.free_tokens - n.overlay.pending_tokens if n.report is not None else 0
-            return (-f, n.name)
-
-        return [n.name for n in sorted(eligible(snapshot, req, now, self.settings), key=free)]
-
-
-POLICIES: dict[str, type[Policy]] = {
-    "kvroute": KvroutePolicy,
-    "round_robin": RoundRobinPolicy,
-    "least_loaded": LeastLoadedPolicy,
-    "most_free": MostFreePolicy,
-}
-
-
-def make_policy(name: str, settings: PolicySettings | None = None) -> Policy:
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return cls(settings=settings or PolicySettings())
-
-
 def nothing_fits_reason(
     snapshot: FleetSnapshot, demand: int, now: float, names: Iterable[str] | None = None
-) -> tuple[str, str]:
+) -> tuple[FailureCause, str]:
     """Why no node can take `demand`: ('fragmentation', msg) when enough memory is free in total
     on some node (or the fleet) but no contiguous block is big enough, else ('capacity', msg)."""
     nodes = [
@@ -243,12 +93,10 @@ def nothing_fits_reason(
         if n.up and n.report is not None and (names is None or n.name in names)
     ]
     cap = sum(n.report.capacity_tokens for n in nodes if n.report)
-    free = sum(max(0, n.report.free_tokens - n.overlay.pending_tokens) for n in nodes if n.report)
+    free = sum(n.usable_free() for n in nodes if n.report)
     best = max((n.usable_block() for n in nodes), default=0)
     pct = 100.0 * free / cap if cap else 0.0
-    node_has_room = any(
-        n.report and n.report.free_tokens - n.overlay.pending_tokens >= demand for n in nodes
-    )
+    node_has_room = any(n.report and n.usable_free() >= demand for n in nodes)
     if node_has_room or free >= demand:
         return (
             "fragmentation",

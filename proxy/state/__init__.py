@@ -1,7 +1,7 @@
 """The state store: per-backend reports, the gateway's overlay, retry memory, locks, events.
 
-``open_store(cfg)`` picks the implementation: Redis when ``store.redis_url`` is set (shared
-by every gateway replica), else the embedded in-process store (one gateway).
+``open_store(cfg)`` picks the implementation: Redis when ``store.redis_url`` or
+``store.sentinel`` is set (shared by every gateway replica; single server, Sentinel or Cluster), else the embedded in-process store (one gateway).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ __all__ = [
 
 def open_store(cfg: StoreConfig) -> StateStore:
     """The configured store. Does no I/O: Redis connects on first use (call ``ping`` to check)."""
-    if cfg.redis_url:
+    if cfg.uses_redis:
         return RedisStore(cfg)
     return InProcessStore()
 

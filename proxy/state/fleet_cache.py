@@ -93,6 +93,11 @@ class FleetCache:
             else CircuitBreaker(cfg.store.breaker_failures, cfg.store.breaker_open_s)
         )
 
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed backend list (discovery); the next snapshot reads the new names."""
+        self.cfg = cfg
+        self.names = [b.name for b in cfg.backends]
+
     @property
     def latest(self) -> FleetSnapshot | None:
         return self._snap

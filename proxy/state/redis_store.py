@@ -1,6 +1,9 @@
 """The Redis state store: shared by every gateway replica (and by custom servers that push).
 
-Key schema (documented for outside writers in docs/redis-schema.md), with P = key_prefix:
+Key schema (documented for outside writers in docs/redis-schema.md), with P = key_prefix and
+the braces literal: ``{name}`` is a Redis Cluster hash tag, so one backend's three hashes
+live in one slot and every Lua script touches one slot only (the same keys on a single
+server, Sentinel or Cluster):
 
     P:backend:{name}:state   HASH  report fields + status/status_reason, PEXPIRE report TTL
     P:backends               SET   every backend that ever reported
@@ -16,7 +19,8 @@ scripts, so they are atomic across replicas; they mirror the pure rules in base.
 (reservation_fits, pending_tokens, merge_ceiling) number for number. Times are passed in as
 arguments and stored exactly as Python's repr() writes them, never formatted by Lua.
 The request-path read() is one read-only script returning every backend's three hashes in
-one reply (one round trip, one consistent snapshot).
+one reply (one round trip, one consistent snapshot). On a Cluster it is one script call per
+slot, pipelined per node: each backend's hashes are still read together.
 
 Every call runs under a short deadline (StoreConfig.op_timeout_s) with at most one retry
 on connection errors and timeouts; anything else from Redis, or the retry failing too,
@@ -36,9 +40,7 @@ from functools import lru_cache
 from typing import Any, TypeVar, cast
 
 import orjson
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -58,6 +60,7 @@ from proxy.state.base import (
     check_ttl,
     live_reservations,
 )
+from proxy.state.redis_connect import connect
 
 T = TypeVar("T")
 
@@ -86,7 +89,7 @@ _NUM = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 # --------------------------------------------------------------------------- Lua
-# Shared prelude: number parsing and report validation, the Lua twins of _num/parse_report.
+# Shared prelude: number parsing and report validation, the Lua twins of _num/report_from_hash.
 _LUA_PRELUDE = r"""
 local function num(s)
   if type(s) ~= 'string' then return nil end
@@ -317,23 +320,23 @@ def _count(s: str | None, minimum: int = 0) -> int | None:
     return n if n >= minimum else None
 
 
-def _f(x: float) -> str:
+def _redis_float(x: float) -> str:
     """A float as Redis stores it: repr round-trips exactly, and Lua's tonumber reads it."""
     return repr(float(x))
 
 
-def parse_report(h: dict[str, str]) -> tuple[MemoryReport | None, str]:
+def report_from_hash(h: dict[str, str]) -> tuple[MemoryReport | None, str]:
     """A state hash's report, or None with a reason when fields are missing or malformed.
 
     Required: capacity_tokens, free_tokens, largest_free_block_tokens, reported_at. Optional:
     allocator (contiguous|paged), block_size (>= 1), running, waiting, started_at. Numbers are
     plain decimals (``30000``, ``1712345678.25``); token counts are rounded down.
     """
-    return _parse_report_fields(tuple(h.get(k) for k in REPORT_FIELDS))
+    return _report_from_fields(tuple(h.get(k) for k in REPORT_FIELDS))
 
 
 @lru_cache(maxsize=1024)
-def _parse_report_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport | None, str]:
+def _report_from_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport | None, str]:
     if all(v is None for v in values):
         return None, ""
     h = {k: v for k, v in zip(REPORT_FIELDS, values, strict=True) if v is not None}
@@ -414,8 +417,8 @@ def report_fields(report: MemoryReport) -> dict[str, str]:
         "block_size": str(int(report.block_size)),
         "running": str(int(report.running)),
         "waiting": str(int(report.waiting)),
-        "started_at": _f(report.started_at),
-        "reported_at": _f(report.reported_at),
+        "started_at": _redis_float(report.started_at),
+        "reported_at": _redis_float(report.reported_at),
         "preemptions": str(int(report.preemptions)),
         "engines": str(int(report.engines)),
         "engine_free": ",".join(str(int(f)) for f in report.engine_free_tokens),
@@ -459,7 +462,7 @@ def _parse_flags(h: dict[str, str]) -> Flags:
 def _parse_state(
     name: str, state: dict[str, str], res: dict[str, str], flags: dict[str, str], now: float
 ) -> BackendState:
-    report, bad = parse_report(state)
+    report, bad = report_from_hash(state)
     raw_status = state.get("status")
     status: Status
     if raw_status in ("up", "down", "unknown"):
@@ -492,21 +495,13 @@ class RedisStore(StateStore):
     """The shared store. Creating it does no I/O; connections are made on first use."""
 
     def __init__(self, cfg: StoreConfig, *, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
-        if not cfg.redis_url:
-            raise ValueError("RedisStore needs store.redis_url")
         self._timeout = cfg.op_timeout_s
         self._prefix = cfg.key_prefix
-        self._pool = aioredis.BlockingConnectionPool.from_url(
-            cfg.redis_url,
-            max_connections=max_connections,
-            timeout=cfg.op_timeout_s,  # wait for a free pooled connection no longer than a call may take
-            socket_timeout=cfg.op_timeout_s,
-            socket_connect_timeout=cfg.op_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # our own single retry is the only one
-            decode_responses=True,
-            client_name="kvroute",
-        )
-        self._r = aioredis.Redis(connection_pool=self._pool)
+        self._conn = connect(cfg, max_connections)
+        self._r = self._conn.client
+        # A Cluster refuses MULTI across slots: there the backends-set update is pipelined
+        # beside the (single-slot) report write instead of inside one transaction.
+        self._cluster = self._conn.cluster
         self._reserve = self._r.register_script(_LUA_RESERVE)
         self._set_ceiling = self._r.register_script(_LUA_SET_CEILING)
         self._try_lock = self._r.register_script(_LUA_TRY_LOCK)
@@ -516,13 +511,13 @@ class RedisStore(StateStore):
 
     # --- keys ---
     def _k_state(self, name: str) -> str:
-        return f"{self._prefix}:backend:{name}:state"
+        return f"{self._prefix}:backend:{{{name}}}:state"
 
     def _k_res(self, name: str) -> str:
-        return f"{self._prefix}:backend:{name}:res"
+        return f"{self._prefix}:backend:{{{name}}}:res"
 
     def _k_flags(self, name: str) -> str:
-        return f"{self._prefix}:backend:{name}:flags"
+        return f"{self._prefix}:backend:{{{name}}}:flags"
 
     @property
     def _k_backends(self) -> str:
@@ -557,8 +552,8 @@ class RedisStore(StateStore):
         fields = {**report_fields(report), "status": "up", "status_reason": ""}
 
         async def op() -> None:
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.hset(self._k_state(name), mapping=fields)  # type: ignore[arg-type]
+            async with self._r.pipeline(transaction=not self._cluster) as pipe:
+                pipe.hset(self._k_state(name), mapping=fields)
                 pipe.pexpire(self._k_state(name), _ms(ttl_s))
                 pipe.sadd(self._k_backends, name)
                 await pipe.execute()
@@ -569,7 +564,7 @@ class RedisStore(StateStore):
         check_ttl(ttl_s)
 
         async def op() -> None:
-            async with self._r.pipeline(transaction=True) as pipe:
+            async with self._r.pipeline(transaction=not self._cluster) as pipe:
                 pipe.hset(self._k_state(name), mapping={"status": "down", "status_reason": reason})
                 pipe.pexpire(self._k_state(name), _ms(ttl_s))
                 pipe.sadd(self._k_backends, name)
@@ -583,7 +578,10 @@ class RedisStore(StateStore):
         if not unique:
             return {}
         keys = [k for n in unique for k in (self._k_state(n), self._k_res(n), self._k_flags(n))]
-        results = await self._call("read", lambda: self._read(keys=keys))
+        if self._cluster:
+            unique, results = await self._read_per_slot(unique)
+        else:
+            results = await self._call("read", lambda: self._read(keys=keys))
         out: dict[str, BackendState] = {}
         for i, n in enumerate(unique):
             parts: list[dict[str, str]] = []
@@ -605,23 +603,63 @@ class RedisStore(StateStore):
             out[n] = st
         return out
 
+    async def _read_per_slot(self, names: list[str]) -> tuple[list[str], list[Any]]:
+        """Cluster: one read script per hash slot, pipelined (one batch per node).
+
+        Returns the names in reply order with the flat per-key replies, like the single call.
+        """
+        by_slot: dict[int, list[str]] = {}
+        for n in names:
+            by_slot.setdefault(key_slot(self._k_state(n).encode()), []).append(n)
+        groups = list(by_slot.values())
+
+        async def op() -> list[Any]:
+            async with self._r.pipeline() as pipe:
+                for group in groups:
+                    keys = [
+                        k
+                        for n in group
+                        for k in (self._k_state(n), self._k_res(n), self._k_flags(n))
+                    ]
+                    pipe.eval(_LUA_READ, len(keys), *keys)
+                return cast(list[Any], await pipe.execute())
+
+        replies = await self._call("read", op)
+        return [n for g in groups for n in g], [r for reply in replies for r in reply]
+
+    async def _scan(self, pattern: str) -> list[str]:
+        """Every key matching ``pattern``; each SCAN page under its own deadline, every primary."""
+        found: list[str] = []
+        nodes: list[Any] = self._r.get_primaries() if self._cluster else [None]
+        for node in nodes:
+            target = {} if node is None else {"target_nodes": node}
+            cursor: int = 0
+            while True:
+                reply = await self._call(
+                    "known_backends",
+                    lambda c=cursor, t=target: self._r.scan(c, match=pattern, count=1000, **t),  # type: ignore[misc]
+                )
+                if self._cluster:
+                    # redis-py answers a cluster SCAN as ({node name: cursor}, keys).
+                    cursors, keys = reply
+                    cursor = int(next(iter(cursors.values()), 0))
+                else:
+                    cursor, keys = reply
+                found.extend(cast(list[str], keys))
+                if int(cursor) == 0:
+                    break
+        return found
+
     async def known_backends(self) -> set[str]:
         members = await self._call("known_backends", lambda: self._smembers(self._k_backends))
         names = set(members)
         # Custom servers that push a state hash but forget the SADD are found by their key.
-        head, tail = f"{self._prefix}:backend:", ":state"
-        pattern = f"{_glob_escape(head)}*{tail}"
-        cursor: int = 0
-        while True:
-            cursor, keys = await self._call(
-                "known_backends",
-                lambda c=cursor: self._r.scan(c, match=pattern, count=1000),  # type: ignore[misc]
-            )
-            for key in cast(list[str], keys):
-                if key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail):
-                    names.add(key[len(head) : -len(tail)])
-            if int(cursor) == 0:
-                return names
+        head, tail = f"{self._prefix}:backend:{{", "}:state"
+        pattern = f"{_glob_escape(head)}*{_glob_escape(tail)}"
+        for key in await self._scan(pattern):
+            if key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail):
+                names.add(key[len(head) : -len(tail)])
+        return names
 
     # --- reservations ---
     async def reserve(
@@ -641,11 +679,11 @@ class RedisStore(StateStore):
         args = [
             reservation_id,
             str(tokens),
-            _f(now),
-            _f(now + ttl_s),
+            _redis_float(now),
+            _redis_float(now + ttl_s),
             "1" if check_fit else "0",
-            _f(headroom),
-            _f(grace_s),
+            _redis_float(headroom),
+            _redis_float(grace_s),
             str(_ms(ttl_s) + RES_KEY_SLACK_MS),
         ]
         result = await self._call("reserve", lambda: self._reserve(keys=keys, args=args))
@@ -659,7 +697,7 @@ class RedisStore(StateStore):
         keys = [self._k_res(name)]
         # The key must outlive the tombstone (its until is on the store's clock, as the TTL is).
         ttl_ms = _ms(max(0.0, until - self.now())) + RES_KEY_SLACK_MS
-        args = [reservation_id, _f(until), str(ttl_ms)]
+        args = [reservation_id, _redis_float(until), str(ttl_ms)]
         await self._call("forget", lambda: self._forget(keys=keys, args=args))
 
     async def reservations(self, name: str, now: float) -> list[Reservation]:
@@ -675,7 +713,7 @@ class RedisStore(StateStore):
 
     async def set_cooldown(self, name: str, until: float) -> None:
         check_finite(until=until)
-        value = _f(until)
+        value = _redis_float(until)
         await self._call(
             "set_cooldown", lambda: self._r.hset(self._k_flags(name), "cooldown_until", value)
         )
@@ -684,7 +722,7 @@ class RedisStore(StateStore):
         check_tokens(tokens)
         check_finite(now=now, until=until)
         keys = [self._k_flags(name), self._k_state(name)]
-        args = [str(tokens), _f(now), _f(until)]
+        args = [str(tokens), _redis_float(now), _redis_float(until)]
         await self._call("set_ceiling", lambda: self._set_ceiling(keys=keys, args=args))
 
     # --- retry memory ---
@@ -778,5 +816,4 @@ class RedisStore(StateStore):
             return False
 
     async def close(self) -> None:
-        await self._r.aclose()
-        await self._pool.aclose()
+        await self._conn.close()

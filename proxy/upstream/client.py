@@ -16,6 +16,9 @@ import aiohttp
 
 from proxy.config import UpstreamConfig
 from proxy.errors import (
+    AnswerTooLarge as AnswerTooLarge,
+)
+from proxy.errors import (
     BodyTimeout as BodyTimeout,
 )
 from proxy.errors import (
@@ -49,13 +52,33 @@ HOP_BY_HOP = frozenset(
 _RESPONSE_DROP = frozenset(HOP_BY_HOP | {"content-encoding", "date", "server"})
 
 
-def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """Request headers to send upstream: end-to-end ones only (Authorization passes through)."""
+# The gateway's own credentials: checked here, never forwarded (a backend must not learn them).
+ADMIN_HEADERS = frozenset({"x-admin-key"})
+
+
+def forward_headers(headers: Mapping[str, str], strip_authorization: bool) -> dict[str, str]:
+    """Request headers to send upstream: end-to-end ones, less the gateway's own credentials.
+
+    ``strip_authorization`` is true when ``Authorization`` carried a gateway key
+    (``auth.api_keys``); otherwise it is the client's business with the backend and passes.
+    """
     conn = headers.get("connection", "")
     listed = {h.strip().lower() for h in conn.split(",") if h.strip()}
+    dropped = HOP_BY_HOP | ADMIN_HEADERS
+    if strip_authorization:
+        dropped = dropped | {"authorization"}
     return {
-        k: v for k, v in headers.items() if (lk := k.lower()) not in HOP_BY_HOP and lk not in listed
+        k: v for k, v in headers.items() if (lk := k.lower()) not in dropped and lk not in listed
     }
+
+
+def with_credential(headers: dict[str, str], credential: str | None) -> dict[str, str]:
+    """``headers`` with the backend's own credential (``backends[].api_key``) in place of the client's."""
+    if credential is None:
+        return headers
+    out = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+    out["authorization"] = credential
+    return out
 
 
 def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -120,22 +143,36 @@ class Upstream:
         """Send the request; return once response headers arrived (the body is still to read)."""
         assert self.session is not None, "Upstream.start() was not called"
         limit = self.cfg.ttfb_timeout_s if ttfb_s is None else max(0.001, ttfb_s)
+        # Messages name no URL: the caller names the backend (a URL may carry credentials).
+        # Redirects are never followed: a 3xx would re-send the prompt somewhere else.
         try:
             async with asyncio.timeout(limit):
-                return await self.session.post(url, data=body, headers=headers)
+                return await self.session.post(
+                    url, data=body, headers=headers, allow_redirects=False
+                )
         except aiohttp.ConnectionTimeoutError:
             raise UpstreamTimeout(
-                f"could not connect to {url} within {self.cfg.connect_timeout_s}s", "connect"
+                f"could not connect within {self.cfg.connect_timeout_s}s", "connect"
             ) from None
         except TimeoutError:
-            raise UpstreamTimeout(f"no response from {url} within {limit:g}s", "ttfb") from None
+            raise UpstreamTimeout(f"no response within {limit:g}s", "ttfb") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            raise UpstreamConnectError(f"{url}: {exc.__class__.__name__}: {exc}") from None
+            raise UpstreamConnectError(f"{exc.__class__.__name__}") from None
+        except (ValueError, aiohttp.ClientError) as exc:
+            # A header combination aiohttp refuses is this attempt's failure, never a 500.
+            raise UpstreamConnectError(
+                f"request refused by the client library: {exc.__class__.__name__}"
+            ) from None
 
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+    async def get(
+        self, url: str, timeout_s: float, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
         assert self.session is not None
-        async with asyncio.timeout(timeout_s), self.session.get(url) as resp:
-            return resp.status, await resp.read()
+        async with (
+            asyncio.timeout(timeout_s),
+            self.session.get(url, headers=headers, allow_redirects=False) as resp,
+        ):
+            return resp.status, await read_limited(resp)
 
 
 async def read_limited(resp: aiohttp.ClientResponse, limit: int = 1 << 20) -> bytes:
@@ -172,9 +209,19 @@ async def next_chunk(resp: aiohttp.ClientResponse, idle_s: float, deadline: floa
         raise BodyTimeout("the request ran past its total time limit", "total") from None
 
 
-async def read_body(resp: aiohttp.ClientResponse, idle_s: float, deadline: float) -> bytes:
-    """The whole body, each read bounded by the idle gap and all of it by the deadline."""
+async def read_body(
+    resp: aiohttp.ClientResponse, idle_s: float, deadline: float, limit: int
+) -> bytes:
+    """The whole body, each read bounded by the idle gap, all of it by the deadline and ``limit`` bytes.
+
+    Raises AnswerTooLarge past ``limit`` (``upstream.max_answer_bytes``): a backend must not
+    make the gateway buffer without end.
+    """
     chunks: list[bytes] = []
+    size = 0
     while chunk := await next_chunk(resp, idle_s, deadline):
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(f"the answer is larger than {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)

@@ -19,7 +19,6 @@ judges the backends by what it sees itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -30,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from proxy.config import HealthConfig
+from proxy.tasks import PeriodicTask
 
 log = logging.getLogger("kvroute.health")
 
@@ -59,6 +59,14 @@ class BackendHealth:
         self._s: dict[str, _State] = {n: _State() for n in names}
         self.panics_total = 0
         self._panicking = False
+
+    def retain(self, names: list[str]) -> None:
+        """Forget backends no longer in the fleet (they must not count in the panic share)."""
+        keep = set(names)
+        for gone in set(self._s) - keep:
+            del self._s[gone]
+        for name in names:
+            self._st(name)
 
     def _st(self, name: str) -> _State:
         st = self._s.get(name)
@@ -196,7 +204,7 @@ class ActiveChecker:
         self.urls = urls
         self.probe = probe
         self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = PeriodicTask("kvroute-health", self.check_once, interval_s)
 
     async def _one(self, name: str, url: str) -> None:
         try:
@@ -208,21 +216,8 @@ class ActiveChecker:
     async def check_once(self) -> None:
         await asyncio.gather(*(self._one(n, u) for n, u in self.urls.items()))
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.check_once()
-            except Exception:  # the loop outlives anything a round does
-                log.exception("health check round failed")
-            await asyncio.sleep(self.interval_s)
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvroute-health")
+        self._rounds.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._rounds.stop()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -43,6 +44,15 @@ from tests.support.redis_server import RedisInstance
 #: Per-scenario counts, filled by the tests and printed by the conftest at the end.
 RESULTS: dict[str, dict[str, Any]] = {}
 CLIENT_TIMEOUT_S = 30.0  # far above any answer the suite expects: a hung gateway shows up as lost
+#: The suite's reservation TTL: far longer than any leak check waits (LEAK_CHECK_S), so a
+#: reservation that is never released is still there when the check looks, instead of
+#: expiring while it waits (with 8 s against 20 s, removing a release left every scenario green).
+RESERVATION_TTL_S = 600.0
+#: How long a leak check waits for background releases to land (one Redis round trip each).
+LEAK_CHECK_S = 10.0
+#: A replica that is killed on purpose holds reservations that only their TTL can end: it
+#: gets a short one, so the check can wait them out while the survivor's stay long.
+KILLED_REPLICA_TTL_S = 3.0
 PROMPT = make_prompt(60)
 
 
@@ -65,7 +75,7 @@ def fault_config(**overrides: Any) -> dict[str, Any]:
         "store": {
             "op_timeout_s": 0.1,
             "breaker_open_s": 0.5,
-            "reservation_ttl_s": 8.0,
+            "reservation_ttl_s": RESERVATION_TTL_S,
             "max_snapshot_age_s": 1.0,
         },
         "collector": {"scrape_interval_s": 0.25, "stale_after_s": 2.0, "timeout_s": 0.5},
@@ -227,13 +237,13 @@ async def run_load(
     async with new_client(workers * 2) as client:
 
         async def worker(w: int) -> None:
+            # A seeded draw per request: the share holds from the first requests on (the old
+            # "(w + i) % 100 < 50" made every request of a short run a stream, so no scenario
+            # ever sent a non-streamed one).
+            rng = random.Random(w)
             i = 0
             while time.monotonic() < stop_at:
-                stream = (
-                    ((w + i) % 100) < stream_share * 100
-                    if stream_share not in (0, 1)
-                    else bool(stream_share)
-                )
+                stream = rng.random() < stream_share
                 req = body(stream=stream, max_tokens=max_tokens)
                 if sender is not None:
                     bucket, detail, backend = await sender(client, req)
@@ -282,14 +292,35 @@ def metric_values(url: str, name: str) -> dict[str, float]:
     return out
 
 
+def counter_total(url: str, name: str) -> float:
+    """The sum over every label set of one counter on a gateway's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == name
+        for s in fam.samples
+        if s.name == name + "_total"
+    )
+
+
 class FaultFleet:
     """Redis + engines + gateway replicas, all real processes sharing one Redis."""
 
-    def __init__(self, n_engines: int = 3, speedup: float = 10.0, **overrides: Any) -> None:
+    def __init__(
+        self,
+        n_engines: int = 3,
+        speedup: float = 10.0,
+        pools: Sequence[str] | None = None,
+        **overrides: Any,
+    ) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="kvroute-faults-"))
         self.redis = RedisInstance(self.workdir / "redis")
         (self.workdir / "redis").mkdir()
-        self.specs = [EngineSpec(name=f"e{i}", speedup=speedup) for i in range(n_engines)]
+        pools = list(pools) if pools is not None else ["general"] * n_engines
+        self.specs = [
+            EngineSpec(name=f"e{i}", pool=pool, speedup=speedup) for i, pool in enumerate(pools)
+        ]
         self.engines: list[Proc] = []
         self.gateways: list[Proc] = []
         self.overrides = overrides
@@ -315,15 +346,22 @@ class FaultFleet:
         self.wait_ready(self.gateways[0].url)
         return self
 
-    def start_gateway(self) -> Proc:
+    def start_gateway(self, reservation_ttl_s: float | None = None) -> Proc:
+        """One more gateway replica; ``reservation_ttl_s`` overrides the suite's TTL for it alone."""
         port = free_port()
+        config_path = self.config_path
+        if reservation_ttl_s is not None:
+            cfg = yaml.safe_load(self.config_path.read_text())
+            cfg["store"]["reservation_ttl_s"] = reservation_ttl_s
+            config_path = self.workdir / f"kvroute-{len(self.gateways)}.yaml"
+            config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         argv = [
             sys.executable,
             "-m",
             "proxy.cli",
             "serve",
             "--config",
-            str(self.config_path),
+            str(config_path),
             "--port",
             str(port),
             "--log-level",
@@ -424,13 +462,39 @@ class FaultFleet:
         finally:
             r.close()
 
-    def assert_no_reservations(self, timeout_s: float = 20.0) -> None:
-        """Nothing left reserved: in Redis, and in every live gateway's view (/fleet)."""
-        wait_for(
-            lambda: not self.live_reservations(),
-            timeout_s,
-            "every reservation in Redis to be released",
-        )
+    def ledger(self, url: str) -> dict[str, int]:
+        """What one gateway replica still holds: reservations and queued releases (/fleet)."""
+        held: dict[str, int] = self.fleet_state(url)["reservations"]
+        return held
+
+    def assert_no_reservations(self, timeout_s: float = LEAK_CHECK_S) -> None:
+        """Nothing left reserved: in every live gateway's own ledger, in Redis, in /fleet.
+
+        The wait (``timeout_s``) covers background releases landing; it is far below the
+        suite's reservation TTL, so a reservation nobody releases cannot expire meanwhile.
+        """
+        assert timeout_s * 10 <= RESERVATION_TTL_S, "a leak check must not outwait the TTL"
+        seen: dict[str, object] = {}
+        for g in self.gateways:
+            if g.alive:
+
+                def empty(g: Proc = g) -> bool:
+                    seen[g.name] = self.ledger(g.url)
+                    return seen[g.name] == {"held": 0, "pending_releases": 0}
+
+                try:
+                    wait_for(empty, timeout_s, f"{g.name}'s ledger to be empty")
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}; last seen: {seen[g.name]}") from None
+
+        def redis_empty() -> bool:
+            seen["redis"] = self.live_reservations()
+            return not seen["redis"]
+
+        try:
+            wait_for(redis_empty, timeout_s, "every reservation in Redis to be released")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; left: {seen['redis']}") from None
         for g in self.gateways:
             if g.alive:
                 wait_for(
@@ -488,6 +552,7 @@ __all__: Sequence[str] = [
     "Tally",
     "after",
     "body",
+    "counter_total",
     "fault_config",
     "metric_values",
     "recovered",

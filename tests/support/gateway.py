@@ -15,6 +15,7 @@ import uvicorn
 
 from loadtest.local_fleet import free_port
 from proxy.api.app import create_app
+from proxy.api.server import server_config
 from proxy.config import Config, parse_config
 
 
@@ -25,11 +26,17 @@ class ThreadedServer(uvicorn.Server):
 
 @contextmanager
 def run_gateway(cfg: Config, **app_kw: Any) -> Iterator[str]:
+    with serve_app(create_app(cfg, **app_kw), cfg) as url:
+        yield url
+
+
+@contextmanager
+def serve_app(app: Any, cfg: Config) -> Iterator[str]:
+    """Serve an app already built (a test that needs ``app.state``) with the gateway's server settings."""
     port = free_port()
-    app = create_app(cfg, **app_kw)
     server = ThreadedServer(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio", lifespan="on"
+        server_config(
+            app, cfg, "127.0.0.1", port, log_level="warning", loop="asyncio", lifespan="on"
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)

@@ -160,16 +160,16 @@ class Front:
         req = SimRequest(prompt, p.max_tokens, now)
         core.submit(req, now)
         self._next += 1
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
+        completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
         try:
             if p.stream:
-                return await self._stream(request, req, p, rid)
+                return await self._stream(request, req, p, completion_id)
             while not req.done:
                 req.changed.clear()
                 await req.changed.wait()
             text = generated_text(self._next + self.config.seed, p.max_tokens)
             return web.Response(
-                body=full_body(rid, int(time.time()), p, text, prompt),
+                body=full_body(completion_id, int(time.time()), p, text, prompt),
                 content_type=JSON,
                 headers=self._headers,
             )
@@ -177,7 +177,7 @@ class Front:
             core.abort(req)
 
     async def _stream(
-        self, request: web.Request, req: SimRequest, p: Parsed, rid: str
+        self, request: web.Request, req: SimRequest, p: Parsed, completion_id: str
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={
@@ -198,14 +198,16 @@ class Front:
                 if new <= 0:
                     continue
                 if sent == 0 and p.chat:
-                    await resp.write(chunk(rid, created, p, None, None, role=True))
+                    await resp.write(chunk(completion_id, created, p, None, None, role=True))
                 text = generated_text(self.config.seed + sent, new)
                 sent += new
                 await resp.write(
-                    chunk(rid, created, p, text, "length" if sent >= p.max_tokens else None)
+                    chunk(
+                        completion_id, created, p, text, "length" if sent >= p.max_tokens else None
+                    )
                 )
             if p.include_usage:
-                await resp.write(usage_chunk(rid, created, p, req.prompt_tokens))
+                await resp.write(usage_chunk(completion_id, created, p, req.prompt_tokens))
             await resp.write(SSE_DONE)
             await resp.write_eof()
         return resp

@@ -1,0 +1,108 @@
+"""The overhead benchmark's results: one measured point, rounds merged, ratios to direct,
+and the printed table."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Point:
+    target: str
+    mode: str  # "json" or "sse"
+    concurrency: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    requests: int
+    router_cpu_us_per_req: float | None
+    backend_cpu_us_per_req: float
+    events_per_response: int | None = None
+    events_per_s: float | None = None
+    rps_ratio_vs_direct: float | None = None
+    p50_added_ms: float | None = None
+    p99_added_ms: float | None = None
+    rounds: int = 1
+
+
+def merge_rounds(points: list[Point]) -> Point:
+    """Median over rounds of the same (target, mode, concurrency)."""
+    first = points[0]
+    if len(points) == 1:
+        return first
+
+    def med(vals: list[float | None]) -> float | None:
+        xs = [v for v in vals if v is not None]
+        return statistics.median(xs) if xs else None
+
+    return Point(
+        target=first.target,
+        mode=first.mode,
+        concurrency=first.concurrency,
+        rps=statistics.median(p.rps for p in points),
+        p50_ms=statistics.median(p.p50_ms for p in points),
+        p99_ms=statistics.median(p.p99_ms for p in points),
+        errors=sum(p.errors for p in points),
+        requests=sum(p.requests for p in points),
+        router_cpu_us_per_req=med([p.router_cpu_us_per_req for p in points]),
+        backend_cpu_us_per_req=statistics.median(p.backend_cpu_us_per_req for p in points),
+        rounds=len(points),
+    )
+
+
+def add_ratios(points: list[Point], events: dict[str, int]) -> None:
+    direct = {(p.mode, p.concurrency): p for p in points if p.target == "direct"}
+    for p in points:
+        if p.mode == "sse":
+            p.events_per_response = events.get(p.target)
+            if p.events_per_response is not None:
+                p.events_per_s = p.rps * p.events_per_response
+        d = direct.get((p.mode, p.concurrency))
+        if d is not None and d.rps > 0:
+            p.rps_ratio_vs_direct = p.rps / d.rps
+            p.p50_added_ms = p.p50_ms - d.p50_ms
+            p.p99_added_ms = p.p99_ms - d.p99_ms
+
+
+def loadavg() -> list[float]:
+    with contextlib.suppress(OSError):
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    return []
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(points: list[Point], skipped: dict[str, str], notes: dict[str, str]) -> None:
+    for mode in ("json", "sse"):
+        rows = [p for p in points if p.mode == mode]
+        if not rows:
+            continue
+        title = (
+            "non-streaming chat completions"
+            if mode == "json"
+            else "streaming (SSE) chat completions"
+        )
+        print(f"\n== {title} ==")
+        head = f"{'target':<22} {'conc':>4} {'req/s':>8} {'x direct':>8} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>7} {'+p99 ms':>7} {'router CPU us/req':>17} {'err':>4}"
+        if mode == "sse":
+            head += f" {'events/s':>9}"
+        print(head)
+        for p in sorted(rows, key=lambda r: (r.concurrency, r.target != "direct", r.target)):
+            line = (
+                f"{p.target:<22} {p.concurrency:>4} {p.rps:>8.0f} {_fmt(p.rps_ratio_vs_direct, '.2f'):>8} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
+                f"{_fmt(p.p50_added_ms, '+.2f'):>7} {_fmt(p.p99_added_ms, '+.2f'):>7} {_fmt(p.router_cpu_us_per_req, '.0f'):>17} {p.errors:>4}"
+            )
+            if mode == "sse":
+                line += f" {_fmt(p.events_per_s, ',.0f'):>9}"
+            print(line)
+    print()
+    for name, note in notes.items():
+        print(f"  {name}: {note}")
+    for name, why in skipped.items():
+        print(f"  SKIPPED {name}: {why}")

@@ -1,0 +1,138 @@
+"""The HTTP server's own guard: a request's header block is bounded in size and in time.
+
+uvicorn's httptools protocol buffers a header block without limit and never times out a
+connection that is still sending one (measured: 4 connections sending 20 MB of an unfinished
+header took the gateway from 126 to 221 MB; 500 connections trickling a header were never
+cut). The ASGI app sees a request only once its headers are complete, too late to help, so
+the bound lives here, in a subclass of uvicorn's protocol:
+
+* more than ``limits.max_header_bytes`` before the headers end: 431 and the connection closes;
+* headers not complete ``limits.header_timeout_s`` after the connection opened (or after
+  the request's first byte, on a kept-alive connection): the connection closes;
+* a response sent before its request's body was read to the end (a refusal, or a route
+  that never reads the body): the connection closes, so the rest of an unread body cannot
+  hold it open a byte at a time.
+
+The body's time and rate are the ASGI guard's business (``proxy.api.limits``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from asyncio import TimerHandle
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from proxy.config import Config, LimitsConfig
+from proxy.errors import ApiError
+
+
+def _header_refusal(limit: int) -> bytes:
+    body = (
+        ApiError(
+            431,
+            f"request headers are larger than {limit} bytes",
+            code="request_header_fields_too_large",
+        )
+        .response()
+        .body
+    )
+    head = (
+        b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+        b"content-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+    )
+    return head + bytes(body)
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """httptools with a header-size and header-time bound (class attributes set per config)."""
+
+    max_header_bytes: int = 32 * 1024
+    header_timeout_s: float = 10.0
+    refused_headers: int = 0
+    timed_out_headers: int = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_headers = True
+        self._header_bytes = 0
+        self._header_timer: TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_headers:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        if (
+            self._in_headers
+            and self._header_bytes > self.max_header_bytes
+            and not self.transport.is_closing()
+        ):
+            type(self).refused_headers += 1
+            self._disarm_header_timer()
+            self.transport.write(_header_refusal(self.max_header_bytes))
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+        self._header_bytes = 0
+        self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._disarm_header_timer()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not self.transport.is_closing():
+            self.transport.close()
+        super().on_response_complete()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._in_headers and not self.transport.is_closing():
+            type(self).timed_out_headers += 1
+            self.transport.close()
+
+
+def guarded_protocol(limits: LimitsConfig) -> type[GuardedProtocol]:
+    """A protocol class carrying this config's limits (uvicorn builds one per connection)."""
+    return type(
+        "GuardedProtocol",
+        (GuardedProtocol,),
+        {"max_header_bytes": limits.max_header_bytes, "header_timeout_s": limits.header_timeout_s},
+    )
+
+
+def server_config(app: Any, cfg: Config, host: str, port: int, **kw: Any) -> uvicorn.Config:
+    """The uvicorn settings every kvroute server runs with (``kvroute serve`` and the tests)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=guarded_protocol(cfg.limits),
+        access_log=False,
+        timeout_keep_alive=30,
+        **kw,
+    )

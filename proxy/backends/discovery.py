@@ -1,0 +1,132 @@
+"""Backend discovery: the backend list follows the fleet instead of a static config.
+
+``discovery.type`` picks the source: ``static`` (the config's ``backends``, the default),
+``kubernetes`` (EndpointSlices of the inference Services, ``discovery_kubernetes``) or
+``dns`` (A or SRV records of a headless Service, ``discovery_dns``). A source publishes a
+whole list each time something changes; ``Discovery`` keeps the latest, calls
+``on_change`` only when the list really differs, and the app wiring hands the new list to
+the collector, the health checks, the fleet cache and maintenance. Static ``backends`` are
+always kept alongside discovered ones (a name clash keeps the static entry).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from proxy.config import BackendConfig, Config, DiscoveryConfig
+
+log = logging.getLogger("kvroute.discovery")
+
+ChangeHook = Callable[[list[BackendConfig]], None]
+# Retry delays after a failed list/watch/resolve: fast at first, capped.
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+FIRST_LIST_TIMEOUT_S = 10.0
+
+
+class Discovery(abc.ABC):
+    """A source of backends with a background loop; ``backends`` is the latest list."""
+
+    def __init__(self, cfg: DiscoveryConfig, static: list[BackendConfig]) -> None:
+        self.cfg = cfg
+        self.static = list(static)
+        self.backends: list[BackendConfig] = list(static)
+        self.on_change: list[ChangeHook] = []
+        self.updates = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @abc.abstractmethod
+    async def _run(self) -> None:
+        """Follow the source until cancelled, calling ``publish`` with each full list."""
+
+    @abc.abstractmethod
+    async def first_list(self) -> None:
+        """One fetch before serving, so the first snapshot has backends; failures are logged."""
+
+    def publish(self, found: list[BackendConfig]) -> None:
+        names = {b.name for b in self.static}
+        merged = self.static + sorted(
+            (b for b in found if b.name not in names), key=lambda b: b.name
+        )
+        if merged == self.backends:
+            return
+        added = {b.name for b in merged} - {b.name for b in self.backends}
+        removed = {b.name for b in self.backends} - {b.name for b in merged}
+        log.info(
+            "backends changed: %d now (+%s -%s)",
+            len(merged),
+            ",".join(sorted(added)) or "none",
+            ",".join(sorted(removed)) or "none",
+        )
+        self.backends = merged
+        self.updates += 1
+        for hook in self.on_change:
+            hook(list(merged))
+
+    async def start(self) -> None:
+        try:
+            async with asyncio.timeout(FIRST_LIST_TIMEOUT_S):
+                await self.first_list()
+        except Exception as exc:  # the loop keeps trying; the gateway starts regardless
+            log.warning("discovery: first list failed (%s); retrying in the background", exc)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._loop(), name="kvroute-discovery"
+            )
+
+    async def _loop(self) -> None:
+        delay = BACKOFF_START_S
+        while True:
+            try:
+                await self._run()
+                delay = BACKOFF_START_S
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("discovery: %s; retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2.0, BACKOFF_MAX_S)
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.close()
+
+    async def close(self) -> None:
+        return None
+
+
+def backend(
+    cfg: DiscoveryConfig, name: str, host: str, port: int, pool: str | None = None
+) -> BackendConfig:
+    """A discovered backend with the discovery section's kind, pool and capacity settings."""
+    shown = f"[{host}]" if ":" in host else host
+    return BackendConfig(
+        name=name[:64],
+        url=f"http://{shown}:{port}",  # type: ignore[arg-type]  # pydantic parses the URL
+        pool=pool or cfg.pool,
+        kind=cfg.kind,
+        capacity_tokens=cfg.capacity_tokens,
+        bytes_per_token=cfg.bytes_per_token,
+    )
+
+
+def make_discovery(cfg: Config) -> Discovery | None:
+    """The configured source, or None for ``static`` (nothing to follow)."""
+    d = cfg.discovery
+    if d.type == "kubernetes":
+        from proxy.backends.discovery_kubernetes import KubernetesDiscovery
+
+        return KubernetesDiscovery(d, cfg.backends, set(cfg.pools))
+    if d.type == "dns":
+        from proxy.backends.discovery_dns import DnsDiscovery
+
+        return DnsDiscovery(d, cfg.backends)
+    return None

@@ -1,0 +1,232 @@
+"""One restart of one node, start to finish: drain, wait, hook, wait for a fresh allocator,
+return it to service; every step recorded in the shared event log.
+
+A mixin of ``proxy.ops.maintenance.Maintenance`` (which decides when to restart and holds the
+state named below): the procedure is long enough to deserve its own module, and it reads and
+writes the same state as the loop that starts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from proxy.config import MaintenanceConfig
+from proxy.core.fleet import MemoryReport
+from proxy.ops.advice import RestartReason
+from proxy.ops.restart_hooks import RestartHook
+from proxy.state.base import StateStore, StoreUnavailable
+from proxy.state.fleet_cache import FleetCache
+
+log = logging.getLogger("kvroute.maintenance")
+
+POLL_S = 0.05
+
+
+class _Failed(Exception):
+    pass
+
+
+class RestartRunner:
+    """Drain + restart + return of one node at a time per task (``_spawn``)."""
+
+    settings: MaintenanceConfig
+    store: StateStore
+    fleet: FleetCache
+    hook: RestartHook
+    owner: str
+    urls: dict[str, str]
+    restarts: Counter[tuple[str, str]]
+    _tasks: dict[str, asyncio.Task[None]]
+    clock: Callable[[], float]
+
+    def _spawn(self, name: str, reason: RestartReason) -> str:
+        restart_id = uuid.uuid4().hex[:12]
+        task = asyncio.get_running_loop().create_task(
+            self._restart(name, reason, restart_id), name=f"kvroute-restart-{name}"
+        )
+        self._tasks[name] = task
+
+        def done(_t: asyncio.Task[None]) -> None:
+            if self._tasks.get(name) is task:
+                del self._tasks[name]
+
+        task.add_done_callback(done)
+        return restart_id
+
+    async def _event(self, kind: str, backend: str, **fields: Any) -> None:
+        ev = {
+            "id": uuid.uuid4().hex[:12],
+            "type": kind,
+            "backend": backend,
+            "at": self.clock(),
+            "by": self.owner,
+            **fields,
+        }
+        try:
+            await self.store.append_event(ev)
+        except StoreUnavailable:
+            log.warning(
+                "maintenance: could not record event %s for %s (store unavailable)", kind, backend
+            )
+
+    def _figures(self, report: MemoryReport | None) -> dict[str, Any]:
+        if report is None:
+            return {}
+        now = self.clock()
+        return {
+            "largest_contiguous_free_block_ratio": round(report.largest_block_ratio, 4),
+            "free_tokens": report.free_tokens,
+            "largest_free_block_tokens": report.largest_free_block_tokens,
+            "uptime_s": round(report.uptime(now), 3),
+        }
+
+    async def _restart(self, name: str, reason: RestartReason, restart_id: str) -> None:
+        snap = self.fleet.latest or await self.fleet.snapshot(force=True)
+        node = snap.by_name().get(name)
+        before = node.report if node is not None else None
+        old_started = before.started_at if before is not None else 0.0
+        t0 = time.monotonic()
+        drained = False
+        await self._event(
+            "restart_started",
+            name,
+            restart_id=restart_id,
+            reason=reason,
+            before=self._figures(before),
+        )
+        log.info("maintenance: restarting %s (%s)", name, reason)
+        try:
+            try:
+                await self.store.set_draining(name, True)
+            except StoreUnavailable:
+                raise _Failed("state store unavailable: could not mark the node draining") from None
+            drained = True
+            left = await self._wait_drained(name)
+            await self._event(
+                "drained", name, restart_id=restart_id, inflight_left=left, timed_out=left > 0
+            )
+            hook_at = self.clock()
+            result = await self.hook.restart(name, self.urls[name])
+            # The output (and an HTTP hook's target) goes to the log; the open event log
+            # gets the summary only.
+            log.log(
+                logging.INFO if result.ok else logging.WARNING,
+                "maintenance: restart hook for %s: %s",
+                name,
+                result.detail,
+            )
+            await self._event(
+                "restart_hook",
+                name,
+                restart_id=restart_id,
+                ok=result.ok,
+                detail=result.public,
+                hook=self.hook.kind,
+            )
+            if not result.ok:
+                raise _Failed(f"restart hook failed: {result.public}")
+            # A deleted pod comes back under a new name (its ReplicaSet's replacement): wait
+            # for that one to report, so the next restart starts only after it serves.
+            fresh = result.replaced_by or name
+            after = await self._wait_fresh(fresh, old_started, hook_at)
+            if after is None:
+                raise _Failed(
+                    f"not up with a fresh allocator within healthy_timeout_s ({self.settings.healthy_timeout_s:g}s)"
+                )
+            await self._undrain(name)
+            drained = False
+            self.restarts[(name, reason)] += 1
+            await self._event(
+                "restart_done",
+                name,
+                restart_id=restart_id,
+                reason=reason,
+                duration_s=round(time.monotonic() - t0, 3),
+                before=self._figures(before),
+                after=self._figures(after),
+            )
+            log.info("maintenance: %s restarted and back in service", name)
+        except _Failed as exc:
+            log.warning("maintenance: restart of %s failed: %s", name, exc)
+            if drained:
+                await self._undrain(name)
+            await self._event(
+                "restart_failed", name, restart_id=restart_id, reason=reason, error=str(exc)
+            )
+        except asyncio.CancelledError:
+            if drained:
+                await self._undrain(name)
+            await self._event(
+                "restart_aborted",
+                name,
+                restart_id=restart_id,
+                reason=reason,
+                error="gateway shutting down",
+            )
+            raise
+        except Exception as exc:  # a bug must not leave the node drained forever
+            log.exception("maintenance: restart of %s broke", name)
+            if drained:
+                await self._undrain(name)
+            await self._event(
+                "restart_failed",
+                name,
+                restart_id=restart_id,
+                reason=reason,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+
+    async def _undrain(self, name: str) -> None:
+        for _ in range(3):
+            try:
+                await self.store.set_draining(name, False)
+                return
+            except StoreUnavailable:
+                await asyncio.sleep(0.2)
+        log.error("maintenance: could not undrain %s (store unavailable): undrain it by hand", name)
+
+    async def _wait_drained(self, name: str) -> int:
+        """Wait until no reservation is left on ``name`` (twice in a row); returns how many are left."""
+        # Routers may rank on a snapshot taken just before the drain mark: let that pass first.
+        await asyncio.sleep(self.settings.drain_settle_s)
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        empty_reads = 0
+        left = -1
+        while True:
+            try:
+                left = len(await self.store.reservations(name, self.clock()))
+            except StoreUnavailable:
+                left = -1 if left < 0 else left
+            empty_reads = empty_reads + 1 if left == 0 else 0
+            if empty_reads >= 2:
+                return 0
+            if time.monotonic() >= deadline:
+                return max(left, 0)
+            await asyncio.sleep(POLL_S)
+
+    async def _wait_fresh(
+        self, name: str, old_started: float, hook_at: float
+    ) -> MemoryReport | None:
+        """The node is up and reports, after the hook, a newer start and a (nearly) whole cache."""
+        deadline = time.monotonic() + self.settings.healthy_timeout_s
+        while time.monotonic() < deadline:
+            snap = await self.fleet.snapshot(force=True)
+            node = snap.by_name().get(name)
+            r = node.report if node is not None else None
+            if (
+                node is not None
+                and node.up
+                and r is not None
+                and r.reported_at > hook_at
+                and (old_started <= 0 or r.started_at > old_started)
+                and r.largest_block_ratio >= self.settings.fresh_ratio
+            ):
+                return r
+            await asyncio.sleep(POLL_S * 2)
+        return None

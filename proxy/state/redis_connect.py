@@ -1,0 +1,115 @@
+"""The Redis client for one of three deployments: a single server, Sentinel, or Cluster.
+
+Every client gets the same discipline (decoded replies, the store's deadline as socket
+timeout, no library retries: ``RedisStore._call`` owns the single retry), so the store's
+behaviour under faults does not depend on the topology.
+
+- single: ``store.redis_url``; a blocking pool (a burst waits for a connection, bounded by
+  the deadline, rather than failing at once).
+- Sentinel: ``store.sentinel``; every new connection asks the sentinels for the current
+  master, and a connection still open to a demoted master is dropped on its first
+  ``READONLY`` reply (redis-py's ``SentinelManagedConnection``), so after a failover the
+  next call (or the store's one retry) lands on the new master without a restart.
+- Cluster: ``store.cluster: true`` with ``redis_url`` naming any node; redis-py's
+  ``RedisCluster`` maps slots to nodes and follows ``MOVED``/``ASK`` itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
+
+from proxy.config import StoreConfig
+
+CLIENT_NAME = "kvroute"
+
+
+@dataclass
+class RedisClient:
+    """The connected client and what to close with it; ``cluster`` changes how keys group."""
+
+    client: Any  # redis.asyncio.Redis or RedisCluster: same command methods
+    cluster: bool
+    closers: tuple[Any, ...] = ()
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        for extra in self.closers:
+            await extra.aclose()
+
+
+def _common(cfg: StoreConfig) -> dict[str, Any]:
+    return {
+        "socket_timeout": cfg.op_timeout_s,
+        "socket_connect_timeout": cfg.op_timeout_s,
+        # Our own single retry (RedisStore._call) is the only one.
+        "retry": Retry(NoBackoff(), 0),
+        "decode_responses": True,
+        "client_name": CLIENT_NAME,
+    }
+
+
+def connect(cfg: StoreConfig, max_connections: int) -> RedisClient:
+    """The client for ``cfg``; does no I/O (connections are made on first use)."""
+    if cfg.sentinel is not None:
+        return _sentinel(cfg, max_connections)
+    if not cfg.redis_url:
+        raise ValueError("the Redis store needs store.redis_url or store.sentinel")
+    if cfg.cluster:
+        return _cluster(cfg, cfg.redis_url, max_connections)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        cfg.redis_url,
+        max_connections=max_connections,
+        # Wait for a free pooled connection no longer than a call may take.
+        timeout=cfg.op_timeout_s,
+        **_common(cfg),
+    )
+    return RedisClient(aioredis.Redis(connection_pool=pool), False, (pool,))
+
+
+class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Sentinel's master-following connections from a blocking pool, like the single server's:
+    a burst waits (up to the deadline) for a free connection instead of failing at once."""
+
+
+def _sentinel(cfg: StoreConfig, max_connections: int) -> RedisClient:
+    sc = cfg.sentinel
+    assert sc is not None
+    common = _common(cfg)
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": cfg.op_timeout_s,
+        "socket_connect_timeout": cfg.op_timeout_s,
+        "decode_responses": True,
+    }
+    if sc.sentinel_password:
+        sentinel_kwargs["password"] = sc.sentinel_password
+    sentinel = Sentinel(sc.addresses(), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    client = sentinel.master_for(
+        sc.master,
+        connection_pool_class=BlockingSentinelPool,
+        max_connections=max_connections,
+        timeout=cfg.op_timeout_s,
+        db=sc.db,
+        password=sc.password,
+        # A master whose role check fails is asked for again on every new connection.
+        check_connection=False,
+        **common,
+    )
+    return RedisClient(client, False, tuple(sentinel.sentinels))
+
+
+def _cluster(cfg: StoreConfig, url: str, max_connections: int) -> RedisClient:
+    common = _common(cfg)
+    client = RedisCluster.from_url(
+        url,
+        # Slot moves (MOVED/ASK) are followed inside one call; node failures are ours to retry.
+        max_connections=max_connections,
+        **common,
+    )
+    return RedisClient(client, True)

@@ -1,0 +1,130 @@
+"""The fleet cache (proxy/state/fleet_cache.py): one read for many requests, degraded mode.
+
+On the real in-process store; a store that goes away is that store with its reads failing
+the way a timed-out Redis call does (``StoreUnavailable``), under an injected clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from proxy.config import Config
+from proxy.core.fleet import FleetSnapshot, MemoryReport
+from proxy.state.base import BackendState, StoreUnavailable
+from proxy.state.fleet_cache import FleetCache, node_from_state
+from proxy.state.memory import InProcessStore
+from tests.support.gateway import gateway_cfg
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Store(InProcessStore):
+    """The in-process store, counting reads; ``down`` makes them fail like a dead Redis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+        self.down = False
+        self.gate: asyncio.Event | None = None
+
+    async def read(self, names: list[str], now: float) -> dict[str, BackendState]:
+        self.reads += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.down:
+            raise StoreUnavailable("read timed out")
+        return await super().read(names, now)
+
+
+def config(**sections: object) -> Config:
+    backends: list[dict[str, Any]] = [
+        {"name": "a", "url": "http://127.0.0.1:9", "pool": "long", "capacity_tokens": 50_000},
+        {"name": "b", "url": "http://127.0.0.1:9", "pool": "general"},
+    ]
+    return gateway_cfg(backends, **sections)
+
+
+async def put(store: Store, name: str, clock: Clock, free: int = 60_000) -> None:
+    report = MemoryReport(100_000, free, free, reported_at=clock.now)
+    await store.put_report(name, report, 600.0)
+
+
+def figures(snap: FleetSnapshot) -> dict[str, int | None]:
+    return {n.name: n.report.free_tokens if n.report else None for n in snap.nodes}
+
+
+async def test_snapshots_within_refresh_share_one_read() -> None:
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock, refresh_s=0.5)
+    await put(store, "b", clock)
+    first = await cache.snapshot()
+    assert await cache.snapshot() is first and store.reads == 1
+    clock.now += 1.0
+    assert await cache.snapshot() is not first and store.reads == 2
+    assert await cache.snapshot(force=True) is not first and store.reads == 3
+
+
+async def test_concurrent_snapshots_are_one_read_in_flight() -> None:
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock, refresh_s=0.0)
+    store.gate = asyncio.Event()
+    waiting = [asyncio.create_task(cache.snapshot()) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    store.gate.set()
+    snaps = await asyncio.wait_for(asyncio.gather(*waiting), timeout=5.0)
+    assert store.reads == 1
+    assert all(s is snaps[0] for s in snaps)
+
+
+async def test_a_configured_capacity_caps_the_report() -> None:
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock)
+    await put(store, "a", clock, free=60_000)
+    node = (await cache.snapshot()).by_name()["a"]
+    assert node.role == "long"
+    assert node.report is not None
+    assert (node.report.capacity_tokens, node.report.free_tokens) == (50_000, 50_000)
+
+
+async def test_store_down_keeps_the_last_snapshot_then_routes_by_length_only() -> None:
+    clock, store = Clock(), Store()
+    cache = FleetCache(
+        # The last snapshot bridges an outage while both its age and its reports' are in bounds.
+        config(store={"max_snapshot_age_s": 10.0}, collector={"stale_after_s": 10.0}),
+        store,
+        clock=clock,
+        refresh_s=0.0,
+    )
+    changes: list[bool] = []
+    cache.on_degraded_change.append(changes.append)
+    await put(store, "b", clock)
+    fresh = await cache.snapshot()
+    assert figures(fresh)["b"] == 60_000
+
+    store.down = True
+    clock.now += 5.0
+    assert await cache.snapshot() is fresh  # young enough: the last known figures
+    assert cache.degraded and changes == [True] and cache.store_errors == 1
+
+    clock.now += 10.0
+    old = await cache.snapshot()
+    assert figures(old) == {"a": None, "b": None}  # too old: pools only
+    assert all(n.up for n in old.nodes)
+
+    store.down = False
+    clock.now += 1.0
+    back = await cache.snapshot()
+    assert figures(back)["b"] == 60_000
+    assert not cache.degraded and changes == [True, False]
+
+
+def test_a_backend_never_seen_is_up_and_unknown() -> None:
+    node = node_from_state(config(), "b", None, 0.0)
+    assert node.up and node.report is None and node.pool == "general"
