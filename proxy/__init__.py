@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         classify_failure,
     )
     from proxy.errors import (
+        AnswerTooLarge,
         ApiError,
         BodyTimeout,
         ConfigError,
@@ -73,6 +74,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "classify_failure",
     ),
     "proxy.errors": (
+        "AnswerTooLarge",
         "ApiError",
         "BodyTimeout",
         "ConfigError",
@@ -115,6 +117,7 @@ _HOME: dict[str, str] = {name: module for module, names in _HOMES.items() for na
 __all__ = [
     "POLICIES",
     "AllocatorKind",
+    "AnswerTooLarge",
     "ApiError",
     "BackendState",
     "BodyTimeout",

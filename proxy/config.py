@@ -41,9 +41,6 @@ class BackendConfig(_Strict):
     capacity_tokens: int | None = Field(
         default=None, gt=0, description="override the reported KV capacity"
     )
-    bytes_per_token: int | None = Field(
-        default=None, gt=0, description="for backends that report bytes"
-    )
     metrics_path: str = "/metrics"
     api_key: str | None = Field(
         default=None,
@@ -334,7 +331,14 @@ class QueueConfig(_Strict):
 
 class UpstreamConfig(_Strict):
     connect_timeout_s: float = Field(default=2.0, gt=0)
-    ttfb_timeout_s: float = Field(default=120.0, gt=0)
+    ttfb_timeout_s: float = Field(
+        default=120.0, gt=0, description="until response headers (a stream: its first event)"
+    )
+    non_stream_s_per_token: float = Field(
+        default=0.2,
+        ge=0,
+        description="a non-streamed answer's headers may also take this per requested output token",
+    )
     idle_timeout_s: float = Field(default=60.0, gt=0)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
@@ -465,7 +469,6 @@ class DiscoveryConfig(KubernetesApiConfig):
         default=10.0, gt=0, description="dns: re-resolve period; kubernetes: watch timeout"
     )
     capacity_tokens: int | None = Field(default=None, gt=0)
-    bytes_per_token: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _complete(self) -> DiscoveryConfig:

@@ -143,3 +143,14 @@ def test_check_config_accepts_server_kinds_with_models(tmp_path: Path) -> None:
         text=True,
     )
     assert res.returncode == 1 and "backends.0.models.0" in res.stderr
+
+
+def test_bytes_per_token_is_no_longer_accepted() -> None:
+    # No backend kind reports KV memory in bytes (vLLM, SGLang and kvroute's gauges count
+    # blocks or tokens), so the key did nothing; a config that still sets it is told so.
+    with pytest.raises(ConfigError, match="bytes_per_token"):
+        parse_config(
+            {"backends": [{"name": "a", "url": "http://a:8000", "bytes_per_token": 2}]},
+            "test",
+            environ={},
+        )

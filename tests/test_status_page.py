@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtest.local_fleet import free_port
 from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,12 +88,17 @@ def test_status_page_in_headless_chromium(
             {"name": "long-0", "url": long0.url, "pool": "long", "kind": "contiguous"},
             {"name": "general-0", "url": g0.url, "kind": "contiguous"},
             {"name": "general-1", "url": g1.url, "kind": "contiguous"},
+            # Nothing listens there: down, and must not be drawn as free memory.
+            {"name": "gone", "url": f"http://127.0.0.1:{free_port()}", "kind": "contiguous"},
         ],
         admin={"api_key": KEY},
     )
     names = ["long-0", "general-0", "general-1"]
     with run_gateway(cfg) as url:
-        wait_until(lambda: all(b["report"] for b in fleet_state(url)["backends"]), what="reports")
+        wait_until(
+            lambda: all(b["report"] or not b["up"] for b in fleet_state(url)["backends"]),
+            what="reports, and the dead backend marked down",
+        )
         httpx.post(
             url + "/admin/backends/general-1/drain", headers={"x-admin-key": KEY}, timeout=10
         ).raise_for_status()
@@ -109,7 +115,11 @@ def test_status_page_in_headless_chromium(
 
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
-    assert 'data-rendered="3"' in html, html[-3000:]
+    assert 'data-rendered="4"' in html, html[-3000:]
+    gone = re.search(r'<tr data-node="gone" class="off">.*?</tr>', html)
+    assert gone is not None and '<span class="state down">down</span>' in gone.group(0)
+    assert '<div class="bar off" data-backend="gone"><span class="off"' in gone.group(0)
+    assert 'class="used"' not in gone.group(0) and 'class="block"' not in gone.group(0)
     for name in names:
         assert f'<tr data-node="{name}"><td class="name">{name}</td>' in html
         assert re.search(

@@ -163,6 +163,17 @@ def follow_backends(rt: Runtime, ops: Maintenance) -> Callable[[list[BackendConf
     return apply
 
 
+def with_health(
+    items: list[dict[str, Any]], health: dict[str, dict[str, object]]
+) -> list[dict[str, Any]]:
+    """Add this replica's verdict on each backend (active checks, ejection) to ``/fleet``."""
+    for item in items:
+        h = health.get(item["name"])
+        item["healthy"] = bool(h["healthy"]) if h is not None else True
+        item["ejected"] = bool(h["ejected"]) if h is not None else False
+    return items
+
+
 def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
@@ -324,13 +335,26 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
     async def health(request: Request) -> Response:
         r = rt(request)
         snap = await r.fleet.snapshot()
-        up = sum(1 for n in snap.nodes if n.up and n.report is not None)
-        status = "degraded" if r.fleet.degraded else ("ok" if up > 0 else "no_backends")
+        health = r.gateway.health.snapshot()
+        # Down: the collector cannot reach it, or the active health checks fail it.
+        down = sorted(
+            n.name
+            for n in snap.nodes
+            if not n.up or not health.get(n.name, {}).get("healthy", True)
+        )
+        up = sum(1 for n in snap.nodes if n.up and n.report is not None and n.name not in down)
+        if r.fleet.degraded or (down and up > 0):
+            status = "degraded"
+        elif up == 0:
+            status = "no_backends"
+        else:
+            status = "ok"
         return _json(
             {
                 "status": status,
                 "store": "unreachable" if r.fleet.degraded else "ok",
                 "backends_up": up,
+                "backends_down": down,
                 "backends": len(snap.nodes),
             },
             200 if status != "no_backends" else 503,
@@ -365,7 +389,9 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
                         "held": len(r.gateway.ledger.held),
                         "pending_releases": len(r.gateway.ledger.pending),
                     },
-                    "backends": snapshot_json(snap, r.store.now()),
+                    "backends": with_health(
+                        snapshot_json(snap, r.store.now()), r.gateway.health.snapshot()
+                    ),
                 }
             )
 

@@ -114,7 +114,6 @@ def backend(
         pool=pool or cfg.pool,
         kind=cfg.kind,
         capacity_tokens=cfg.capacity_tokens,
-        bytes_per_token=cfg.bytes_per_token,
     )
 
 

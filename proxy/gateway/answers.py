@@ -20,7 +20,7 @@ from starlette.responses import Response
 from proxy.core.fleet import FailureCause, FleetSnapshot, classify_failure
 from proxy.errors import ApiError, UpstreamBroken, UpstreamFailure, upstream_answer
 from proxy.gateway.context import FAILURE_RESULTS, AttemptResult, RequestContext
-from proxy.gateway.divert import divert, record_allocation_failure
+from proxy.gateway.divert import divert, record_allocation_failure, verdict_for
 from proxy.upstream.classify import UpstreamVerdict, Verdict, classify_response, is_json_object
 from proxy.upstream.client import (
     AnswerTooLarge,
@@ -47,10 +47,16 @@ def broken_answer(
     failure: UpstreamFailure,
     message: str,
 ) -> None:
-    """The backend's answer broke before reaching the client: drop its connection and divert."""
+    """The backend's answer broke before reaching the client: drop its connection and divert.
+
+    A body cut short by the request's own total deadline is not held against the backend.
+    """
     resp.close()
     answer = upstream_answer(failure, message)
-    divert(gw, ctx, backend, answer, result=FAILURE_RESULTS[failure], broken=message)
+    ours = failure == "total_timeout"
+    divert(
+        gw, ctx, backend, answer, result=FAILURE_RESULTS[failure], broken=message, out_of_time=ours
+    )
 
 
 async def error_answer(
@@ -69,6 +75,7 @@ async def error_answer(
     if verdict.verdict == "client_error":
         gw.metrics.attempts.labels(backend, verdict.verdict).inc()
         gw.health.success(backend)
+        gw.local.remove(backend, ctx.reservation_id)
         await gw.ledger.release(backend, ctx.reservation_id)
         gw.metrics.requests.labels(ctx.cls, backend, "rejected").inc()
         headers = ctx.answer_headers(backend, response_headers(resp.headers))
@@ -114,7 +121,10 @@ def _allocation_failed(
         gw, ctx, backend, None, result="allocation", full=True, retry_after_s=verdict.retry_after_s
     )
     cause = cause_at_backend(verdict, ctx.demand, backend, ctx.snap)
-    record_allocation_failure(gw, backend, cause, ctx.demand, ctx.snap)
+    now = gw.clock()
+    record_allocation_failure(
+        gw, backend, cause, ctx.demand, verdict_for(gw, ctx, gw.local.apply(ctx.snap), now)
+    )
     log.info(
         "request %s: %s could not allocate %d tokens (%s); diverting",
         ctx.request_id,

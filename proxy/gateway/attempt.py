@@ -4,15 +4,25 @@ The attempt either ends the request (an answer or a stream for the client) or di
 (``None``): the reservation is freed and placement tries the next candidate. Upstream
 failures arrive as ``proxy.errors.UpstreamError`` (the client maps the library's errors);
 whatever else interrupts the attempt (a cancelled request) still frees the reservation.
+
+Until the answer starts, the client is watched: if it goes away, the attempt is cancelled at
+once (the upstream connection is dropped, so the backend sees the cancel) and the reservation
+released, rather than holding both until the backend finishes.
+
+A non-streamed answer's headers come only with its last token, so the time to its headers is
+the whole generation: it gets ``ttfb_timeout_s`` plus ``non_stream_s_per_token`` for each
+requested output token (within the total deadline), not ``ttfb_timeout_s`` alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING
 
 from aiohttp import ClientResponse
+from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.core.validation import Endpoint
@@ -26,22 +36,70 @@ from proxy.upstream.client import with_credential
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
 
+log = logging.getLogger("kvroute.gateway")
+
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | None:
     """Forward to ``backend``. A Response ends the request; None means divert to another node."""
+    attempt = asyncio.ensure_future(_forward(gw, ctx, backend))
+    gone = asyncio.ensure_future(client_gone(ctx.request))
+    try:
+        await asyncio.wait((attempt, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not attempt.done():
+            attempt.cancel()
+            # Its cleanup drops the upstream connection and frees the reservation.
+            await asyncio.gather(attempt, return_exceptions=True)
+        if attempt.cancelled():
+            # Cancelled before its first step, it never ran its cleanup (a second release
+            # of the same reservation is a no-op).
+            gw.release_later(ctx, backend)
+    if attempt.cancelled():
+        return _client_left(gw, ctx, backend)
+    return attempt.result()
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body was read already, so nothing else comes)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        # This server cannot tell: never report the client gone.
+        await asyncio.get_running_loop().create_future()
+
+
+def _client_left(gw: Gateway, ctx: RequestContext, backend: str) -> Response:
+    log.info("request %s: the client went away while %s worked on it", ctx.request_id, backend)
+    gw.metrics.requests.labels(ctx.cls, backend, "client_disconnect").inc()
+    # Nobody reads it: the connection is gone.
+    return Response(status_code=499)
+
+
+def headers_deadline(gw: Gateway, ctx: RequestContext, now: float) -> float:
+    """When the backend's response headers must have come (the loop's clock)."""
+    up = gw.cfg.upstream
+    limit = up.ttfb_timeout_s
+    if not ctx.parsed.stream:
+        limit += up.non_stream_s_per_token * (ctx.demand - ctx.prompt_tokens)
+    return min(now + limit, ctx.deadline)
+
+
+async def _forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | None:
     url = gw.urls[backend] + PATHS[ctx.parsed.endpoint]
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
-    ttfb_deadline = min(loop.time() + gw.cfg.upstream.ttfb_timeout_s, ctx.deadline)
+    ttfb_deadline = headers_deadline(gw, ctx, loop.time())
     resp: ClientResponse | None = None
     headers = with_credential(ctx.upstream_headers, gw.credentials[backend])
     try:
         try:
             resp = await gw.upstream.post(url, ctx.parsed.raw, headers, ttfb_deadline - loop.time())
         except UpstreamError as exc:
-            _not_answered(gw, ctx, backend, exc)
+            _not_answered(gw, ctx, backend, exc, ttfb_deadline >= ctx.deadline)
             return None
         if resp.status >= 400:
             return await error_answer(gw, ctx, backend, resp)
@@ -62,11 +120,30 @@ async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | 
         raise
 
 
-def _not_answered(gw: Gateway, ctx: RequestContext, backend: str, exc: UpstreamError) -> None:
-    """No response headers came: the backend timed out or could not be reached."""
+def _not_answered(
+    gw: Gateway, ctx: RequestContext, backend: str, exc: UpstreamError, at_deadline: bool
+) -> None:
+    """No response headers came: the backend timed out or could not be reached.
+
+    ``at_deadline``: the wait was cut by the request's own total deadline; a timeout then is
+    answered as the total time running out and not held against the backend.
+    """
+    failure = exc.failure
+    ours = at_deadline and failure == "ttfb_timeout"
     if isinstance(exc, UpstreamConnectError):
         message = f"backend {backend} could not be reached: {exc}"
+    elif ours:
+        failure = "total_timeout"
+        message = f"backend {backend} did not answer within the request's total time limit"
     else:
         message = f"backend {backend} did not answer: {exc}"
-    answer = upstream_answer(exc.failure, message)
-    divert(gw, ctx, backend, answer, result=FAILURE_RESULTS[exc.failure], broken=str(exc))
+    answer = upstream_answer(failure, message)
+    divert(
+        gw,
+        ctx,
+        backend,
+        answer,
+        result=FAILURE_RESULTS[failure],
+        broken=str(exc),
+        out_of_time=ours,
+    )

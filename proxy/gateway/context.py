@@ -53,6 +53,7 @@ RequestResult = Literal[
     "upstream_timeout",
     "client_disconnect",
     "no_fit",
+    "unavailable",
 ]
 
 
@@ -77,6 +78,9 @@ class RequestContext:
     exclude: set[str] = field(default_factory=set)
     # Backends that do not serve the request's model or whose max_model_len is too small.
     ruled_out: frozenset[str] = frozenset()
+    # Nodes known to have failed to allocate this request (its attempts, or the client's
+    # earlier try by retry key): left out of ranking, but judged on memory, not as unavailable.
+    no_room: set[str] = field(default_factory=set)
     failed_on: list[str] = field(default_factory=list)
     backend: str = ""
     attempts: int = 0
@@ -90,6 +94,8 @@ class RequestContext:
     hold_started: float | None = None
     # The answer if we stop now after an upstream failure; None while nothing failed.
     failure: Response | None = None
+    # How the request ends if ``failure`` is the answer (kvroute_requests_total{outcome}).
+    failure_outcome: RequestResult = "upstream_error"
 
     def answer_headers(
         self,

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Protocol
 from starlette.responses import Response
 
 from proxy.core.fleet import FailureCause, FleetSnapshot
+from proxy.gateway import retry_memory
 from proxy.gateway.context import AttemptResult, RequestContext
+from proxy.routing.nothing_fits import Cause as NothingFitsCause
+from proxy.routing.nothing_fits import NothingFits, judge
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -30,7 +33,12 @@ class AllocationFailureHook(Protocol):
     """Told about every allocation failure (``backend`` is "" when nothing fit at the gateway)."""
 
     def __call__(
-        self, backend: str, cause: FailureCause, demand: int, fleet_free_fraction: float
+        self,
+        backend: str,
+        cause: FailureCause,
+        demand: int,
+        fleet_free_fraction: float,
+        room_on: tuple[str, ...] = (),
     ) -> None: ...
 
 
@@ -44,6 +52,7 @@ def divert(
     broken: str | None = None,
     full: bool = False,
     retry_after_s: float | None = None,
+    out_of_time: bool = False,
 ) -> None:
     """Book an attempt on ``backend`` that failed before reaching the client.
 
@@ -51,34 +60,42 @@ def divert(
     ``broken`` (the reason) marks a backend fault: it counts toward ejection and is logged.
     ``full`` marks an allocation failure: the backend is alive, and its ceiling is learned.
     ``retry_after_s`` is the backend's own Retry-After, honoured as a cooldown.
+    ``out_of_time``: the request's own total deadline ended the attempt, not the backend;
+    it is logged but does not count toward ejection.
     """
     if retry_after_s is not None and retry_after_s > 0:
         cool_down(gw, backend, retry_after_s)
     gw.release_later(ctx, backend)
     gw.metrics.attempts.labels(backend, result).inc()
-    if broken is not None:
+    if broken is not None and not out_of_time:
         gw.health.failure(backend)
     elif full:
         # Alive and answering: not a fault, just full.
         gw.health.success(backend)
-    _remember_failed(gw, ctx, backend)
+    ctx.failed_on.append(backend)
     if full:
+        ctx.no_room.add(backend)
+        _remember_for_retry(gw, ctx, backend)
         _learn_ceiling(gw, backend, ctx.demand)
     if broken is not None:
         log.warning("request %s: %s failed (%s): %s", ctx.request_id, backend, result, broken)
-        gw.metrics.requests.labels(ctx.cls, backend, "upstream_error").inc()
     if answer is not None:
         answer.headers.update(ctx.answer_headers(backend))
         ctx.failure = answer
+        ctx.failure_outcome = "upstream_timeout" if result == "timeout" else "upstream_error"
 
 
-def _remember_failed(gw: Gateway, ctx: RequestContext, backend: str) -> None:
-    """The client's own retry (same key) must not go back to ``backend``."""
-    ctx.failed_on.append(backend)
+def _remember_for_retry(gw: Gateway, ctx: RequestContext, backend: str) -> None:
+    """The client's own retry (same key) must not go back to a node that could not allocate it.
+
+    Only allocation failures: transient ones (429, 5xx, timeouts) are health's business
+    (cooldown, outlier ejection), and listing them starved a small fleet's retries.
+    """
     if ctx.retry_key is not None:
         key = ctx.retry_key
         ttl = gw.cfg.retry.retry_key_ttl_s
-        gw.spawn(gw.store_quietly("add_failed", lambda: gw.store.add_failed(key, backend, ttl)))
+        item = retry_memory.entry(backend, gw.clock())
+        gw.spawn(gw.store_quietly("add_failed", lambda: gw.store.add_failed(key, item, ttl)))
 
 
 def _learn_ceiling(gw: Gateway, backend: str, demand: int) -> None:
@@ -101,13 +118,49 @@ def cool_down(gw: Gateway, backend: str, retry_after_s: float) -> None:
 
 
 def record_allocation_failure(
-    gw: Gateway, backend: str, cause: FailureCause, demand: int, snap: FleetSnapshot
+    gw: Gateway, backend: str, cause: NothingFitsCause, demand: int, verdict: NothingFits
 ) -> None:
-    """Count an allocation failure and tell the hooks (the fleet operations' diagnosis)."""
-    cap = snap.total_capacity()
-    free_frac = snap.total_free() / cap if cap else 0.0
+    """Count an allocation failure and tell the hooks (the fleet operations' diagnosis).
+
+    ``verdict`` is the per-node test (``proxy.routing.nothing_fits``) over the same view:
+    the free fraction is that of the nodes that could have taken the request, so an outage
+    or a drained node never fires the high-free-memory alert. An outage (``unavailable``) is
+    not an allocation failure and is not recorded here.
+    """
+    if cause == "unavailable":
+        return
+    room_on = verdict.room_on
+    if backend and cause == "fragmentation" and backend not in room_on:
+        room_on = (*room_on, backend)
     gw.metrics.allocation_failures.labels(cause, backend or "none").inc()
-    if free_frac > HIGH_FREE_FRACTION:
+    if verdict.free_fraction > HIGH_FREE_FRACTION:
         gw.metrics.failures_high_free.inc()
     for hook in gw.on_allocation_failure:
-        hook(backend=backend, cause=cause, demand=demand, fleet_free_fraction=free_frac)
+        hook(
+            backend=backend,
+            cause=cause,
+            demand=demand,
+            fleet_free_fraction=verdict.free_fraction,
+            room_on=room_on,
+        )
+
+
+def verdict_for(gw: Gateway, ctx: RequestContext, view: FleetSnapshot, now: float) -> NothingFits:
+    """The per-node test for this request over ``view``.
+
+    Nodes left out for this request's sake (diverted, unhealthy, ejected, cooling down) are
+    unavailable; nodes that failed to allocate it are judged on their memory instead.
+    """
+    exclude = (ctx.exclude - ctx.no_room) | gw.health.avoid()
+    if ctx.ruled_out:
+        # Backends that do not serve the model (or its length) are not part of the question.
+        view = FleetSnapshot(
+            tuple(n for n in view.nodes if n.name not in ctx.ruled_out), view.taken_at
+        )
+    return judge(
+        view,
+        ctx.demand,
+        now,
+        stale_after_s=gw.policy.settings.stale_after_s,
+        exclude=exclude,
+    )

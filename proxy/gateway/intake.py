@@ -18,6 +18,7 @@ from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
+from proxy.gateway import retry_memory
 from proxy.gateway.context import RequestContext
 from proxy.gateway.models import check_length, route_model
 from proxy.gateway.sizing import size_request
@@ -135,7 +136,9 @@ async def open_request(
     )
     if key is not None:
         try:
-            ctx.exclude |= await gw.store_call("failed_on", lambda: gw.store.failed_on(key))
+            listed = await gw.store_call("failed_on", lambda: gw.store.failed_on(key))
+            ctx.no_room = retry_memory.still_excluded(listed, snap, demand)
+            ctx.exclude |= ctx.no_room
         except StoreUnavailable:
             pass
     return ctx

@@ -2,11 +2,17 @@
 
 A retry after an upstream failure spends the retry budget; a request that fits nowhere now
 waits in the bounded admission queue for a report that shows a big enough block; when
-nothing can take it, the answer says why (fragmentation or genuine capacity).
+nothing can take it, the answer says why, by one per-node test (``proxy.routing.nothing_fits``):
+``unavailable`` (every node down, draining, stale, cooling down or excluded: answered at once,
+since waiting for memory cannot help), ``fragmentation`` or ``capacity``.
+
+Ranking reads the cached fleet snapshot with this replica's own reservations in flight laid
+over it (``proxy.gateway.local_view``), so a burst spreads instead of piling on one node.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from typing import TYPE_CHECKING
@@ -14,11 +20,12 @@ from typing import TYPE_CHECKING
 from starlette.responses import Response
 
 from proxy.core.fleet import FleetSnapshot
-from proxy.errors import ApiError
+from proxy.errors import ApiError, upstream_answer
 from proxy.gateway import queueing
 from proxy.gateway.context import RequestContext
-from proxy.gateway.divert import record_allocation_failure
-from proxy.routing.policy import RouteRequest, nothing_fits_reason
+from proxy.gateway.divert import record_allocation_failure, verdict_for
+from proxy.routing.nothing_fits import NothingFits
+from proxy.routing.policy import RouteRequest
 from proxy.state.base import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -27,10 +34,16 @@ if TYPE_CHECKING:
 
 async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
     """The backend that now holds this request's reservation, or the request's final answer."""
+    loop = asyncio.get_running_loop()
     while ctx.attempts < gw.cfg.retry.max_attempts:
+        if loop.time() >= ctx.deadline:
+            # No attempt after the request's own deadline: it could only time out, and
+            # would count against a backend that did nothing wrong.
+            return out_of_time(gw, ctx)
         avoid = frozenset(ctx.exclude) | gw.health.avoid() | ctx.ruled_out
         now = gw.clock()
-        ranked = gw.policy.rank(ctx.snap, RouteRequest(ctx.demand, ctx.cls, avoid), now)
+        view = gw.local.apply(ctx.snap)
+        ranked = gw.policy.rank(view, RouteRequest(ctx.demand, ctx.cls, avoid), now)
         if not ctx.decided:
             gw.metrics.decision.observe(time.perf_counter() - ctx.started)
             ctx.decided = True
@@ -38,7 +51,7 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
             # A retry of a failed attempt: only within the budget.
             if not gw.budget.try_acquire(gw.active):
                 gw.metrics.retries.labels("budget_exhausted").inc()
-                return ctx.failure
+                return give_up(gw, ctx)
             ctx.retries += 1
         backend = await reserve_first(gw, ctx, ranked, now)
         if backend is not None:
@@ -46,21 +59,49 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
             return backend
         if ctx.failure is not None:
             # No other backend can serve: the last failure is the answer.
-            return ctx.failure
+            return give_up(gw, ctx)
+        verdict = verdict_for(gw, ctx, view, now)
+        if verdict.cause == "unavailable":
+            # An outage: no report will make room, so the queue would only delay the 503.
+            return nothing_fits(gw, ctx, verdict)
         if ctx.queue_deadline is None:
             ctx.queue_deadline = time.monotonic() + gw.cfg.queue.max_wait_s
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
         if waited is None:
             # Queueing backends (vLLM, SGLang, TGI) are a place to wait, never a 503.
-            queued = await queueing.join_queue(gw, ctx, avoid, "hold_over")
+            queued = await join_queue(gw, ctx, avoid)
             if queued is not None:
                 _begin_attempt(gw, ctx)
                 return queued
-            return nothing_fits(gw, ctx, exhausted=ctx.attempts > 0)
+            return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=ctx.attempts > 0)
         ctx.snap = waited
     if ctx.failure is not None:
-        return ctx.failure
-    return nothing_fits(gw, ctx, exhausted=True)
+        return give_up(gw, ctx)
+    return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=True)
+
+
+def _verdict_now(gw: Gateway, ctx: RequestContext) -> NothingFits:
+    return verdict_for(gw, ctx, gw.local.apply(ctx.snap), gw.clock())
+
+
+def give_up(gw: Gateway, ctx: RequestContext) -> Response:
+    """The last upstream failure is the answer: count the request once, by that outcome."""
+    assert ctx.failure is not None
+    backend = ctx.failed_on[-1] if ctx.failed_on else "none"
+    gw.metrics.requests.labels(ctx.cls, backend, ctx.failure_outcome).inc()
+    return ctx.failure
+
+
+def out_of_time(gw: Gateway, ctx: RequestContext) -> Response:
+    """The request's total time ran out between attempts: its last failure, or a 504."""
+    if ctx.failure is None:
+        limit = gw.cfg.upstream.total_timeout_s
+        ctx.failure = upstream_answer(
+            "total_timeout", f"the request ran past its total time limit ({limit:g}s)"
+        )
+        ctx.failure.headers.update(ctx.answer_headers(ctx.backend or "none"))
+        ctx.failure_outcome = "upstream_timeout"
+    return give_up(gw, ctx)
 
 
 def _begin_attempt(gw: Gateway, ctx: RequestContext) -> None:
@@ -79,10 +120,17 @@ async def move_on(gw: Gateway, ctx: RequestContext, backend: str) -> None:
 
 
 async def reserve_first(
-    gw: Gateway, ctx: RequestContext, ranked: list[str], now: float
+    gw: Gateway, ctx: RequestContext, ranked: list[str], now: float, check_fit: bool = True
 ) -> str | None:
-    """Reserve on the best candidate that accepts; a lost race moves on to the next."""
+    """Reserve on the best candidate that accepts; a lost race moves on to the next.
+
+    ``check_fit=False``: the reservation is taken whatever the memory figures (a queueing
+    backend's own queue is where the request waits).
+    """
     for name in ranked:
+        # Counted in this replica's view before the store answers: concurrent requests
+        # ranking meanwhile already see it.
+        gw.local.add(name, ctx.reservation_id, ctx.demand)
         try:
             reserve = functools.partial(
                 gw.store.reserve,
@@ -91,7 +139,7 @@ async def reserve_first(
                 ctx.demand,
                 now,
                 gw.cfg.store.reservation_ttl_s,
-                check_fit=gw.policy.checks_fit,
+                check_fit=gw.policy.checks_fit and check_fit,
                 headroom=gw.cfg.routing.safety_margin,
                 grace_s=gw.cfg.store.report_grace_s,
             )
@@ -101,11 +149,27 @@ async def reserve_first(
                 name, ctx.reservation_id, reserve, tokens=ctx.demand, created_at=now
             )
         except StoreUnavailable:
-            # Degraded: route without a shared reservation rather than fail.
+            # Degraded: route without a shared reservation rather than fail (counted locally).
             return name
+        except BaseException:
+            gw.local.remove(name, ctx.reservation_id)
+            raise
         if ok:
+            gw.local.confirm(name, ctx.reservation_id, gw.fleet.clock())
             return name
+        gw.local.remove(name, ctx.reservation_id)
     return None
+
+
+async def join_queue(gw: Gateway, ctx: RequestContext, avoid: frozenset[str]) -> str | None:
+    """Hand the request to the queueing backend expected to start it soonest (or None)."""
+    ctx.snap = await gw.fleet.snapshot(force=True)
+    now = gw.clock()
+    ranked = gw.queues.ranked(ctx, gw.local.apply(ctx.snap), avoid, now)
+    backend = await reserve_first(gw, ctx, [name for name, _ in ranked], now, check_fit=False)
+    if backend is not None:
+        gw.queues.handed.labels(backend, "hold_over").inc()
+    return backend
 
 
 async def wait_for_fit(
@@ -125,10 +189,12 @@ async def wait_for_fit(
                 return None
             await gw.admission.wait(min(remaining, 0.05))
             snap = await gw.fleet.snapshot(force=True)
+            # The latest view, also for the answer's verdict if the wait ends with nothing.
+            ctx.snap = snap
             request = RouteRequest(ctx.demand, ctx.cls, exclude | gw.health.avoid())
-            if gw.policy.rank(snap, request, gw.clock()):
+            if gw.policy.rank(gw.local.apply(snap), request, gw.clock()):
                 return snap
-            if queueing.hold_over(gw, ctx, snap, request.exclude):
+            if queueing.hold_over(gw, ctx, gw.local.apply(snap), request.exclude):
                 return None
     finally:
         gw.admission.leave()
@@ -136,20 +202,38 @@ async def wait_for_fit(
         gw.metrics.queue_wait.observe(time.monotonic() - start)
 
 
-def nothing_fits(gw: Gateway, ctx: RequestContext, exhausted: bool = False) -> Response:
-    """A 503 that says why nothing can take the request: fragmentation or genuine capacity."""
-    serving = [n.name for n in ctx.snap.nodes if n.name not in ctx.ruled_out]
-    cause, why = nothing_fits_reason(ctx.snap, ctx.demand, gw.clock(), serving)
+def nothing_fits(
+    gw: Gateway, ctx: RequestContext, verdict: NothingFits, exhausted: bool = False
+) -> Response:
+    """A 503 that says why nothing can take the request: an outage, fragmentation or capacity."""
+    cause, why = verdict.cause, verdict.message
     if exhausted and ctx.failed_on:
-        why = f"tried {', '.join(ctx.failed_on)}: all failed to allocate; " + why
-    record_allocation_failure(gw, "", cause, ctx.demand, ctx.snap)
-    gw.metrics.requests.labels(ctx.cls, "none", "no_fit").inc()
-    err = ApiError(
-        503,
-        why,
-        type="kv_cache_unavailable",
-        code=f"no_backend_fits_{cause}",
-        headers={"retry-after": str(gw.cfg.queue.retry_after_s)},
-        extra={"cause": cause, "demand_tokens": ctx.demand},
-    )
+        why = f"tried {', '.join(ctx.failed_on)}: all failed; " + why
+    record_allocation_failure(gw, "", cause, ctx.demand, verdict)
+    retry_after = {"retry-after": str(gw.cfg.queue.retry_after_s)}
+    if cause == "unavailable":
+        gw.metrics.requests.labels(ctx.cls, "none", "unavailable").inc()
+        err = ApiError(
+            503,
+            why,
+            type="service_unavailable",
+            code="no_backend_available",
+            headers=retry_after,
+            extra={
+                "cause": cause,
+                "demand_tokens": ctx.demand,
+                "backends_reachable": verdict.reachable,
+                "backends": verdict.total,
+            },
+        )
+    else:
+        gw.metrics.requests.labels(ctx.cls, "none", "no_fit").inc()
+        err = ApiError(
+            503,
+            why,
+            type="kv_cache_unavailable",
+            code=f"no_backend_fits_{cause}",
+            headers=retry_after,
+            extra={"cause": cause, "demand_tokens": ctx.demand},
+        )
     return err.response(ctx.answer_headers(ctx.backend or "none"))

@@ -35,9 +35,11 @@ from proxy.gateway.admission import Admission
 from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
+from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.metrics import GatewayMetrics
 from proxy.gateway.models import KindErrors, ModelsLookup
 from proxy.gateway.queueing import BackendQueues
+from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.gateway.resilience_metrics import ResilienceCollector
 from proxy.gateway.retry_budget import RetryBudget
 from proxy.routing.policy import Policy
@@ -48,6 +50,20 @@ from proxy.upstream.health import ActiveChecker, BackendHealth
 
 T = TypeVar("T")
 log = logging.getLogger("kvroute.gateway")
+
+
+def _then(
+    first: Callable[[], Awaitable[None]], then: Callable[[], Awaitable[None]]
+) -> Callable[[], Awaitable[None]]:
+    """``first``, then ``then`` whatever ``first`` raised."""
+
+    async def both() -> None:
+        try:
+            await first()
+        finally:
+            await then()
+
+    return both
 
 
 class Gateway:
@@ -92,6 +108,8 @@ class Gateway:
         )
         # A store outage (failover) may have lost reservations the store acknowledged.
         fleet.on_degraded_change.append(self._store_lost)
+        # This replica's reservations in flight, laid over the cached snapshot when ranking.
+        self.local = LocalReservations()
         self.checker: ActiveChecker | None = None
         self._probe_headers: dict[str, dict[str, str]] = {}
         # What each backend's /v1/models said (the collector's cache; the app wires it).
@@ -116,17 +134,29 @@ class Gateway:
             return err.response({"x-request-id": request_id})
         self.active += 1
         self.metrics.active.inc()
+        answer: Response | None = None
         try:
             # 2. count tokens -> KV demand, 3. classify short/long
             ctx = await intake.open_request(
                 self, request, parsed, reservation_id, request_id, started
             )
-            return await self._route(ctx)
+            answer = await self._route(ctx)
+            return answer
         except ApiError as err:
             return err.response({"x-request-id": request_id})
         finally:
-            self.active -= 1
-            self.metrics.active.dec()
+            if isinstance(answer, RelayResponse):
+                # A stream is still being answered: it stays active until it ends.
+                answer.on_close = OnceCallback(_then(answer.on_close, self._stream_ended))
+            else:
+                self._request_ended()
+
+    def _request_ended(self) -> None:
+        self.active -= 1
+        self.metrics.active.dec()
+
+    async def _stream_ended(self) -> None:
+        self._request_ended()
 
     async def _route(self, ctx: RequestContext) -> Response:
         try:
@@ -198,6 +228,7 @@ class Gateway:
 
     def release_later(self, ctx: RequestContext, backend: str) -> None:
         """Free this request's reservation on ``backend`` (the ledger retries a failed release)."""
+        self.local.remove(backend, ctx.reservation_id)
         self.spawn(self.ledger.release(backend, ctx.reservation_id))
 
     async def drain_background(self) -> None:

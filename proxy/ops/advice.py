@@ -427,6 +427,13 @@ def advise(
         reasons = ["restarting now: " + ", ".join(sorted(busy_set)) + "; do not scale up meanwhile"]
     elif busy_set:
         reasons.append("restarting now: " + ", ".join(sorted(busy_set)))
+    down = sorted(a.name for a in nodes if a.state in ("down", "stale"))
+    if down:
+        # Requests refused for want of a reachable node are not recorded as failures at all.
+        reasons.append(
+            f"{len(down)} node(s) down or not reporting ({', '.join(down)}): an outage, "
+            "not a capacity shortage; bring them back rather than scale up"
+        )
     for name in watch:
         w = next(a for a in nodes if a.name == name)
         ratio = w.largest_contiguous_free_block_ratio

@@ -86,16 +86,18 @@ def failure_from_hook(
     demand: int,
     fleet_free_fraction: float,
     now: float,
+    room_on: tuple[str, ...] | None = None,
 ) -> Failure:
     """Turn the gateway's ``on_allocation_failure`` call into a ``Failure``.
 
-    The gateway labels a "nothing fits" as fragmentation when the fleet's free memory adds up
-    to the demand, even spread over nodes none of which could hold it; a restart fixes only
-    what fits on one node, so ``fixable_by_restart`` asks that narrower question.
+    The gateway judges each node once (``proxy.routing.nothing_fits``): fragmentation when a
+    node that could have taken the request held enough free memory in total, and ``room_on``
+    names those nodes; a restart of one of them fixes it. Without ``room_on`` (an older
+    caller) the nodes with room are read from ``snapshot``.
     """
     c: Cause = "fragmentation" if cause == "fragmentation" else "capacity"
-    room = nodes_with_room(snapshot, demand)
-    fixable = c == "fragmentation" if backend else bool(room)
+    room = nodes_with_room(snapshot, demand) if room_on is None else tuple(room_on)
+    fixable = c == "fragmentation" if backend or room_on is not None else bool(room)
     if backend and fixable and backend not in room:
         room = (*room, backend)
     return Failure(now, backend, c, demand, fleet_free_fraction, fixable, room)

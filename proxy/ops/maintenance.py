@@ -166,11 +166,22 @@ class Maintenance(RestartRunner):
 
     # ------------------------------------------------------------------ hooks from the gateway
     def on_allocation_failure(
-        self, backend: str, cause: FailureCause, demand: int, fleet_free_fraction: float
+        self,
+        backend: str,
+        cause: FailureCause,
+        demand: int,
+        fleet_free_fraction: float,
+        room_on: tuple[str, ...] | None = None,
     ) -> None:
         self.failures.add(
             failure_from_hook(
-                self.fleet.latest, backend, cause, demand, fleet_free_fraction, self.clock()
+                self.fleet.latest,
+                backend,
+                cause,
+                demand,
+                fleet_free_fraction,
+                self.clock(),
+                room_on=room_on,
             )
         )
 

@@ -35,10 +35,10 @@ class HookResult:
     # For the log only: may hold a command's output or an HTTP hook's target and body.
     detail: str
     duration_s: float = 0.0
-    # The backend that replaces the restarted one, when it comes back under another name.
-    replaced_by: str | None = None
     # For the open event log: what happened, without output or URLs ("" = the detail is safe).
     summary: str = ""
+    # The backend that replaces the restarted one, when it comes back under another name.
+    replaced_by: str | None = None
 
     @property
     def public(self) -> str:

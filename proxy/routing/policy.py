@@ -13,12 +13,14 @@ routers do, kept selectable so operators can A/B them.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from proxy.config import CollectorConfig, RoutingConfig
-from proxy.core.fleet import FailureCause, FleetSnapshot, NodeView
+from proxy.core.fleet import FleetSnapshot, NodeView
+
+# Re-exported: the one per-node test of why nothing fits lives in its own module.
+from proxy.routing.nothing_fits import nothing_fits_reason as nothing_fits_reason
 
 RequestClass = Literal["short", "long"]
 
@@ -80,30 +82,3 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def rank(self, snapshot: FleetSnapshot, req: RouteRequest, now: float) -> list[str]:
         """Backend names, best first. Empty when nothing can take the request now."""
-
-
-def nothing_fits_reason(
-    snapshot: FleetSnapshot, demand: int, now: float, names: Iterable[str] | None = None
-) -> tuple[FailureCause, str]:
-    """Why no node can take `demand`: ('fragmentation', msg) when enough memory is free in total
-    on some node (or the fleet) but no contiguous block is big enough, else ('capacity', msg)."""
-    nodes = [
-        n
-        for n in snapshot.nodes
-        if n.up and n.report is not None and (names is None or n.name in names)
-    ]
-    cap = sum(n.report.capacity_tokens for n in nodes if n.report)
-    free = sum(n.usable_free() for n in nodes if n.report)
-    best = max((n.usable_block() for n in nodes), default=0)
-    pct = 100.0 * free / cap if cap else 0.0
-    node_has_room = any(n.report and n.usable_free() >= demand for n in nodes)
-    if node_has_room or free >= demand:
-        return (
-            "fragmentation",
-            f"no backend has a contiguous free block of {demand} tokens (largest {best}); "
-            f"fleet free {pct:.0f}% ({free} tokens): fragmentation, a restart frees it",
-        )
-    return (
-        "capacity",
-        f"fleet has only {free} tokens free ({pct:.0f}%) for a demand of {demand}: capacity",
-    )

@@ -111,13 +111,18 @@ async def test_intake_refuses_a_body_over_the_limit(declared: bool) -> None:
     assert err.value.status == 413 and err.value.code == "request_too_large"
 
 
-def test_retry_key_prefers_the_clients_own_ids() -> None:
+def test_retry_key_prefers_the_clients_own_ids_namespaced_by_client_and_model() -> None:
     cfg = config(retry={"hash_body": True})
-    assert intake.retry_key(cfg, request(headers={"idempotency-key": "k"}), BODY) == "k"
-    assert intake.retry_key(cfg, request(headers={"x-request-id": "r"}), BODY) == "r"
-    hashed = intake.retry_key(cfg, request(), BODY)
-    assert hashed is not None and hashed.startswith("body:")
-    assert intake.retry_key(config(), request(), BODY) is None
+    parsed = parse_request(BODY, "chat", 10 * CAP, "application/json")
+    key = intake.retry_key(cfg, request(headers={"idempotency-key": "k"}), parsed)
+    assert key is not None and key.endswith(f"|{parsed.model}|k")
+    by_id = intake.retry_key(cfg, request(headers={"x-request-id": "r"}), parsed)
+    assert by_id is not None and by_id.endswith("|r")
+    hashed = intake.retry_key(cfg, request(), parsed)
+    assert hashed is not None and "|body:" in hashed
+    # Another client's identical key lands in another namespace.
+    assert key.split("|")[0] == intake.client_namespace(cfg, request())
+    assert intake.retry_key(config(), request(), parsed) is None
 
 
 async def test_open_request_sizes_classifies_and_recalls_failed_backends(gw: Gateway) -> None:
