@@ -64,6 +64,12 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
         if verdict.cause == "unavailable":
             # An outage: no report will make room, so the queue would only delay the 503.
             return nothing_fits(gw, ctx, verdict)
+        if queueing.hold_over(gw, ctx, view, avoid):
+            # A queueing backend with KV room, only its queue full: no hold at all.
+            queued = await join_queue(gw, ctx, avoid)
+            if queued is not None:
+                _begin_attempt(gw, ctx)
+                return queued
         if ctx.queue_deadline is None:
             ctx.queue_deadline = time.monotonic() + gw.cfg.queue.max_wait_s
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)

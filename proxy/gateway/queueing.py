@@ -73,8 +73,18 @@ class BackendQueues:
 
 
 def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: frozenset[str]) -> bool:
-    """Has holding at the gateway lasted as long as joining the best backend's queue would?"""
+    """Should the request stop holding at the gateway and join a backend's queue now?
+
+    At once when the best backend has the KV room and only its queue or slots are full: the
+    gateway learns nothing a FIFO queue there would not act on sooner (a hold would only add
+    a report interval). Otherwise once the hold has lasted as long as that backend's expected
+    wait (it is short of KV: holding avoids preemption while it lasts).
+    """
     ranked = gw.queues.ranked(ctx, snap, avoid, gw.clock())
-    if not ranked or ctx.hold_started is None:
+    if not ranked:
         return False
-    return time.monotonic() - ctx.hold_started >= ranked[0][1]
+    best = snap.by_name()[ranked[0][0]]
+    if best.usable_block() >= ctx.demand:
+        return True
+    held = time.monotonic() - ctx.hold_started if ctx.hold_started is not None else 0.0
+    return held >= ranked[0][1]

@@ -13,8 +13,8 @@ Expected wait on one node (seconds), with ``engines`` prefilling in parallel:
   in-flight size there, plus this request's prompt, over the prefill rate;
 * KV: the part of the request that does not fit the lazy headroom (every in-flight request
   at its full demand), drained at the running requests' decode rate (preemption risk);
-* slots: with ``max_num_seqs`` reached, one mean request's decode time per queued request
-  over the slots.
+* slots: with ``max_num_seqs`` reached, a running request's remaining decode time
+  (``DEFAULT_REMAINING_OUTPUT_TOKENS``) per queued request, over the slots.
 
 Rates are configured per backend (``prefill_tokens_per_s``, ``decode_tokens_per_s``); the
 defaults are a mid-size model on one modern GPU. The figures rank nodes and bound holds;
@@ -37,6 +37,9 @@ DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 DEFAULT_DECODE_TOKENS_PER_S = 30.0
 # Mean request size assumed where the gateway has nothing in flight to learn it from.
 DEFAULT_REQUEST_TOKENS = 1_000
+# Output tokens a running request still has to write, on average, when a slot is awaited
+# (a request's demand is mostly prompt: its size says little about its decode time).
+DEFAULT_REMAINING_OUTPUT_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,8 @@ def expected_wait_s(n: NodeView, prompt_tokens: int, demand: int, rates: Rates) 
             kv = deficit / (max(1, running) * rates.decode_tokens_per_s)
     slots = 0.0
     if r is not None and r.max_num_seqs and running >= r.max_num_seqs:
-        slots = (queued + 1) * (mean / rates.decode_tokens_per_s) / r.max_num_seqs
+        per_slot = DEFAULT_REMAINING_OUTPUT_TOKENS / rates.decode_tokens_per_s
+        slots = (queued + 1) * per_slot / r.max_num_seqs
     return prefill + kv + slots
 
 
