@@ -57,3 +57,20 @@ def test_long_requests_spill_from_the_long_pool_only_beyond_the_margin() -> None
     lightly = node("L", role="long", waiting=5)  # ~0.5 s ahead: within the margin
     order = rank_by_wait([lightly, general], 20_000, 21_000, "long", settings)
     assert [n for n, _ in order] == ["L", "G"]
+
+
+def test_long_pool_too_small_only_after_its_wait_stays_above_the_general_pools() -> None:
+    from proxy.core.fleet import FleetSnapshot
+    from proxy.routing.pool_sizing import PoolSizing
+
+    settings = QueueingSettings(spill_margin_s=1.0)
+    busy = FleetSnapshot((node("L", role="long", waiting=40), node("G")), taken_at=0.0)
+    sizing = PoolSizing(window_s=30.0)
+    assert sizing.observe(busy, 0.0, settings, 8_000, 1e9) == "ok"
+    assert sizing.observe(busy, 10.0, settings, 8_000, 1e9) == "ok"
+    assert sizing.observe(busy, 31.0, settings, 8_000, 1e9) == "long_pool_too_small"
+    calm = FleetSnapshot((node("L", role="long"), node("G")), taken_at=0.0)
+    assert sizing.observe(calm, 32.0, settings, 8_000, 1e9) == "ok"
+    assert sizing.observe(busy, 33.0, settings, 8_000, 1e9) == "ok"  # the window starts again
+    out = sizing.to_json("ok")
+    assert out["pools"]["long"]["nodes"] == 1  # type: ignore[index]

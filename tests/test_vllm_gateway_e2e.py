@@ -126,3 +126,5 @@ def test_queueing_backends_are_never_a_503_and_a_burst_spreads() -> None:
             assert placed.count("v0") >= 3 and placed.count("v1") >= 3
             metrics = httpx.get(gw + "/metrics").text
             assert "kvroute_queued_at_backend_total{" in metrics
+            pools = httpx.get(gw + "/fleet/advice").json()["pools"]
+            assert pools["pools"]["general"]["nodes"] == 2 and pools["verdict"] == "unknown"

@@ -21,6 +21,7 @@ from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.gateway.context import RequestContext
 from proxy.routing.policy import PolicySettings, RouteRequest, eligible
+from proxy.routing.pool_sizing import PoolSizing
 from proxy.routing.queueing import (
     DEFAULT_DECODE_TOKENS_PER_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -61,6 +62,19 @@ class BackendQueues:
             ["backend", "why"],
             registry=registry,
         )
+        # Pool sizing from the pools' expected waits (``GET /fleet/advice``: ``pools``).
+        self.sizing = PoolSizing()
+        self.long_threshold_tokens = cfg.routing.long_threshold_tokens
+
+    def pool_advice(self, snap: FleetSnapshot, now: float) -> dict[str, object]:
+        verdict = self.sizing.observe(
+            snap,
+            now,
+            self.settings,
+            self.long_threshold_tokens,
+            self.policy_settings.stale_after_s,
+        )
+        return self.sizing.to_json(verdict)
 
     def ranked(
         self, ctx: RequestContext, snap: FleetSnapshot, avoid: frozenset[str], now: float
