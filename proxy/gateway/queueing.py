@@ -3,11 +3,15 @@
 A request that fits nowhere now waits in the gateway's admission queue. For fail-fast
 backends (the kvroute contract) the hold is bounded by ``queue.max_wait_s`` and ends in 503.
 For queueing backends (vLLM, SGLang, TGI: they queue instead of failing) a backend's queue is
-a valid place to wait, so the hold ends as soon as it has lasted as long as the best
-backend's expected wait (ski rental: holding never costs more than twice the better of the
-two choices), or at the client's own deadline, and the request then goes to the backend
-where it is expected to start soonest (``proxy.routing.queueing``) with an unchecked
-reservation, never a 503 because memory looks short.
+a valid place to wait, never a reason for a 503:
+
+* the best backend (``proxy.routing.queueing``: shortest expected wait) has the KV room and
+  only its queue or slots are full: join it at once; a FIFO queue there starts the request
+  as soon as the gateway could have (measured: holding behind the pressure signal made
+  short-request TTFT worse, docs/benchmarks.md section 6);
+* it is short of KV (sending now risks preemption): hold, but only as long as its expected
+  wait (ski rental: the hold never costs more than twice the better of the two choices) and
+  at most ``queue.max_wait_s``; then join it, with an unchecked reservation.
 """
 
 from __future__ import annotations
