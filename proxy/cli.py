@@ -7,6 +7,8 @@ without loading the simulator or matplotlib.
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 from collections.abc import Callable, Sequence
 
@@ -26,9 +28,23 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or cfg.listen.host
     port = args.port if args.port is not None else cfg.listen.port
+    # Bind before anything starts, so a busy port is one clear line and exit 1, never a
+    # "gateway ready" followed by uvicorn's bind error.
+    try:
+        sock = _bind(host, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            print(
+                f"kvroute serve: port {port} is in use on {host}; pick another with --port",
+                file=sys.stderr,
+            )
+        else:
+            print(f"kvroute serve: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+        return 1
     setup_logging(args.log_level, args.log_format)
+    log_listen(host, sock)
     server_cfg = server_config(
-        create_app(cfg),
+        create_app(cfg, config_path=args.config),
         cfg,
         host,
         port,
@@ -38,25 +54,48 @@ def _serve(args: argparse.Namespace) -> int:
         backlog=4096,
         timeout_graceful_shutdown=30,
     )
-    uvicorn.Server(server_cfg).run()
+    uvicorn.Server(server_cfg).run(sockets=[sock])
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket uvicorn would create (SO_REUSEADDR as uvicorn sets it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def log_listen(host: str, sock: socket.socket) -> None:
+    import logging
+
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    logging.getLogger("kvroute.app").info("bound to http://%s:%d; starting", shown, port)
 
 
 def _check_config(args: argparse.Namespace) -> int:
     from proxy.config import ConfigError, load_config
+    from proxy.config_errors import redact_url
 
     try:
         cfg = load_config(args.file)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
-    store = cfg.store.redis_url or "embedded (in-process)"
+    store = redact_url(cfg.store.redis_url) if cfg.store.redis_url else "embedded (in-process)"
     if cfg.store.sentinel is not None:
         store = f"sentinel master {cfg.store.sentinel.master!r}"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
     found = "" if cfg.discovery.type == "static" else f" + {cfg.discovery.type} discovery"
     print(
-        f"{args.file}: OK: {len(cfg.backends)} backends{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
+        f"{args.file}: OK: {len(cfg.backends)} backend{'' if len(cfg.backends) == 1 else 's'}{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
     )
     return 0
 
@@ -95,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (
         ("engine", "run a simulated inference engine whose KV cache fragments"),
         ("demo", "run the demo: engines + gateway + the problem statement's workload"),
+        ("local-fleet", "start the simulated engines a config file expects (one per backend)"),
         ("simulate", "simulate a fleet over days of uptime, per routing policy"),
         ("tune", "search config knobs in simulation and recommend values"),
     ):
@@ -105,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 _DELEGATED = {
     "engine": "loadtest.engine.server",
     "demo": "loadtest.demo",
+    "local-fleet": "loadtest.local_fleet",
     "simulate": "loadtest.sim.simulator",
     "tune": "loadtest.sim.tune",
 }

@@ -17,6 +17,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
+from proxy import config_errors
+from proxy.config_errors import pydantic_problems
+
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
 
@@ -34,7 +37,8 @@ class _Strict(BaseModel):
 class BackendConfig(_Strict):
     """One inference server behind the gateway."""
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    # No leading "-": a name is passed to restart hooks' argv, where it must not read as an option.
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:][A-Za-z0-9_.:-]*$")
     url: HttpUrl
     pool: str = "general"
     kind: BackendKind = "vllm"
@@ -428,6 +432,13 @@ class ListenConfig(_Strict):
     port: int = Field(default=8000, ge=0, le=65535)
 
 
+class LogConfig(_Strict):
+    access_log: bool = Field(
+        default=False,
+        description="one line per /v1 request: id, model, class, demand, backend, attempts, status, duration",
+    )
+
+
 class AdminConfig(_Strict):
     api_key: str | None = Field(default=None, description="absent: admin endpoints are disabled")
 
@@ -575,6 +586,7 @@ class Config(_Strict):
     maintenance: MaintenanceConfig = MaintenanceConfig()
     sizing: SizingConfig = SizingConfig()
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    log: LogConfig = LogConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -636,17 +648,10 @@ def apply_env(
     return data
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: {err.error_count()} error(s)"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
-        value = e.get("input")
-        shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
-        lines.append(f"  {loc}: {msg}{shown}")
-    return "\n".join(lines)
+def _format_errors(err: ValidationError, data: dict[str, Any], source: str) -> str:
+    # Config-level (loc ()) errors are the cross checks, which cross_problems reports itself.
+    lines = pydantic_problems((e for e in err.errors() if e["loc"]), data, Config)
+    return config_errors.report(source, lines + config_errors.cross_problems(data))
 
 
 def parse_config(
@@ -660,7 +665,7 @@ def parse_config(
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(_format_errors(err, data, source)) from None
 
 
 def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Config:

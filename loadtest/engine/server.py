@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import random
@@ -621,9 +622,17 @@ class EngineServer:
 async def serve(config: EngineConfig, ready_line: bool = True) -> None:
     """Serve until SIGINT/SIGTERM; prints one 'listening on URL' line (tests read the port from it)."""
     server = EngineServer(config)
-    await server.start()
+    try:
+        await server.start()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        # One line and a non-zero exit, not a traceback: the usual cause is a second engine.
+        raise SystemExit(
+            f"kvroute engine: port {config.port} is in use on {config.host}; pick another with --port"
+        ) from None
     if ready_line:
-        print(f"kvroute engine {config.name} listening on {server.url}", flush=True)
+        print(f"kvroute engine (name: {config.name}) listening on {server.url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

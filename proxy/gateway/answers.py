@@ -64,14 +64,14 @@ async def error_answer(
 ) -> Response | None:
     """A 4xx/5xx from ``backend``: relay the client's own mistake, divert anything else."""
     try:
-        async with asyncio.timeout(gw.cfg.upstream.idle_timeout_s):
+        async with asyncio.timeout(ctx.cfg.upstream.idle_timeout_s):
             body = await read_limited(resp)
     except (UpstreamBroken, TimeoutError):
         body = b""
     finally:
         resp.close()
     generic = classify_response(resp.status, body, resp.headers.get("retry-after"))
-    verdict = by_kind(gw, backend, generic, resp.status, body)
+    verdict = by_kind(gw, ctx, backend, generic, resp.status, body)
     if verdict.verdict == "client_error":
         gw.metrics.attempts.labels(backend, verdict.verdict).inc()
         gw.health.success(backend)
@@ -87,14 +87,20 @@ async def error_answer(
 
 
 def by_kind(
-    gw: Gateway, backend: str, verdict: UpstreamVerdict, status: int, body: bytes
+    gw: Gateway,
+    ctx: RequestContext,
+    backend: str,
+    verdict: UpstreamVerdict,
+    status: int,
+    body: bytes,
 ) -> UpstreamVerdict:
     """The backend kind's own reading of its error (TGI's 424 out of memory is an allocation
     failure, its 429 overload); the kvroute contract's exact allocation error is kept as is."""
     if verdict.verdict == "allocation" and verdict.free_tokens is not None:
         return verdict
     try:
-        read = _KIND_VERDICTS.get(gw.kind_errors(gw.cfg.backend(backend).kind, status, body) or "")
+        kind = ctx.cfg.backend(backend).kind
+        read = _KIND_VERDICTS.get(gw.kind_errors(kind, status, body) or "")
     except KeyError:
         return verdict
     return dataclasses.replace(verdict, verdict=read) if read is not None else verdict
@@ -132,7 +138,7 @@ def _allocation_failed(
         ctx.demand,
         cause,
     )
-    if ctx.attempts < gw.cfg.retry.max_attempts:
+    if ctx.attempts < ctx.cfg.retry.max_attempts:
         return None
     gw.metrics.requests.labels(ctx.cls, backend, "allocation_failure").inc()
     headers = ctx.answer_headers(backend, response_headers(resp.headers), only=_RETRY_AFTER)
@@ -189,7 +195,7 @@ async def whole_answer(
     """A non-streamed 2xx: read it all (nothing reached the client yet, so a failure may still divert)."""
     try:
         body = await read_body(
-            resp, gw.cfg.upstream.idle_timeout_s, ctx.deadline, gw.cfg.upstream.max_answer_bytes
+            resp, ctx.cfg.upstream.idle_timeout_s, ctx.deadline, ctx.cfg.upstream.max_answer_bytes
         )
     except AnswerTooLarge as exc:
         message = f"backend {backend} sent an answer too large to relay: {exc}"

@@ -81,7 +81,7 @@ def _client_left(gw: Gateway, ctx: RequestContext, backend: str) -> Response:
 
 def headers_deadline(gw: Gateway, ctx: RequestContext, now: float) -> float:
     """When the backend's response headers must have come (the loop's clock)."""
-    up = gw.cfg.upstream
+    up = ctx.cfg.upstream
     limit = up.ttfb_timeout_s
     if not ctx.parsed.stream:
         limit += up.non_stream_s_per_token * (ctx.demand - ctx.prompt_tokens)
@@ -94,7 +94,7 @@ async def _forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response |
     started = time.perf_counter()
     ttfb_deadline = headers_deadline(gw, ctx, loop.time())
     resp: ClientResponse | None = None
-    headers = with_credential(ctx.upstream_headers, gw.credentials[backend])
+    headers = with_credential(ctx.upstream_headers, gw.credentials.get(backend))
     try:
         try:
             resp = await gw.upstream.post(url, ctx.parsed.raw, headers, ttfb_deadline - loop.time())

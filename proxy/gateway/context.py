@@ -14,10 +14,11 @@ from typing import Literal
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import ParsedRequest
 from proxy.errors import UpstreamFailure
-from proxy.routing.policy import RequestClass
+from proxy.routing.policy import Policy, RequestClass
 
 # Label values of kvroute_attempts_total{result}: how one attempt on one backend ended.
 AttemptResult = Literal[
@@ -75,6 +76,10 @@ class RequestContext:
     snap: FleetSnapshot
     retry_key: str | None
     upstream_headers: dict[str, str]
+    # The config and policy the request started with: a reload while it runs (proxy.api.reload)
+    # does not change its timeouts, attempts or ranking halfway.
+    cfg: Config
+    policy: Policy
     exclude: set[str] = field(default_factory=set)
     # Backends that do not serve the request's model or whose max_model_len is too small.
     ruled_out: frozenset[str] = frozenset()

@@ -49,17 +49,17 @@ def as_api_error(err: LimitError) -> ApiError:
     return ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code)
 
 
-def route_model(gw: Gateway, parsed: ParsedRequest) -> ModelRoute:
+def route_model(gw: Gateway, parsed: ParsedRequest, cfg: Config) -> ModelRoute:
     """Where the request's model is served; 404 ``model_not_found`` when nowhere."""
-    catalog = build_catalog(gw.cfg, gw.models_info)
-    route = catalog.route(parsed.model, gw.cfg.routing.unknown_model == "pass_through")
+    catalog = build_catalog(cfg, gw.models_info)
+    route = catalog.route(parsed.model, cfg.routing.unknown_model == "pass_through")
     if route is None:
         raise as_api_error(model_not_found(parsed.model, catalog.served_ids()))
     return route
 
 
 def check_length(
-    gw: Gateway, route: ModelRoute, parsed: ParsedRequest, prompt_tokens: int
+    gw: Gateway, route: ModelRoute, parsed: ParsedRequest, prompt_tokens: int, cfg: Config
 ) -> frozenset[str]:
     """vLLM's 400 when the request exceeds the model's largest limit; else the backends too small.
 
@@ -75,5 +75,5 @@ def check_length(
     err = context_length_error(route.limit, prompt_tokens, asked, given)
     if err is not None:
         raise as_api_error(err)
-    catalog = build_catalog(gw.cfg, gw.models_info)
+    catalog = build_catalog(cfg, gw.models_info)
     return catalog.too_small(parsed.model, prompt_tokens + asked)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
     """The backend that now holds this request's reservation, or the request's final answer."""
     loop = asyncio.get_running_loop()
-    while ctx.attempts < gw.cfg.retry.max_attempts:
+    while ctx.attempts < ctx.cfg.retry.max_attempts:
         if loop.time() >= ctx.deadline:
             # No attempt after the request's own deadline: it could only time out, and
             # would count against a backend that did nothing wrong.
@@ -43,7 +43,7 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
         avoid = frozenset(ctx.exclude) | gw.health.avoid() | ctx.ruled_out
         now = gw.clock()
         view = gw.local.apply(ctx.snap)
-        ranked = gw.policy.rank(view, RouteRequest(ctx.demand, ctx.cls, avoid), now)
+        ranked = ctx.policy.rank(view, RouteRequest(ctx.demand, ctx.cls, avoid), now)
         if not ctx.decided:
             gw.metrics.decision.observe(time.perf_counter() - ctx.started)
             ctx.decided = True
@@ -71,7 +71,7 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
                 _begin_attempt(gw, ctx)
                 return queued
         if ctx.queue_deadline is None:
-            ctx.queue_deadline = time.monotonic() + gw.cfg.queue.max_wait_s
+            ctx.queue_deadline = time.monotonic() + ctx.cfg.queue.max_wait_s
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
         if waited is None:
             # Queueing backends (vLLM, SGLang, TGI) are a place to wait, never a 503.
@@ -101,7 +101,7 @@ def give_up(gw: Gateway, ctx: RequestContext) -> Response:
 def out_of_time(gw: Gateway, ctx: RequestContext) -> Response:
     """The request's total time ran out between attempts: its last failure, or a 504."""
     if ctx.failure is None:
-        limit = gw.cfg.upstream.total_timeout_s
+        limit = ctx.cfg.upstream.total_timeout_s
         ctx.failure = upstream_answer(
             "total_timeout", f"the request ran past its total time limit ({limit:g}s)"
         )
@@ -144,10 +144,10 @@ async def reserve_first(
                 ctx.reservation_id,
                 ctx.demand,
                 now,
-                gw.cfg.store.reservation_ttl_s,
-                check_fit=gw.policy.checks_fit and check_fit,
-                headroom=gw.cfg.routing.safety_margin,
-                grace_s=gw.cfg.store.report_grace_s,
+                ctx.cfg.store.reservation_ttl_s,
+                check_fit=ctx.policy.checks_fit and check_fit,
+                headroom=ctx.cfg.routing.safety_margin,
+                grace_s=ctx.cfg.store.report_grace_s,
             )
             # The ledger holds whatever the call may reserve, also when this request is
             # cancelled while the call is in flight or the store times out (it may still land).
@@ -198,7 +198,7 @@ async def wait_for_fit(
             # The latest view, also for the answer's verdict if the wait ends with nothing.
             ctx.snap = snap
             request = RouteRequest(ctx.demand, ctx.cls, exclude | gw.health.avoid())
-            if gw.policy.rank(gw.local.apply(snap), request, gw.clock()):
+            if ctx.policy.rank(gw.local.apply(snap), request, gw.clock()):
                 return snap
             if queueing.hold_over(gw, ctx, gw.local.apply(snap), request.exclude):
                 return None
@@ -216,7 +216,7 @@ def nothing_fits(
     if exhausted and ctx.failed_on:
         why = f"tried {', '.join(ctx.failed_on)}: all failed; " + why
     record_allocation_failure(gw, "", cause, ctx.demand, verdict)
-    retry_after = {"retry-after": str(gw.cfg.queue.retry_after_s)}
+    retry_after = {"retry-after": str(ctx.cfg.queue.retry_after_s)}
     if cause == "unavailable":
         gw.metrics.requests.labels(ctx.cls, "none", "unavailable").inc()
         err = ApiError(

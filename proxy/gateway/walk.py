@@ -126,9 +126,11 @@ class Gateway:
         started = time.perf_counter()
         reservation_id = uuid.uuid4().hex
         request_id = safe_request_id(request.headers.get("x-request-id")) or reservation_id
+        # Read once: the whole walk uses the config it started with, whatever a reload does.
+        cfg, policy = self.cfg, self.policy
         try:
             # 1. parse + validate the body
-            parsed = await intake.read_and_parse(self.cfg, request, endpoint)
+            parsed = await intake.read_and_parse(cfg, request, endpoint)
         except ApiError as err:
             self.metrics.rejected.labels(err.code or "invalid").inc()
             return err.response({"x-request-id": request_id})
@@ -138,7 +140,7 @@ class Gateway:
         try:
             # 2. count tokens -> KV demand, 3. classify short/long
             ctx = await intake.open_request(
-                self, request, parsed, reservation_id, request_id, started
+                self, request, parsed, reservation_id, request_id, started, cfg, policy
             )
             answer = await self._route(ctx)
             return answer
@@ -194,12 +196,16 @@ class Gateway:
         """Follow a changed backend list (discovery). URLs of removed backends are kept, so a
         request already placed on one still reaches it; probes cover the current list only."""
         self.cfg = cfg
-        self.urls.update({b.name: b.base_url for b in cfg.backends})
+        self.urls.update({b.name: b.plain_url for b in cfg.backends})
+        self.credentials.update({b.name: b.credential() for b in cfg.backends})
         self.health.retain([b.name for b in cfg.backends])
         if self.checker is not None:
             path = cfg.health.active.path
             path = path if path.startswith("/") else "/" + path
-            self.checker.urls = {b.name: b.base_url + path for b in cfg.backends}
+            self.checker.urls = {b.name: b.plain_url + path for b in cfg.backends}
+            self._probe_headers = {
+                b.plain_url + path: self.auth_headers(b.name) for b in cfg.backends
+            }
 
     async def _probe(self, url: str) -> bool:
         headers = self._probe_headers.get(url)
