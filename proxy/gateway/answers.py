@@ -95,8 +95,9 @@ def by_kind(
     body: bytes,
 ) -> UpstreamVerdict:
     """The backend kind's own reading of its error (TGI's 424 out of memory is an allocation
-    failure, its 429 overload); the kvroute contract's exact allocation error is kept as is."""
-    if verdict.verdict == "allocation" and verdict.free_tokens is not None:
+    failure, its 429 overload). An allocation failure the generic reading already recognised
+    (the kvroute contract's exact error, a KV phrase) is never downgraded."""
+    if verdict.verdict == "allocation":
         return verdict
     try:
         kind = ctx.cfg.backend(backend).kind
