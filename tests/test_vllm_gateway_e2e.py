@@ -4,6 +4,8 @@ and queueing backends that are never answered 503 because memory looks short."""
 from __future__ import annotations
 
 import concurrent.futures
+import http.server
+import threading
 from typing import Any
 
 import httpx
@@ -128,3 +130,58 @@ def test_queueing_backends_are_never_a_503_and_a_burst_spreads() -> None:
             assert "kvroute_queued_at_backend_total{" in metrics
             pools = httpx.get(gw + "/fleet/advice").json()["pools"]
             assert pools["pools"]["general"]["nodes"] == 2 and pools["verdict"] == "unknown"
+
+
+class _OomTgi(http.server.BaseHTTPRequestHandler):
+    """A TGI that runs out of memory on every generation (424, TGI's own error shape)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        body = b'{"error": "Request failed during generation: CUDA out of memory", "error_type": "generation"}'
+        self.send_response(424)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    # A healthy-looking TGI's /metrics (copied from a real TGI-mode engine by the test).
+    metrics = b""
+
+    def do_GET(self) -> None:
+        body = self.metrics if self.path == "/metrics" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_tgi_out_of_memory_424_is_diverted_not_relayed() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OomTgi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with engines(("tgi", "good", {"model": "m", **FAST})) as urls:
+            _OomTgi.metrics = httpx.get(urls["good"] + "/metrics").content
+            bad = f"http://127.0.0.1:{server.server_address[1]}"
+            cfg = gateway_cfg(
+                [
+                    {"name": "oom", "url": bad, "kind": "tgi", "models": ["m"]},
+                    {"name": "good", "url": urls["good"], "kind": "tgi", "models": ["m"]},
+                ],
+                routing={"policy": "round_robin"},
+                health={"active": {"enabled": False}},
+            )
+            with run_gateway(cfg) as gw:
+                wait_until(lambda: reported(gw, 2), what="reports")
+                body = {"model": "m", "prompt": "hello", "max_tokens": 3}
+                answers = [
+                    httpx.post(gw + "/v1/completions", json=body, timeout=30) for _ in range(4)
+                ]
+                assert [r.status_code for r in answers] == [200] * 4
+                assert {r.headers["x-kvroute-backend"] for r in answers} == {"good"}
+                assert 'result="allocation"' in httpx.get(gw + "/metrics").text
+    finally:
+        server.shutdown()
