@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.api.models import kind_errors
 from proxy.core import backend_contract as bc
 from proxy.upstream.classify import classify_response
 
@@ -147,8 +148,10 @@ TABLE: list[tuple[str, int, bytes, str]] = [
     ("text 502", 502, b"<html>Bad Gateway</html>", "server_error"),
 ]
 
-# Rows the classifier gets wrong today: TGI's 424 is not read at all (only 500/503/507 are
-# searched for capacity phrases, and a 4xx is a client error). Kept strict so the fix shows.
+# Rows the generic classifier cannot get right without knowing the server: TGI's 424 is
+# its generation error (out of memory included). The gateway reads them with the backend
+# kind's adapter (test_tgi_errors_are_read_by_their_adapter below); kept strict here so that
+# a generic reading that changes shows.
 KNOWN_WRONG = {
     "tgi 424 oom": "TGI's generation errors are HTTP 424; classify.py reads phrases only on 500/503/507",
     "tgi 424 other": "a 424 is the backend's failure, not the client's; classify.py calls it client_error",
@@ -189,3 +192,17 @@ def test_engine_numbers_are_read() -> None:
         1200,
         2.0,
     )
+
+
+@pytest.mark.parametrize(
+    ("status", "raw", "expected"),
+    [
+        pytest.param(status, raw, expected, id=name)
+        for name, status, raw, expected in TABLE
+        if name.startswith("tgi ")
+    ],
+)
+def test_tgi_errors_are_read_by_their_adapter(status: int, raw: bytes, expected: str) -> None:
+    """What the gateway does for a `kind: tgi` backend: the adapter's reading wins over the
+    generic one (proxy.gateway.answers), so TGI's 424 out of memory diverts."""
+    assert kind_errors("tgi", status, raw) == expected
