@@ -695,7 +695,7 @@ def _build_context_files() -> list[str]:
 def test_dockerignore_matcher() -> None:
     pats = ["*", "!proxy", "**/__pycache__", "!keep.txt"]
     assert _dockerignore_excludes("tests/test_x.py", pats)
-    assert not _dockerignore_excludes("proxy/config.py", pats)
+    assert not _dockerignore_excludes("proxy/config/__init__.py", pats)
     assert _dockerignore_excludes("proxy/__pycache__/config.cpython-311.pyc", pats)
     assert not _dockerignore_excludes("keep.txt", pats)
 
@@ -729,7 +729,7 @@ def test_dockerfile_copies_what_pip_install_needs_and_dockerignore_keeps_it() ->
         assert (ROOT / src).exists(), f"the Dockerfile copies {src}, which does not exist"
         assert not _dockerignore_excludes(src, patterns), f".dockerignore drops {src}"
     context = _build_context_files()
-    assert "proxy/config.py" in context and "loadtest/__init__.py" in context
+    assert "proxy/config/__init__.py" in context and "loadtest/__init__.py" in context
     assert not any(
         f.startswith(("tests/", "docs/", ".git/", "config/")) or "__pycache__" in f for f in context
     )
@@ -773,7 +773,7 @@ def test_build_context_builds_the_package(tmp_path: Path) -> None:
     (info,) = egg.glob("kvroute.egg-info")
     assert "kvroute = proxy.cli:main" in (info / "entry_points.txt").read_text(encoding="utf-8")
     built = {p.relative_to(lib).as_posix() for p in lib.rglob("*") if p.is_file()}
-    assert {"proxy/cli.py", "proxy/config.py", "proxy/py.typed", "loadtest/__init__.py"} <= built
+    assert {"proxy/cli.py", "proxy/config/__init__.py", "proxy/py.typed", "loadtest/__init__.py"} <= built
 
 
 # --------------------------------------------------------------------------------------
