@@ -6,9 +6,10 @@ from typing import Any
 
 from proxy.config import MaintenanceConfig
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
-from proxy.ops.advice import advise, can_take_out, effective_demand_tokens, update_below_since
+from proxy.ops.advice import advise, effective_demand_tokens
 from proxy.ops.diagnosis import Failure, Trend
 from proxy.ops.maintenance import bookkeeping
+from proxy.ops.node_advice import can_take_out, update_below_since
 
 NOW = 1_000_000.0
 CAP = 100_000

@@ -18,7 +18,8 @@ A report is stamped with when its figures were taken: the scrape's start, on the
 clock (``StateStore.now``), not when the body arrived. A reservation made during a slow
 scrape then counts as not yet visible in it, and a report that started before a learned
 ceiling cannot lift it. A backend is marked down after ``collector.fall`` failed scrapes in
-a row and up again after ``collector.rise`` good ones, as the active health checks do. One
+a row and up again after ``collector.rise`` good ones, as the active health checks do (the
+per-backend fetch, parse and fall/rise count are ``proxy.backends.scrape``). One
 backend's unreadable metrics are that backend's scrape error only; nothing here ever
 crashes the loop.
 """
@@ -28,16 +29,16 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import httpx
 
 from proxy.backends.base import ModelsInfo
 from proxy.backends.models import ModelsDirectory
 from proxy.backends.parse import ScrapeError, parse_report
+from proxy.backends.scrape import BackendStatus, ScrapeOutcome, scrape, scrape_client
 from proxy.config import BackendConfig, Config
 from proxy.core.fleet import MemoryReport
 from proxy.state.base import StateStore, StoreUnavailable
@@ -48,43 +49,12 @@ __all__ = ["LOCK_NAME", "Collector", "ReportHook", "ScrapeError", "ScrapeOutcome
 log = logging.getLogger("kvroute.collector")
 
 LOCK_NAME = "collector"
-MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any real /metrics page; stops a runaway body
-ACCEPT = (
-    "text/plain;version=0.0.4;q=1.0, */*;q=0.1"  # the classic text format that the parser reads
-)
 
 
 class ReportHook(Protocol):
     """Called as ``hook(name, report)`` after each successful scrape; may return an awaitable."""
 
     def __call__(self, name: str, report: MemoryReport) -> object: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ScrapeOutcome:
-    """One backend's result in one round: a report, or the reason it was marked down."""
-
-    name: str
-    report: MemoryReport | None
-    reason: str = ""
-    latency_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.report is not None
-
-
-@dataclass(slots=True)
-class _BackendStatus:
-    outcome: Literal["ok", "down", "never"] = "never"
-    reason: str = ""
-    latency_s: float | None = None
-    last_scrape_at: float = 0.0
-    last_success_at: float = 0.0
-    consecutive_failures: int = 0
-    consecutive_ok: int = 0
-    scrapes_total: int = 0
-    failures_total: int = 0
 
 
 @dataclass(slots=True)
@@ -97,7 +67,7 @@ class _Counters:
     last_round_at: float = 0.0
     leader: bool = False
     store_ok: bool = True
-    backends: dict[str, _BackendStatus] = field(default_factory=dict)
+    backends: dict[str, BackendStatus] = field(default_factory=dict)
 
 
 class Collector:
@@ -224,18 +194,7 @@ class Collector:
             return self._client
         old = self._client
         cc = self._config.collector
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(cc.timeout_s),
-            limits=httpx.Limits(
-                max_connections=slots,
-                max_keepalive_connections=slots,
-                keepalive_expiry=2.0 * cc.scrape_interval_s
-                + 5.0,  # reuse connections across rounds
-            ),
-            headers={"Accept": ACCEPT, "User-Agent": "kvroute-collector"},
-            follow_redirects=False,
-            trust_env=False,  # backends are scraped directly, never through an environment proxy
-        )
+        self._client = scrape_client(slots, cc)
         self._client_slots = slots
         if old is not None:
             closing = asyncio.get_running_loop().create_task(old.aclose())
@@ -244,100 +203,20 @@ class Collector:
         return self._client
 
     async def _scrape(self, backend: BackendConfig) -> ScrapeOutcome:
-        path = (
-            backend.metrics_path
-            if backend.metrics_path.startswith("/")
-            else "/" + backend.metrics_path
-        )
-        url = backend.plain_url + path
-        cred = backend.credential()
-        timeout_s = self._config.collector.timeout_s
-        client = self._http()
-        taken_at = self._clock()  # the figures are no older than this
-        started = time.perf_counter()
-        deadline = started + timeout_s
-        try:
-            # Bounded by httpx's own per-phase timeouts (connect, send, each read) plus the
-            # deadline checked per chunk, which stops a server that drips its body. Not by
-            # asyncio.timeout: a native cancellation racing httpx's timeouts can be lost.
-            async with client.stream(
-                "GET", url, headers={"authorization": cred} if cred is not None else None
-            ) as resp:
-                if resp.status_code != 200:
-                    raise ScrapeError(f"HTTP {resp.status_code} from {path}")
-                body = bytearray()
-                async for chunk in resp.aiter_bytes():
-                    body += chunk
-                    if len(body) > MAX_BODY_BYTES:
-                        raise ScrapeError(f"metrics body larger than {MAX_BODY_BYTES} bytes")
-                    if time.perf_counter() > deadline:
-                        raise ScrapeError(f"timeout after {timeout_s:g}s (body still arriving)")
-            text = body.decode("utf-8", errors="replace")  # the text format is UTF-8 by definition
-            report = parse_report(backend.kind, text, taken_at, backend.capacity_tokens)
-        except ScrapeError as exc:
-            return self._failed(backend, exc.reason, started)
-        except httpx.TimeoutException:
-            return self._failed(backend, f"timeout after {timeout_s:g}s", started)
-        except httpx.ConnectError as exc:
-            return self._failed(backend, f"connect error: {exc or type(exc).__name__}", started)
-        except httpx.HTTPError as exc:
-            return self._failed(backend, f"{type(exc).__name__}: {exc}", started)
-        except Exception as exc:
-            # An odd value the parser did not foresee (block_size="inf": OverflowError) is this
-            # backend's problem only: the round goes on and publishes every other backend.
-            log.debug("collector: %s: unreadable metrics", backend.name, exc_info=True)
-            return self._failed(
-                backend, f"unreadable metrics: {type(exc).__name__}: {exc}", started
-            )
-        return ScrapeOutcome(backend.name, report, "", time.perf_counter() - started)
-
-    def _failed(self, backend: BackendConfig, reason: str, started: float) -> ScrapeOutcome:
-        return ScrapeOutcome(backend.name, None, reason, time.perf_counter() - started)
+        return await scrape(self._http(), backend, self._config.collector.timeout_s, self._clock)
 
     async def _publish(self, o: ScrapeOutcome) -> None:
-        st = self._counters.backends.setdefault(o.name, _BackendStatus())
-        now = self._clock()
-        st.scrapes_total += 1
-        st.last_scrape_at = now
-        st.latency_s = o.latency_s
-        if o.report is not None:
-            st.last_success_at = now
-            st.consecutive_failures = 0
-            st.consecutive_ok += 1
-            await self._publish_ok(o.name, o.report, st)
-        else:
-            st.consecutive_failures += 1
-            st.consecutive_ok = 0
-            st.failures_total += 1
-            await self._publish_failed(o.name, o.reason, st)
-
-    async def _publish_ok(self, name: str, report: MemoryReport, st: _BackendStatus) -> None:
-        """A good scrape; a backend marked down needs ``rise`` of them in a row to be up again."""
-        ttl = self._config.collector.report_ttl_s
-        rise = self._config.collector.rise
-        if st.outcome == "down" and st.consecutive_ok < rise:
-            why = f"recovering: {st.consecutive_ok} of {rise} good scrapes"
-            st.reason = why
-            await self._store_call("mark_down", self._store.mark_down(name, why, ttl))
-            return
-        if st.outcome == "down":
-            log.info("collector: backend %s is reachable again", name)
-        st.outcome, st.reason = "ok", ""
-        await self._store_call("put_report", self._store.put_report(name, report, ttl))
-        await self._run_hooks(name, report)
-
-    async def _publish_failed(self, name: str, reason: str, st: _BackendStatus) -> None:
-        """A failed scrape; ``fall`` in a row mark the backend down (one slow scrape does not)."""
-        fall = self._config.collector.fall
-        if st.outcome != "down" and st.outcome != "never" and st.consecutive_failures < fall:
-            # Still up on its last report, which ages; the reason is kept for /metrics.
-            st.reason = f"{reason} ({st.consecutive_failures} of {fall} failed scrapes)"
-            return
-        if st.outcome != "down":
-            log.warning("collector: backend %s marked down: %s", name, reason)
-        st.outcome, st.reason = "down", reason
-        ttl = self._config.collector.report_ttl_s
-        await self._store_call("mark_down", self._store.mark_down(name, reason, ttl))
+        """Count the outcome (fall/rise) and write what it asks for; hooks get fresh reports."""
+        st = self._counters.backends.setdefault(o.name, BackendStatus())
+        cc = self._config.collector
+        write = st.record(o, self._clock(), cc.fall, cc.rise)
+        if write == "report" and o.report is not None:
+            put = self._store.put_report(o.name, o.report, cc.report_ttl_s)
+            await self._store_call("put_report", put)
+            await self._run_hooks(o.name, o.report)
+        elif write == "down":
+            down = self._store.mark_down(o.name, st.reason, cc.report_ttl_s)
+            await self._store_call("mark_down", down)
 
     async def _store_call(self, what: str, call: Awaitable[None]) -> None:
         try:

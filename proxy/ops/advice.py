@@ -17,43 +17,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from proxy.config import MaintenanceConfig
-from proxy.core.fleet import FleetSnapshot, NodeView
-from proxy.ops.diagnosis import Failure, Level, Trend, level
+from proxy.core.fleet import FleetSnapshot
+from proxy.ops.diagnosis import Failure, Trend
+from proxy.ops.node_advice import NodeAdvice, assess, can_take_out, healthy
 
 Action = Literal["none", "restart", "scale_up"]
 ACTIONS: tuple[Action, ...] = ("none", "restart", "scale_up")
-RestartReason = Literal["fragmentation", "failures", "trend", "scheduled", "manual"]
-
-
-@dataclass(frozen=True, slots=True)
-class NodeAdvice:
-    """One node as the advice sees it."""
-
-    name: str
-    pool: str
-    state: str  # up | down | draining | stale | unknown
-    level: Level
-    largest_contiguous_free_block_ratio: float | None = None
-    fragmentation_ratio: float | None = None
-    free_fraction: float | None = None
-    free_tokens: int | None = None
-    largest_free_block_tokens: int | None = None
-    uptime_s: float | None = None
-    below_threshold_for_s: float | None = None
-    trend_per_hour: float | None = None
-    uptime_correlation: float | None = None
-    restart_reasons: tuple[RestartReason, ...] = ()
-    ready: bool = False  # the rest of the fleet can carry its load while it restarts
-    why: str = ""
-
-    @property
-    def candidate(self) -> bool:
-        return bool(self.restart_reasons)
-
-    @property
-    def reason(self) -> RestartReason:
-        """The main reason, for the restarts counter."""
-        return self.restart_reasons[0] if self.restart_reasons else "fragmentation"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,84 +59,6 @@ class Advice:
         }
 
 
-def _state(n: NodeView, now: float, stale_after_s: float) -> str:
-    if n.report is None:
-        return "unknown" if n.up else "down"
-    if not n.up:
-        return "down"
-    if n.overlay.draining:
-        return "draining"
-    if n.stale(now, stale_after_s):
-        return "stale"
-    return "up"
-
-
-def healthy(n: NodeView, now: float, stale_after_s: float) -> bool:
-    """Up, reporting freshly, not drained, not cooling down: takes traffic now."""
-    return (
-        n.up
-        and n.report is not None
-        and not n.stale(now, stale_after_s)
-        and not n.overlay.draining
-        and now >= n.overlay.cooldown_until
-    )
-
-
-def can_take_out(
-    snapshot: FleetSnapshot,
-    name: str,
-    now: float,
-    cfg: MaintenanceConfig,
-    stale_after_s: float,
-    busy: Iterable[str] = (),
-) -> tuple[bool, str]:
-    """Can the rest of the fleet carry ``name``'s traffic while it restarts?
-
-    The rest: healthy nodes other than ``name`` and those already out (``busy``). They must
-    keep at least ``min_healthy_capacity_fraction`` of the fleet's capacity, and their free
-    memory must hold the tokens in flight on ``name`` through the gateways (its traffic).
-    """
-    out = set(busy) | {name}
-    by_name = snapshot.by_name()
-    node = by_name.get(name)
-    total = sum(n.report.capacity_tokens for n in snapshot.nodes if n.report is not None)
-    others = [n for n in snapshot.nodes if n.name not in out and healthy(n, now, stale_after_s)]
-    if not others:
-        return False, "no other healthy node to take its traffic"
-    remaining = sum(n.report.capacity_tokens for n in others if n.report is not None)
-    frac = remaining / total if total else 0.0
-    if frac < cfg.min_healthy_capacity_fraction:
-        return False, (
-            f"without it the healthy nodes hold {frac:.0%} of the fleet's capacity, "
-            f"below min_healthy_capacity_fraction {cfg.min_healthy_capacity_fraction:.0%}"
-        )
-    traffic = node.overlay.reserved_tokens if node is not None else 0
-    spare = sum(n.usable_free() for n in others if n.report is not None)
-    if spare < traffic:
-        return False, f"the other nodes have {spare} tokens free for its {traffic} tokens in flight"
-    return True, (
-        f"{len(others)} other healthy node(s) keep {frac:.0%} of capacity with {spare} tokens free "
-        f"for its {traffic} tokens in flight"
-    )
-
-
-def update_below_since(
-    previous: Mapping[str, float], snapshot: FleetSnapshot, now: float, cfg: MaintenanceConfig
-) -> dict[str, float]:
-    """Since when each node has been below ``restart_below_ratio`` (nodes above it drop out)."""
-    out: dict[str, float] = {}
-    for n in snapshot.nodes:
-        r = n.report
-        if r is None or not n.up:
-            continue
-        if (
-            r.free_fraction > cfg.min_free_fraction
-            and r.largest_block_ratio < cfg.restart_below_ratio
-        ):
-            out[n.name] = previous.get(n.name, now)
-    return out
-
-
 def effective_demand_tokens(snapshot: FleetSnapshot, capacity_failures: Iterable[Failure]) -> int:
     """KV demand without fragmentation failures: memory in use, plus demand no node could hold.
 
@@ -182,64 +73,6 @@ def effective_demand_tokens(snapshot: FleetSnapshot, capacity_failures: Iterable
                 max(0, n.report.capacity_tokens - n.report.free_tokens) + n.overlay.pending_tokens
             )
     return used + sum(f.demand for f in capacity_failures if not f.fixable_by_restart)
-
-
-def _assess(
-    n: NodeView,
-    now: float,
-    cfg: MaintenanceConfig,
-    stale_after_s: float,
-    trend: Trend | None,
-    below_since: float | None,
-    failed_demand_here: int,
-    blocked_until: float | None = None,
-) -> NodeAdvice:
-    r = n.report
-    state = _state(n, now, stale_after_s)
-    if r is None:
-        return NodeAdvice(n.name, n.pool, state, level(None, cfg.min_free_fraction))
-    uptime = r.uptime(now) if r.started_at > 0 else None
-    below_for = now - below_since if below_since is not None else None
-    reasons: list[RestartReason] = []
-    if below_for is not None and below_for >= cfg.restart_after_s:
-        reasons.append("fragmentation")
-    if failed_demand_here and r.largest_free_block_tokens < failed_demand_here <= r.free_tokens:
-        reasons.append("failures")  # it still has the memory for what failed, and still no block
-    if cfg.restart_on_trend and trend is not None and trend.rising:
-        reasons.append("trend")
-    if (
-        cfg.scheduled_restart_uptime_s is not None
-        and uptime is not None
-        and uptime >= cfg.scheduled_restart_uptime_s
-    ):
-        reasons.append("scheduled")
-    why = ""
-    if reasons and state != "up":
-        why = f"node is {state}"
-        reasons = []
-    elif reasons and uptime is not None and uptime < cfg.min_interval_per_node_s:
-        why = f"restarted {uptime:.0f}s ago, min_interval_per_node_s is {cfg.min_interval_per_node_s:.0f}"
-        reasons = []
-    elif reasons and blocked_until is not None and now < blocked_until:
-        why = f"a recent restart attempt: next one allowed in {blocked_until - now:.0f}s"
-        reasons = []
-    return NodeAdvice(
-        name=n.name,
-        pool=n.pool,
-        state=state,
-        level=level(r, cfg.min_free_fraction),
-        largest_contiguous_free_block_ratio=round(r.largest_block_ratio, 4),
-        fragmentation_ratio=round(r.fragmentation, 4),
-        free_fraction=round(r.free_fraction, 4),
-        free_tokens=r.free_tokens,
-        largest_free_block_tokens=r.largest_free_block_tokens,
-        uptime_s=round(uptime, 3) if uptime is not None else None,
-        below_threshold_for_s=round(below_for, 3) if below_for is not None else None,
-        trend_per_hour=trend.slope_per_hour if trend is not None else None,
-        uptime_correlation=trend.correlation if trend is not None else None,
-        restart_reasons=tuple(reasons),
-        why=why,
-    )
 
 
 def advise(
@@ -272,7 +105,7 @@ def advise(
             failed_here[name] = max(failed_here.get(name, 0), f.demand)
 
     assessed = [
-        _assess(
+        assess(
             n,
             now,
             cfg,

@@ -28,7 +28,7 @@ from typing import Any
 from proxy.config import Config
 from proxy.core.fleet import FailureCause, FleetSnapshot, MemoryReport
 from proxy.errors import RestartRefused
-from proxy.ops.advice import Advice, advise, can_take_out, update_below_since
+from proxy.ops.advice import Advice, advise
 from proxy.ops.diagnosis import (
     RATE_WINDOW_S,
     FailureLog,
@@ -37,6 +37,7 @@ from proxy.ops.diagnosis import (
     TrendSettings,
     failure_from_hook,
 )
+from proxy.ops.node_advice import can_take_out, update_below_since
 from proxy.ops.restart import RestartRunner
 from proxy.ops.restart_hooks import NoHook, RestartHook, make_hook
 from proxy.state.base import StateStore, StoreUnavailable

@@ -18,7 +18,7 @@ from typing import Any
 
 from proxy.config import MaintenanceConfig
 from proxy.core.fleet import MemoryReport
-from proxy.ops.advice import RestartReason
+from proxy.ops.node_advice import RestartReason
 from proxy.ops.restart_hooks import RestartHook
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache

@@ -5,7 +5,8 @@ went to one engine (one frozen snapshot, no local accounting), and once the froz
 were stale, requests that fit got 503 "fragmentation".
 
 ``DegradedStore`` composes the shared store with an embedded ``InProcessStore`` behind the
-same ``StateStore`` interface:
+same ``StateStore`` interface; this module decides which store answers each call, while the
+local mirror and the replay of what Redis missed live in ``proxy.state.degraded_replay``:
 
 * While Redis answers, every call goes to Redis as before; each read also mirrors the
   reports, statuses and flags into the local store, and each reservation this replica
@@ -31,29 +32,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
-from functools import partial
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from proxy.core.fleet import MemoryReport
-from proxy.state.base import (
-    BackendState,
-    Reservation,
-    StateStore,
-    StoreUnavailable,
-    live_reservations,
-)
+from proxy.state.base import BackendState, Reservation, StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker
+from proxy.state.degraded_replay import Key, LocalReplay, SyncState
 from proxy.state.memory import InProcessStore
 
 log = logging.getLogger("kvroute.store")
 
 T = TypeVar("T")
-Key = tuple[str, str]
-#: Where a reservation held only locally stands with Redis.
-#: local: never sent (release locally only); maybe: the reserve timed out and may still land;
-#: syncing: being re-registered now; released: released while being re-registered.
-SyncState = Literal["local", "maybe", "syncing", "released"]
 CLOCK_REFRESH_S = 30.0
 
 
@@ -80,11 +69,14 @@ class DegradedStore(StateStore):
         self.clock_refresh_s = clock_refresh_s
         self.shared_errors = 0
         self._degraded = False
-        self._unsynced: dict[Key, SyncState] = {}
-        self._releases: dict[
-            Key, float
-        ] = {}  # shared releases to send; value: give up at (monotonic)
-        self._mirrored: dict[str, tuple[Any, ...]] = {}
+        self._replay = LocalReplay(
+            shared,
+            self.local,
+            self._shared,
+            self.now,
+            reservation_ttl_s=reservation_ttl_s,
+            report_ttl_s=report_ttl_s,
+        )
         self._synced_at = float("-inf")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._resync: asyncio.Task[None] | None = None
@@ -143,12 +135,12 @@ class DegradedStore(StateStore):
     async def put_report(self, name: str, report: MemoryReport, ttl_s: float) -> None:
         """Locally first (this replica routes on it at once), then shared; raises when Redis failed."""
         await self.local.put_report(name, report, ttl_s)
-        self._mirrored.pop(name, None)
+        self._replay.wrote_locally(name)
         await self._shared("put_report", lambda: self.shared.put_report(name, report, ttl_s))
 
     async def mark_down(self, name: str, reason: str, ttl_s: float) -> None:
         await self.local.mark_down(name, reason, ttl_s)
-        self._mirrored.pop(name, None)
+        self._replay.wrote_locally(name)
         await self._shared("mark_down", lambda: self.shared.mark_down(name, reason, ttl_s))
 
     async def read(self, names: list[str], now: float) -> dict[str, BackendState]:
@@ -158,36 +150,10 @@ class DegradedStore(StateStore):
             return await self.local.read(names, now)
         self._set_degraded(False)
         local = await self.local.read(names, now)
-        out = {n: self._merge(st, local.get(n), now) for n, st in states.items()}
-        if (self._unsynced or self._releases) and (self._resync is None or self._resync.done()):
-            self._resync = self._spawn(self._resync_all())
+        out = {n: self._replay.merge(st, local.get(n), now) for n, st in states.items()}
+        if self._replay.pending and (self._resync is None or self._resync.done()):
+            self._resync = self._spawn(self._replay.resync_all())
         return out
-
-    def _merge(self, st: BackendState, mine: BackendState | None, now: float) -> BackendState:
-        """Shared state, mirrored locally; plus what only this replica knows (newer scrape, unsynced reservations)."""
-        key = (st.report, st.status, st.status_reason, st.flags)
-        if self._mirrored.get(st.name) != key:
-            self.local.adopt(st, self.report_ttl_s)
-            self._mirrored[st.name] = key
-        if mine is None:
-            return st
-        if mine.report is not None and (
-            st.report is None or mine.report.reported_at > st.report.reported_at
-        ):
-            # Right after an outage Redis's reports may have expired: our own scrape is newer.
-            st = replace(st, report=mine.report, status=mine.status)
-        if self._unsynced:
-            extra = [
-                r
-                for r in mine.reservations
-                if (st.name, r.id) in self._unsynced
-                and self._unsynced[(st.name, r.id)] != "released"
-            ]
-            if extra:
-                ids = {r.id for r in st.reservations}
-                extra = [r for r in extra if r.id not in ids]
-                st = replace(st, reservations=live_reservations([*st.reservations, *extra], now))
-        return st
 
     async def known_backends(self) -> set[str]:
         try:
@@ -239,113 +205,30 @@ class DegradedStore(StateStore):
                 grace_s=grace_s,
             )
             if ok:
-                self._unsynced[key] = "maybe" if sent else "local"
+                self._replay.reserved_locally(key, sent=sent)
             elif sent:
-                # Refused here, but the shared reserve may still run once Redis resumes.
-                self._releases[key] = time.monotonic() + ttl_s
+                self._replay.refused_locally(key, ttl_s)
             return ok
         if ok:
             # Mirror our own reservation, so that it is counted the moment Redis goes away.
             await self.local.reserve(name, reservation_id, tokens, now, ttl_s, check_fit=False)
-            self._unsynced.pop(key, None)
+            self._replay.reserved_shared(key)
         return ok
 
     async def release(self, name: str, reservation_id: str) -> None:
         """Never raises: a release Redis must see but cannot take now is sent once it answers."""
-        await self._drop(name, reservation_id, None)
+        await self._replay.drop(name, reservation_id, None)
 
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
-        await self._drop(name, reservation_id, until)
-
-    async def _drop(self, name: str, reservation_id: str, until: float | None) -> None:
-        key = (name, reservation_id)
-        if until is None:
-            await self.local.release(name, reservation_id)
-        else:
-            await self.local.forget(name, reservation_id, until)
-        state = self._unsynced.get(key)
-        if state == "local":
-            del self._unsynced[key]
-            return
-        if state in ("syncing", "released"):
-            # The re-registration in flight releases it when it is done (in that order).
-            self._unsynced[key] = "released"
-            return
-        self._unsynced.pop(key, None)
-        try:
-            if until is None:
-                await self._shared("release", lambda: self.shared.release(name, reservation_id))
-            else:
-                await self._shared(
-                    "forget", lambda: self.shared.forget(name, reservation_id, until)
-                )
-        except StoreUnavailable:
-            self._releases[key] = time.monotonic() + self.reservation_ttl_s
+        await self._replay.drop(name, reservation_id, until)
 
     async def reservations(self, name: str, now: float) -> list[Reservation]:
         try:
             shared = await self._shared("reservations", lambda: self.shared.reservations(name, now))
         except StoreUnavailable:
             return await self.local.reservations(name, now)
-        ids = {r.id for r in shared}
-        mine = [
-            r
-            for r in await self.local.reservations(name, now)
-            if r.id not in ids and (name, r.id) in self._unsynced
-        ]
-        return list(live_reservations([*shared, *mine], now))
-
-    async def _resync_all(self) -> None:
-        """Back on Redis: send the releases it missed, then re-register local reservations."""
-        try:
-            await self._send_releases()
-            await self._reregister()
-        except StoreUnavailable:
-            return  # down again: the next successful read starts over
-
-    async def _send_releases(self) -> None:
-        for key, give_up in list(self._releases.items()):
-            if time.monotonic() >= give_up:
-                self._releases.pop(key, None)  # expired in Redis by now
-                continue
-            name, rid = key
-            # A forget, not a plain release: the reserve it answers may itself arrive late.
-            until = self.now() + self.reservation_ttl_s
-            await self._shared("forget", partial(self.shared.forget, name, rid, until))
-            self._releases.pop(key, None)
-
-    async def _reregister(self) -> None:
-        now = self.now()
-        for key, state in list(self._unsynced.items()):
-            if state not in ("local", "maybe"):
-                continue
-            name, rid = key
-            mine = {r.id: r for r in await self.local.reservations(name, now)}
-            r = mine.get(rid)
-            if r is None:
-                self._unsynced.pop(key, None)
-                continue
-            self._unsynced[key] = "syncing"
-            try:
-                # Its own times: a reservation older than a report is already counted in it.
-                ttl = r.expires_at - r.created_at
-                again = partial(
-                    self.shared.reserve, name, rid, r.tokens, r.created_at, ttl, check_fit=False
-                )
-                await self._shared("reserve", again)
-            except StoreUnavailable:
-                if self._unsynced.get(key) == "released":
-                    self._unsynced.pop(key, None)
-                    self._releases[key] = time.monotonic() + self.reservation_ttl_s
-                else:
-                    self._unsynced[key] = "maybe"
-                raise
-            if self._unsynced.pop(key, None) == "released":
-                try:
-                    await self._shared("release", partial(self.shared.release, name, rid))
-                except StoreUnavailable:
-                    self._releases[key] = time.monotonic() + self.reservation_ttl_s
-                    raise
+        mine = await self.local.reservations(name, now)
+        return self._replay.merge_reservations(name, shared, mine, now)
 
     # --- flags: applied here at once, shared best effort (a cooldown or ceiling is advice) ---
     async def set_draining(self, name: str, draining: bool) -> None:
@@ -406,10 +289,10 @@ class DegradedStore(StateStore):
     # --- for /metrics and tests ---
     def local_only(self) -> dict[Key, SyncState]:
         """Reservations held here that Redis has not seen (yet)."""
-        return dict(self._unsynced)
+        return self._replay.local_only()
 
     def queued_releases(self) -> int:
-        return len(self._releases)
+        return self._replay.queued_releases()
 
 
 __all__ = ["DegradedStore"]

@@ -1,0 +1,225 @@
+"""The Lua scripts of the Redis store, kept apart from the Python that calls them.
+
+The read-modify-write operations (reserve, set_ceiling, lock take/extend, unlock) are Lua
+scripts, so they are atomic across replicas; they mirror the pure rules in base.py
+(reservation_fits, pending_tokens, merge_ceiling) number for number, and their number
+parsing matches redis_codec's exactly. Times are passed in as arguments and stored exactly
+as Python's repr() writes them, never formatted by Lua. The request-path read is one
+read-only script returning every backend's three hashes in one reply.
+
+Every script touches the keys of one backend (one hash slot) only, so each runs unchanged on
+a single server, Sentinel or Cluster.
+"""
+
+from __future__ import annotations
+
+# Shared prelude: number parsing and report validation, the Lua twins of redis_codec's number parsing and report_from_hash.
+_LUA_PRELUDE = r"""
+local function num(s)
+  if type(s) ~= 'string' then return nil end
+  local m = s:match('^[-+]?([%d%.]+)$') or s:match('^[-+]?([%d%.]+)[eE][-+]?%d+$')
+  if not m then return nil end
+  if not (m:match('^%d+%.?%d*$') or m:match('^%.%d+$')) then return nil end
+  local n = tonumber(s)
+  if n == nil or n ~= n or n == math.huge or n == -math.huge then return nil end
+  return n
+end
+
+local function count(s, min)
+  local n = num(s)
+  if n == nil or n < 0 then return nil end
+  n = math.floor(n)
+  if n < min then return nil end
+  return n
+end
+
+-- Returns largest_free_block_tokens, reported_at and (for a queueing report) a table
+-- {cap, frees} of a valid report, or nil.
+local function read_report(key)
+  local f = redis.call('HMGET', key, 'capacity_tokens', 'free_tokens',
+    'largest_free_block_tokens', 'reported_at', 'allocator', 'block_size',
+    'running', 'waiting', 'started_at', 'engine_free', 'flags', 'preemptions', 'engines',
+    'max_num_seqs')
+  if count(f[1], 0) == nil or count(f[2], 0) == nil then return nil end
+  local largest = count(f[3], 0)
+  local reported_at = num(f[4])
+  if largest == nil or reported_at == nil or reported_at < 0 then return nil end
+  if f[5] and f[5] ~= 'contiguous' and f[5] ~= 'paged' then return nil end
+  if f[6] and count(f[6], 1) == nil then return nil end
+  if f[7] and count(f[7], 0) == nil then return nil end
+  if f[8] and count(f[8], 0) == nil then return nil end
+  if f[9] then
+    local s = num(f[9])
+    if s == nil or s < 0 then return nil end
+  end
+  if f[12] and count(f[12], 0) == nil then return nil end
+  if f[13] and count(f[13], 1) == nil then return nil end
+  if f[14] and count(f[14], 0) == nil then return nil end
+  if f[11] and string.find(f[11], '[^qs]') then return nil end
+  local frees = {}
+  if f[10] and f[10] ~= '' then
+    if string.find(f[10], ',,', 1, true) or string.sub(f[10], 1, 1) == ','
+        or string.sub(f[10], -1) == ',' then
+      return nil
+    end
+    for p in string.gmatch(f[10], '[^,]+') do
+      local v = count(p, 0)
+      if v == nil then return nil end
+      frees[#frees + 1] = v
+    end
+  end
+  local lazy = nil
+  if f[11] and string.find(f[11], 'q', 1, true) then
+    if #frees == 0 then frees[1] = count(f[2], 0) end
+    lazy = {cap = count(f[1], 0), frees = frees}
+  end
+  return largest, reported_at, lazy
+end
+
+-- The twin of proxy.core.lazy.lazy_headroom: the smallest engine's capacity less
+-- max(its used, all reserved), never above the report's largest block.
+local function lazy_room(lazy, reserved, largest)
+  local per = math.floor(lazy.cap / #lazy.frees)
+  local room = nil
+  for _, fe in ipairs(lazy.frees) do
+    local committed = per - fe
+    if reserved > committed then committed = reserved end
+    if room == nil or per - committed < room then room = per - committed end
+  end
+  if largest < room then room = largest end
+  if room < 0 then room = 0 end
+  return room
+end
+"""
+
+# KEYS: state, res.  ARGV: id, tokens, now, expires_at, check_fit, headroom, grace_s, key_ttl_ms
+LUA_RESERVE = (
+    _LUA_PRELUDE
+    + r"""
+local id = ARGV[1]
+local tokens = tonumber(ARGV[2])
+local now = tonumber(ARGV[3])
+local headroom = tonumber(ARGV[6])
+local grace = tonumber(ARGV[7])
+local key_ttl = tonumber(ARGV[8])
+
+-- A forgotten id ("~" .. id, see forget): this reserve arrived after its release.
+local tomb = num(string.match(redis.call('HGET', KEYS[2], '~' .. id) or '', '^~ (%S+)$'))
+if tomb ~= nil and tomb > now then return 0 end
+local largest, reported_at, lazy = read_report(KEYS[1])
+local pending = 0
+local reserved = 0
+local dead = {}
+local flat = redis.call('HGETALL', KEYS[2])
+for i = 1, #flat, 2 do
+  local rid, v = flat[i], flat[i + 1]
+  if string.sub(rid, 1, 1) == '~' then
+    local u = num(string.match(v, '^~ (%S+)$'))
+    if u == nil or u <= now then dead[#dead + 1] = rid end
+  else
+    local t, c, e = string.match(v, '^(%S+) (%S+) (%S+)$')
+    t, c, e = count(t, 0), num(c), num(e)
+    if t == nil or c == nil or e == nil or e <= now then
+      dead[#dead + 1] = rid
+    elseif rid ~= id then
+      reserved = reserved + t
+      if largest == nil or c >= reported_at - grace then
+        pending = pending + t
+      end
+    end
+  end
+end
+for i = 1, #dead, 500 do
+  redis.call('HDEL', KEYS[2], unpack(dead, i, math.min(i + 499, #dead)))
+end
+if ARGV[5] == '1' and largest ~= nil then
+  local need = tokens * (1.0 + headroom)
+  if lazy ~= nil then
+    if need > lazy_room(lazy, reserved, largest) then return 0 end
+  elseif pending + need > largest then
+    return 0
+  end
+end
+redis.call('HSET', KEYS[2], id, ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4])
+if redis.call('PTTL', KEYS[2]) < key_ttl then
+  redis.call('PEXPIRE', KEYS[2], key_ttl)
+end
+return 1
+"""
+)
+
+# KEYS: res.  ARGV: id, until, key_ttl_ms.  Release, and leave "~id" = "~ <until>" so that
+# a reserve of that id arriving later is refused (proxy.state.base.StateStore.forget).
+LUA_FORGET = r"""
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[1], '~' .. ARGV[1], '~ ' .. ARGV[2])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return 1
+"""
+
+# KEYS: flags, state.  ARGV: tokens, now, until.  Mirrors base.merge_ceiling.
+LUA_SET_CEILING = (
+    _LUA_PRELUDE
+    + r"""
+local tokens = tonumber(ARGV[1])
+local now = tonumber(ARGV[2])
+local until_new = tonumber(ARGV[3])
+local f = redis.call('HMGET', KEYS[1], 'ceiling_tokens', 'ceiling_set_at', 'ceiling_until')
+local cur = count(f[1], 0)
+local set_at = num(f[2]) or 0
+local until_cur = num(f[3]) or 0
+if cur ~= nil then
+  if now >= until_cur then
+    cur = nil
+  else
+    local largest, reported_at = read_report(KEYS[2])
+    if largest ~= nil and reported_at > set_at and largest >= cur then cur = nil end
+  end
+end
+if cur == nil or tokens < cur then
+  redis.call('HSET', KEYS[1], 'ceiling_tokens', ARGV[1], 'ceiling_set_at', ARGV[2],
+    'ceiling_until', ARGV[3])
+  return 1
+end
+if tokens == cur then
+  if now > set_at then redis.call('HSET', KEYS[1], 'ceiling_set_at', ARGV[2]) end
+  if until_new > until_cur then redis.call('HSET', KEYS[1], 'ceiling_until', ARGV[3]) end
+  return 2
+end
+return 0
+"""
+)
+
+# KEYS: lock.  ARGV: owner, ttl_ms.  Take when free (SET NX PX), extend when ours.
+LUA_TRY_LOCK = r"""
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if v then return 0 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+
+# KEYS: every key to read.  Returns one flat HGETALL array per key, or the error text for a
+# key that is not a hash (a foreign writer's mistake spoils that backend only, not the read).
+# One reply for the whole fleet: far less client-side work than a pipeline of 3N replies.
+LUA_READ = r"""
+local out = {}
+for i = 1, #KEYS do
+  local r = redis.pcall('HGETALL', KEYS[i])
+  if type(r) == 'table' and r.err then out[i] = r.err else out[i] = r end
+end
+return out
+"""
+
+# KEYS: lock.  ARGV: owner.  Compare-and-delete.
+LUA_UNLOCK = r"""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
