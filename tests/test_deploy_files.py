@@ -773,7 +773,12 @@ def test_build_context_builds_the_package(tmp_path: Path) -> None:
     (info,) = egg.glob("kvroute.egg-info")
     assert "kvroute = proxy.cli:main" in (info / "entry_points.txt").read_text(encoding="utf-8")
     built = {p.relative_to(lib).as_posix() for p in lib.rglob("*") if p.is_file()}
-    assert {"proxy/cli.py", "proxy/config/__init__.py", "proxy/py.typed", "loadtest/__init__.py"} <= built
+    assert {
+        "proxy/cli.py",
+        "proxy/config/__init__.py",
+        "proxy/py.typed",
+        "loadtest/__init__.py",
+    } <= built
 
 
 # --------------------------------------------------------------------------------------
