@@ -29,7 +29,8 @@ from starlette.routing import Route
 from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
 from proxy.api.cache import Coalesced
-from proxy.api.kind_check import KindCheck, kind_mismatch
+from proxy.api.fleet_view import snapshot_json, with_health
+from proxy.api.kind_check import KindCheck
 from proxy.api.limits import RequestGuard
 from proxy.api.models import fleet_models, kind_errors, lookup_from
 from proxy.api.reconfigure import follow, policy_for
@@ -37,7 +38,6 @@ from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
 from proxy.backends.discovery import Discovery, make_discovery
 from proxy.config import BackendConfig, Config
-from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError
 from proxy.gateway.metrics import GatewayMetrics
 from proxy.gateway.sizing import load_sizer
@@ -103,63 +103,6 @@ class Runtime:
     reloader: Reloader | None = None
 
 
-def snapshot_json(
-    snap: FleetSnapshot | None, now: float, cfg: Config | None = None
-) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if snap is None:
-        return out
-    for n in snap.nodes:
-        r = n.report
-        item: dict[str, Any] = {
-            "name": n.name,
-            "pool": n.pool,
-            "role": n.role,
-            "up": n.up,
-            "overlay": {
-                "reserved_tokens": n.overlay.reserved_tokens,
-                "pending_tokens": n.overlay.pending_tokens,
-                "inflight": n.overlay.inflight,
-                "draining": n.overlay.draining,
-                "cooldown_until": n.overlay.cooldown_until or None,
-                "ceiling_tokens": n.overlay.ceiling_tokens,
-                "pressure": n.overlay.pressure or None,
-            },
-            "report": None,
-        }
-        if cfg is not None:
-            with contextlib.suppress(KeyError):
-                item["kind"] = cfg.backend(n.name).kind
-        if r is not None:
-            item["report"] = {
-                "capacity_tokens": r.capacity_tokens,
-                "free_tokens": r.free_tokens,
-                "largest_free_block_tokens": r.largest_free_block_tokens,
-                "allocator": r.allocator,
-                "block_size": r.block_size,
-                "running": r.running,
-                "waiting": r.waiting,
-                "queueing": r.queueing,
-                "preemptions": r.preemptions,
-                "engines": r.engines,
-                "engine_free_tokens": list(r.engine_free_tokens),
-                "max_num_seqs": r.max_num_seqs,
-                "sleeping": r.sleeping,
-                "started_at": r.started_at,
-                "reported_at": r.reported_at,
-                "age_s": round(now - r.reported_at, 3),
-                "uptime_s": round(r.uptime(now), 3),
-                "free_fraction": round(r.free_fraction, 4),
-                "largest_contiguous_free_block_ratio": round(r.largest_block_ratio, 4),
-                "fragmentation_ratio": round(r.fragmentation, 4),
-            }
-            warning = kind_mismatch(cfg, n.name, r.allocator) if cfg is not None else None
-            if warning is not None:
-                item["warnings"] = [warning]
-        out.append(item)
-    return out
-
-
 def follow_backends(holder: ConfigHolder) -> Callable[[list[BackendConfig]], None]:
     """Hand a discovered backend list to every part that keeps one: through the config
     holder, the one road every config change takes (reloads too, proxy.api.reload)."""
@@ -183,17 +126,6 @@ def keep_discovered(discovery: Discovery | None) -> Callable[[Config], Config]:
         return new.model_copy(update={"backends": list(discovery.backends)})
 
     return adjust
-
-
-def with_health(
-    items: list[dict[str, Any]], health: dict[str, dict[str, object]]
-) -> list[dict[str, Any]]:
-    """Add this replica's verdict on each backend (active checks, ejection) to ``/fleet``."""
-    for item in items:
-        h = health.get(item["name"])
-        item["healthy"] = bool(h["healthy"]) if h is not None else True
-        item["ejected"] = bool(h["ejected"]) if h is not None else False
-    return items
 
 
 def _json(data: Any, status: int = 200) -> Response:
