@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.api.admin import ops_router
+from proxy.api import hot
 from proxy.api.cache import Coalesced
 from proxy.api.limits import RequestGuard
 from proxy.backends.collector import Collector
@@ -290,6 +291,8 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
+    # And a POST on them skips the middleware stack too, past the same guard (proxy.api.hot).
+    hot.install(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -95,6 +95,9 @@ class RequestGuard:
         self.retry_after = str(lim.retry_after_s)
         self.keys = [k.encode() for k in cfg.auth.api_keys]
         self.inflight = 0
+        # Plain handlers of the inference routes (proxy.api.hot): past the guard's checks a
+        # request on one of these paths goes straight to it instead of the framework's stack.
+        self.hot: dict[str, ASGIApp] = {}
         self.refused: dict[str, int] = {
             "headers": 0,
             "auth": 0,
@@ -170,7 +173,8 @@ class RequestGuard:
                 return
             self.inflight += 1
             try:
-                await self.app(scope, replay(body, receive), send)
+                app = self.hot.get(scope["path"], self.app) if self.hot else self.app
+                await app(scope, replay(body, receive), send)
             finally:
                 self.inflight -= 1
         finally:
