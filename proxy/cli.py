@@ -17,6 +17,7 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy.api.app import create_app
     from proxy.api.logs import setup_logging
     from proxy.api.server import server_config
+    from proxy.api.workers import refusal, reuse_port_socket, supervise
     from proxy.config import ConfigError, load_config
 
     try:
@@ -26,6 +27,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or cfg.listen.host
     port = args.port if args.port is not None else cfg.listen.port
+    why = refusal(cfg, args.workers)
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 2
+    if args.workers > 1:
+        # N processes on one port (proxy.api.workers); this one only supervises them.
+        return supervise(sys.argv[1:] if args.argv is None else args.argv, args.workers)
     setup_logging(args.log_level, args.log_format)
     server_cfg = server_config(
         create_app(cfg),
@@ -38,7 +46,8 @@ def _serve(args: argparse.Namespace) -> int:
         backlog=4096,
         timeout_graceful_shutdown=30,
     )
-    uvicorn.Server(server_cfg).run()
+    sockets = [reuse_port_socket(host, port)] if args.reuse_port else None
+    uvicorn.Server(server_cfg).run(sockets=sockets)
     return 0
 
 
@@ -86,7 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-format", default="text", choices=["text", "json"], help="json: one object per line"
     )
-    s.set_defaults(func=_serve)
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes on this port (SO_REUSEPORT); more than one needs Redis",
+    )
+    s.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    s.set_defaults(func=_serve, argv=None)
 
     c = sub.add_parser("check-config", help="validate a config file and print what is wrong")
     c.add_argument("file")
@@ -117,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = argparse.Namespace(rest=argv[1:])
         return _delegate(_DELEGATED[argv[0]])(ns)
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        # The workers of `serve --workers N` are started with this same command line.
+        args.argv = argv
     rc: int = args.func(args)
     return rc
 
