@@ -57,9 +57,7 @@ def test_more_than_one_worker_with_the_embedded_store_is_refused(
     cfg = _config(tmp_path, trivial_engine, None)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
-    done = subprocess.run(
-        _serve(cfg, port, 2), capture_output=True, text=True, timeout=60, env=env
-    )
+    done = subprocess.run(_serve(cfg, port, 2), capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2
     assert "--workers 2" in done.stderr and "Redis" in done.stderr
     assert "store.redis_url" in done.stderr
@@ -118,7 +116,9 @@ def test_two_workers_share_one_port_and_redis(tmp_path: Path, trivial_engine: st
         for _ in range(24):
             c = httpx.Client(base_url=url, timeout=10.0)
             clients.append(c)
-            r = c.post(CHAT_PATH, content=request_body(False), headers={"content-type": "application/json"})
+            r = c.post(
+                CHAT_PATH, content=request_body(False), headers={"content-type": "application/json"}
+            )
             assert r.status_code == 200, r.text
         held = [_established_on(w, port) for w in workers]
         assert sum(held) == 24

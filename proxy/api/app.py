@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy.api.admin import ops_router
 from proxy.api import hot
+from proxy.api.admin import ops_router
 from proxy.api.cache import Coalesced
 from proxy.api.limits import RequestGuard
 from proxy.backends.collector import Collector
