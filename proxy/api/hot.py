@@ -81,7 +81,7 @@ def install(app: Any, routes: dict[str, Handler]) -> None:
     build = app.build_middleware_stack
 
     def build_with_hot_routes() -> ASGIApp:
-        full = build()
+        full: ASGIApp = build()
         guard = find_guard(full)
         if guard is None:
             # No guard in the stack: dispatching around it would skip its checks.
