@@ -26,9 +26,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy.api import hot
 from proxy.api.admin import ops_router
 from proxy.api.cache import Coalesced
+from proxy.api.hot import GatewayApp
 from proxy.api.limits import RequestGuard
 from proxy.backends.collector import Collector
 from proxy.backends.discovery import Discovery, make_discovery
@@ -241,7 +241,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
 
     # No public OpenAPI document (it lists the admin routes): /openapi.json is served to the
     # admin key only (proxy.api.admin), and there is no /docs page.
-    app = FastAPI(
+    app = GatewayApp(
         title="kvroute",
         version="0.1.0",
         lifespan=lifespan,
@@ -292,7 +292,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         Route("/v1/completions", completions, methods=["POST"]),
     ]
     # And a POST on them skips the middleware stack too, past the same guard (proxy.api.hot).
-    hot.install(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
+    app.hot_routes = {"/v1/chat/completions": chat, "/v1/completions": completions}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -3,7 +3,8 @@
 Profiled under wrk (docs/benchmarks.md, "Profile"), a tiny completion spent about a fifth
 of the gateway's CPU in layers that do nothing for it: FastAPI's error, telemetry, body-limit
 and exit-stack middleware, Starlette's exception middleware and route matching. Here a
-``POST`` to ``/v1/chat/completions`` or ``/v1/completions`` goes straight to the app's own
+``POST`` to ``/v1/chat/completions`` or ``/v1/completions`` goes straight from the app's
+``__call__`` (FastAPI's own checks OpenTelemetry's providers on every request) to its own
 ``RequestGuard`` (the same instance, so header limits, API keys, the body budget and the
 concurrency count stay one) and from it to the gateway's walk. Everything else, other
 methods on these paths included, takes the full stack as before. Only the dispatch is
@@ -16,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -57,35 +59,38 @@ def find_guard(stack: Any) -> RequestGuard | None:
     return None
 
 
-class HotRoutes:
-    """Outermost ASGI layer: hot ``POST`` paths to the guard's fast lane, the rest to ``full``."""
+class GatewayApp(FastAPI):
+    """FastAPI, with a ``POST`` on an inference route handed straight to the RequestGuard.
 
-    def __init__(self, full: ASGIApp, guard: RequestGuard, routes: dict[str, Handler]) -> None:
-        self.full = full
-        self.guard = guard
-        guard.hot = {path: plain_route(h) for path, h in routes.items()}
+    ``FastAPI.__call__`` alone (its OpenTelemetry provider checks, per request) and the
+    middleware around the guard are skipped for those two routes; everything else, other
+    methods on these paths included, takes the full stack. Set ``hot_routes`` before serving.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hot_routes: dict[str, Handler] = {}
+        self._guard: RequestGuard | None = None
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack: ASGIApp = super().build_middleware_stack()
+        # Without a guard in the stack, dispatching around the stack would skip its checks.
+        guard = find_guard(stack)
+        if guard is not None:
+            guard.hot = {path: plain_route(h) for path, h in self.hot_routes.items()}
+        self._guard = guard
+        return stack
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guard = self._guard
         if (
-            scope["type"] == "http"
+            guard is not None
+            and scope["type"] == "http"
             and scope["method"] == "POST"
-            and scope["path"] in self.guard.hot
+            and scope["path"] in guard.hot
         ):
-            await self.guard(scope, receive, send)
+            scope["app"] = self
+            await guard(scope, receive, send)
         else:
-            await self.full(scope, receive, send)
-
-
-def install(app: Any, routes: dict[str, Handler]) -> None:
-    """Put ``HotRoutes`` in front of ``app``'s middleware stack when Starlette builds it."""
-    build = app.build_middleware_stack
-
-    def build_with_hot_routes() -> ASGIApp:
-        full: ASGIApp = build()
-        guard = find_guard(full)
-        if guard is None:
-            # No guard in the stack: dispatching around it would skip its checks.
-            return full
-        return HotRoutes(full, guard, routes)
-
-    app.build_middleware_stack = build_with_hot_routes
+            # The first request builds the stack (and finds the guard) here.
+            await super().__call__(scope, receive, send)
