@@ -223,10 +223,11 @@ def test_vllm_data_parallel_engines() -> None:
     # num_gpu_blocks on cache_config_info is the front end's sum over both engines,
     # repeated on each engine's series: 1000 blocks in all, 500 per engine.
     assert r.capacity_tokens == 1000 * 16
-    assert r.engine_free_tokens == (250 * 16, 375 * 16)
-    assert r.free_tokens == 4_000 + 6_000
+    # Usage 0.75 and 0.25 of 500 blocks each: used and free cannot be mistaken for each other.
+    assert r.engine_free_tokens == (125 * 16, 375 * 16)
+    assert r.free_tokens == 2_000 + 6_000
     # vLLM picks the engine by queue length: only the smallest engine's room surely fits.
-    assert r.largest_free_block_tokens == 4_000
+    assert r.largest_free_block_tokens == 2_000
     assert (r.engines, r.running) == (2, 5)
 
 
@@ -274,14 +275,15 @@ def test_vllm_unknown_geometry_needs_override() -> None:
 
 def test_vllm_data_parallel_override_is_shared_between_engines() -> None:
     """Data parallel without geometry: the operator's capacity is the server's, split evenly
-    over its engines; a request lives on one engine, so the largest block is one engine's."""
+    over its engines; a request lives on one engine that vLLM picks by queue length, not by
+    free memory, so the largest block that surely fits is the smallest engine's room."""
     text = VLLM_DP.replace('num_gpu_blocks="1000"', 'num_gpu_blocks="None"')
     r = parse_report("vllm", text, NOW, capacity_override=80_000)
     # Each engine 40,000 tokens: 25% free (usage 0.75) and 75% free (usage 0.25).
     assert (r.capacity_tokens, r.free_tokens, r.largest_free_block_tokens) == (
         80_000,
         10_000 + 30_000,
-        30_000,
+        10_000,
     )
 
 

@@ -177,7 +177,8 @@ def test_an_allocation_failure_is_listed_until_a_newer_report_shows_room(
         held = e.hold(cap - 5_000)  # the engine is full, its last report says otherwise
         failed = chat(url, prompt_tokens=20_000, headers={"idempotency-key": "k-alloc"})
         assert failed.status_code != 200, failed.text
-        listed = asyncio.run(store.failed_on("k-alloc"))
+        # Retry keys are namespaced by client (its address here: auth is off) and model.
+        listed = asyncio.run(store.failed_on("addr:127.0.0.1|sim-model|k-alloc"))
         same = chat(url, prompt_tokens=20_000, headers={"idempotency-key": "k-alloc"})
         e.release(held)
         time.sleep(0.01)

@@ -69,6 +69,19 @@ class Backend:
             raise web.HTTPTemporaryRedirect(self.redirect_to)
         if self.mode == "error500":
             return web.Response(status=500, text="boom")
+        if self.mode == "no_kv":
+            # The documented allocation-failure answer: only these go on a retry key's list.
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "cannot allocate KV cache for this request",
+                        "type": "kv_cache_allocation_error",
+                        "code": "kv_cache_allocation_failed",
+                        "param": None,
+                    }
+                },
+                status=503,
+            )
         if self.mode == "huge":
             return web.json_response({**DONE, "pad": "x" * (3 << 20)})
         if self.mode == "flood_stream":
@@ -504,7 +517,7 @@ def test_a_stream_whose_client_stops_reading_is_cut_at_the_total_timeout(
 
 # --------------------------------------------------------------------------- retry keys
 def test_retry_keys_are_namespaced_by_client(backends: Callable[..., Backend]) -> None:
-    flaky = backends("error500")
+    flaky = backends("no_kv")
     c = cfg(
         [flaky.url],
         auth={"api_keys": ["attacker", "victim"]},
@@ -514,7 +527,7 @@ def test_retry_keys_are_namespaced_by_client(backends: Callable[..., Backend]) -
     with run_gateway(c, run_collector=False) as url:
         key = {"Idempotency-Key": "victim-order-42"}
         bad = post(url, headers={"Authorization": "Bearer attacker", **key})
-        assert bad.status_code == 500 or bad.status_code == 502, bad.text
+        assert bad.status_code == 503, bad.text
         flaky.mode = "ok"
         time.sleep(0.2)  # the failure is recorded off the answer's path
         # The same key from another client is a different request: it is served.

@@ -94,7 +94,7 @@ async def _forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response |
     started = time.perf_counter()
     ttfb_deadline = headers_deadline(gw, ctx, loop.time())
     resp: ClientResponse | None = None
-    headers = with_credential(ctx.upstream_headers, gw.credentials[backend])
+    headers = with_credential(ctx.upstream_headers, gw.credentials.get(backend))
     try:
         try:
             resp = await gw.upstream.post(url, ctx.parsed.raw, headers, ttfb_deadline - loop.time())

@@ -186,12 +186,16 @@ class Gateway:
         """Follow a changed backend list (discovery). URLs of removed backends are kept, so a
         request already placed on one still reaches it; probes cover the current list only."""
         self.cfg = cfg
-        self.urls.update({b.name: b.base_url for b in cfg.backends})
+        self.urls.update({b.name: b.plain_url for b in cfg.backends})
+        self.credentials.update({b.name: b.credential() for b in cfg.backends})
         self.health.retain([b.name for b in cfg.backends])
         if self.checker is not None:
             path = cfg.health.active.path
             path = path if path.startswith("/") else "/" + path
-            self.checker.urls = {b.name: b.base_url + path for b in cfg.backends}
+            self.checker.urls = {b.name: b.plain_url + path for b in cfg.backends}
+            self._probe_headers = {
+                b.plain_url + path: self.auth_headers(b.name) for b in cfg.backends
+            }
 
     async def _probe(self, url: str) -> bool:
         headers = self._probe_headers.get(url)
