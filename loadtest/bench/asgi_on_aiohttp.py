@@ -27,7 +27,11 @@ def serve_asgi(app: Any, port: int) -> None:
 
     async def on_startup(_: web.Application) -> None:
         task = asyncio.ensure_future(
-            app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, lifespan_receive, lifespan_send)
+            app(
+                {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
+                lifespan_receive,
+                lifespan_send,
+            )
         )
         web_app["lifespan"] = task
         await lifespan_q.put({"type": "lifespan.startup"})

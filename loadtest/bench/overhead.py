@@ -284,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip store round trips, 1 vs 2 workers, and the 30k-token decision / loop lag",
     )
     p.add_argument(
+        "--long-requests",
+        type=int,
+        default=15,
+        help="30k-token requests timed alone; the 30%%-long mix sends about 7x as many (default 15)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="everything at small sizes in under a minute: 1.5 s points, c=1,32, 2 backends",
@@ -301,6 +307,7 @@ def apply_quick(args: argparse.Namespace) -> None:
         args.concurrency = [1, 32]
         args.backends = 2
         args.rounds = 1
+        args.long_requests = min(args.long_requests, 5)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -370,8 +377,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             extras["decision"] = decision_and_lag(
                 bench.gateway_config_path("decision", False),
-                n_long=5 if args.quick else 15,
-                mix_n=30 if args.quick else 100,
+                n_long=args.long_requests,
+                mix_n=7 * args.long_requests,
             )
     finally:
         bench.stop_all()

@@ -43,7 +43,9 @@ async def _fire(url: str, n: int, concurrency: int, stream: bool) -> None:
         async def one() -> None:
             async with (
                 sem,
-                s.post(url + CHAT_PATH, data=body, headers={"content-type": "application/json"}) as r,
+                s.post(
+                    url + CHAT_PATH, data=body, headers={"content-type": "application/json"}
+                ) as r,
             ):
                 await r.read()
                 if r.status != 200:
@@ -96,7 +98,9 @@ class _Monitor:
             self._mon.__exit__(None, None, None)
 
 
-def store_round_trips(url: str, redis_url: str, n: int = 400, concurrency: int = 8) -> dict[str, Any]:
+def store_round_trips(
+    url: str, redis_url: str, n: int = 400, concurrency: int = 8
+) -> dict[str, Any]:
     """Commands the gateway at ``url`` sends Redis per request, background work excluded.
 
     A script call is one command (and one round trip); MULTI...EXEC counts each command.
@@ -160,7 +164,9 @@ async def _decision_and_lag(
         async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=60) as c:
 
             async def send(body: bytes) -> None:
-                r = await c.post(CHAT_PATH, content=body, headers={"content-type": "application/json"})
+                r = await c.post(
+                    CHAT_PATH, content=body, headers={"content-type": "application/json"}
+                )
                 if r.status_code != 200:
                     raise RuntimeError(f"decision run: HTTP {r.status_code}: {r.text[:200]}")
 
@@ -220,6 +226,10 @@ async def _decision_and_lag(
 
 
 def decision_and_lag(
-    cfg_path: Path, long_tokens: int = 30_000, n_long: int = 10, mix_n: int = 60, long_share: float = 0.3
+    cfg_path: Path,
+    long_tokens: int = 30_000,
+    n_long: int = 10,
+    mix_n: int = 60,
+    long_share: float = 0.3,
 ) -> dict[str, Any]:
     return asyncio.run(_decision_and_lag(cfg_path, long_tokens, n_long, mix_n, long_share))

@@ -96,7 +96,7 @@ class RequestGuard:
         self.keys = [k.encode() for k in cfg.auth.api_keys]
         self.inflight = 0
         # Plain handlers of the inference routes (proxy.api.hot): past the guard's checks a
-        # request on one of these paths goes straight to it instead of the framework's stack.
+        # POST on one of these paths goes straight to it instead of the framework's stack.
         self.hot: dict[str, ASGIApp] = {}
         self.refused: dict[str, int] = {
             "headers": 0,
@@ -173,7 +173,9 @@ class RequestGuard:
                 return
             self.inflight += 1
             try:
-                app = self.hot.get(scope["path"], self.app) if self.hot else self.app
+                app = self.app
+                if self.hot and scope["method"] == "POST":
+                    app = self.hot.get(scope["path"], app)
                 await app(scope, replay(body, receive), send)
             finally:
                 self.inflight -= 1
