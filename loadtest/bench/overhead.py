@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="everything at small sizes in under a minute: 1.5 s points, c=1,32, 2 backends",
+        help="everything at small sizes in about a minute: 1 s points, c=1,32, 2 backends",
     )
     p.add_argument(
         "--json", dest="json_out", default=None, help="write all results as JSON to this file"
@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 def apply_quick(args: argparse.Namespace) -> None:
     """--quick: short points, the two concurrencies the targets name, two backends."""
     if args.quick:
-        args.duration = 1.5
+        args.duration = 1.0
         args.concurrency = [1, 32]
         args.backends = 2
         args.rounds = 1
@@ -373,7 +373,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             by_name = {t.name: t for t in targets}
             if "kvroute-redis" in by_name and bench.redis is not None:
                 extras["store_round_trips"] = store_round_trips(
-                    by_name["kvroute-redis"].url, bench.redis.url, n=200 if args.quick else 600
+                    by_name["kvroute-redis"].url, bench.redis.url, n=120 if args.quick else 600
                 )
             extras["decision"] = decision_and_lag(
                 bench.gateway_config_path("decision", False),

@@ -118,7 +118,7 @@ def store_round_trips(
             busy, busy_s = mon.count() - c0, time.monotonic() - t0
             by_command = collections.Counter(mon.commands)
             i0, t1 = mon.count(), time.monotonic()
-            time.sleep(min(busy_s, 2.0))
+            time.sleep(min(busy_s, 1.0))
             idle_rate = (mon.count() - i0) / (time.monotonic() - t1)
         finally:
             mon.close()
