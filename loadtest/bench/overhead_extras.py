@@ -107,6 +107,10 @@ def store_round_trips(
     The background (scrapes, snapshot reads) is measured idle for as long and subtracted.
     """
     out: dict[str, Any] = {"requests": n}
+    # Warm the gateway's Redis pool to this concurrency first: opening a connection costs
+    # commands of its own (HELLO, CLIENT SETNAME), once per connection, not per request.
+    asyncio.run(_fire(url, max(concurrency * 4, n // 4), concurrency, False))
+    time.sleep(0.3)
     for mode in ("json", "sse"):
         mon = _Monitor(redis_url)
         try:
