@@ -18,7 +18,9 @@ WORKDIR /opt/kvroute
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 COPY loadtest ./loadtest
-# The source is not needed once installed (a regular, non-editable install).
+# The source is not needed once installed (a regular, non-editable install). No extras: the
+# simulator's plotting stack (kvroute[sim]) and locust (kvroute[loadtest]) stay out of the
+# image (site-packages 94 MB instead of 267 MB, measured with `pip install .` in a venv).
 RUN pip install . \
  && cd / && rm -rf /opt/kvroute
 

@@ -267,3 +267,97 @@ def local_fleet(specs: Sequence[EngineSpec], **kw: Any) -> Iterator[LocalFleet]:
     fleet = LocalFleet(specs, **kw)
     with fleet:
         yield fleet
+
+
+# --- `kvroute local-fleet`: the engines a config file expects -------------------------------
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+
+
+def specs_from_config(
+    path: str, speedup: float, capacity_tokens: int
+) -> list[tuple[EngineSpec, int]]:
+    """One simulated engine per backend of a config, on the backend's own port and allocator."""
+    from urllib.parse import urlsplit
+
+    from proxy.config import load_config
+
+    cfg = load_config(path)
+    out: list[tuple[EngineSpec, int]] = []
+    for b in cfg.backends:
+        parts = urlsplit(b.base_url)
+        if parts.hostname not in LOCAL_HOSTS or parts.port is None:
+            raise ValueError(f"backend {b.name}: {b.base_url} is not a 127.0.0.1:PORT address")
+        if b.kind not in ("contiguous", "paged"):
+            raise ValueError(
+                f"backend {b.name}: kind {b.kind!r}; the simulated engine serves kind "
+                "'contiguous' or 'paged' (kvroute's gauges)"
+            )
+        cap = b.capacity_tokens or capacity_tokens
+        spec = EngineSpec(b.name, b.pool, b.kind, capacity_tokens=cap, speedup=speedup)
+        out.append((spec, parts.port))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Start the engines a config expects and keep them running until Ctrl-C."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="kvroute local-fleet",
+        description="Start one simulated engine per backend of a config file (on the backend's "
+        "port, with its kind as the allocator), so `kvroute serve --config FILE` has every "
+        "backend it expects. Runs until Ctrl-C.",
+    )
+    p.add_argument("--config", default="config/kvroute.yaml")
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=10.0,
+        help="engine time acceleration (default 10: a 30k-token document takes seconds, not minutes)",
+    )
+    p.add_argument("--capacity-tokens", type=int, default=100_000)
+    args = p.parse_args(argv)
+    try:
+        wanted = specs_from_config(args.config, args.speedup, args.capacity_tokens)
+    except Exception as exc:  # ConfigError or a backend it cannot simulate
+        print(f"kvroute local-fleet: {exc}", file=sys.stderr)
+        return 2
+    logs = Path(tempfile.mkdtemp(prefix="kvroute-local-fleet-"))
+    procs = [engine_proc(spec, port) for spec, port in wanted]
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        for proc in procs:
+            proc.start(log_dir=logs)
+        for proc in procs:
+            wait_http(proc.url + "/health", proc=proc.popen)
+        for (spec, _), proc in zip(wanted, procs, strict=True):
+            print(
+                f"engine {spec.name}: {proc.url} ({spec.allocator}, pool {spec.pool}, "
+                f"{spec.capacity_tokens:,} tokens, speedup {spec.speedup:g})",
+                flush=True,
+            )
+        print(f"ready: now run `kvroute serve --config {args.config}`; logs in {logs}", flush=True)
+        while not stop["now"] and all(proc.alive for proc in procs):
+            time.sleep(0.2)
+        dead = [proc.name for proc in procs if not proc.alive]
+        if dead and not stop["now"]:
+            print(f"engine(s) exited: {', '.join(dead)} (see {logs})", file=sys.stderr)
+            return 1
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"kvroute local-fleet: {exc} (see {logs})", file=sys.stderr)
+        return 1
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

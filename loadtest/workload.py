@@ -305,3 +305,104 @@ def summary(requests: Sequence[Request]) -> dict[str, float]:
         "mean_output": sum(r.output_tokens for r in requests) / n,
         "rate_per_s": (n - 1) / span if span > 0 and not math.isclose(span, 0.0) else 0.0,
     }
+
+
+# --- multi-turn conversations over shared long documents -------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of a conversation: a question about a document (``doc``) or a short chat.
+
+    Turn ``turn`` of conversation ``conversation`` resends the turns before it (chat history),
+    so a follow-up shares its whole prefix with the request before it, and every question
+    about one document shares the document.
+    """
+
+    arrival_s: float
+    conversation: int
+    doc: int | None
+    turn: int
+    question_tokens: int
+    output_tokens: int
+
+    @property
+    def kind(self) -> str:
+        return "document" if self.doc is not None else "chat"
+
+
+@dataclass(frozen=True, slots=True)
+class SharedDocs:
+    turns: tuple[Turn, ...]
+    doc_tokens: tuple[int, ...]
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    """Popularity of ``n`` items by rank: 1 / rank^s."""
+    return [1.0 / (rank**s) for rank in range(1, n + 1)]
+
+
+def shared_documents(
+    n: int,
+    rate_per_s: float,
+    *,
+    doc_share: float = 0.3,
+    docs: int = 40,
+    doc_tokens: Range = (15_000, 30_000),
+    zipf_s: float = 1.1,
+    follow_up: float = 0.5,
+    question: Range = (20, 80),
+    chat: Range = (50, 500),
+    output: Range = (32, 256),
+    seed: int = 0,
+) -> SharedDocs:
+    """``doc_share`` of requests ask about one of ``docs`` documents (Zipf popularity), the rest
+    are short chats; with probability ``follow_up`` a request continues a recent conversation
+    (same document, history resent) instead of starting one. Poisson arrivals at ``rate_per_s``.
+    """
+    for name, r in (("doc_tokens", doc_tokens), ("question", question), ("chat", chat)):
+        _check_range(name, r)
+    rng = random.Random(seed)
+    sizes = tuple(rng.randint(*doc_tokens) for _ in range(docs))
+    weights = zipf_weights(docs, zipf_s)
+    open_by_doc: dict[int | None, list[tuple[int, int]]] = {}
+    turns: list[Turn] = []
+    t = 0.0
+    next_conv = 0
+    for _ in range(n):
+        t += rng.expovariate(rate_per_s)
+        doc = rng.choices(range(docs), weights)[0] if rng.random() < doc_share else None
+        recent = open_by_doc.setdefault(doc, [])
+        if recent and rng.random() < follow_up:
+            i = rng.randrange(max(0, len(recent) - 8), len(recent))
+            conv, turn = recent[i]
+            recent[i] = (conv, turn + 1)
+            turn += 1
+        else:
+            conv, turn = next_conv, 0
+            next_conv += 1
+            recent.append((conv, 0))
+        size = rng.randint(*(question if doc is not None else chat))
+        turns.append(Turn(t, conv, doc, turn, size, rng.randint(*output)))
+    return SharedDocs(tuple(turns), sizes)
+
+
+def document_text(doc: int, tokens: int) -> str:
+    """Document ``doc``'s text: the same ``tokens`` tokens every time it is asked about."""
+    return make_prompt(tokens, random.Random(10_007 * (doc + 1)))
+
+
+def conversation_messages(
+    w: SharedDocs, turn: Turn, history: Sequence[Turn]
+) -> list[dict[str, str]]:
+    """The chat body's messages of ``turn``: the document, earlier questions and answers, the question."""
+    msgs: list[dict[str, str]] = []
+    if turn.doc is not None:
+        doc = document_text(turn.doc, w.doc_tokens[turn.doc])
+        msgs.append({"role": "system", "content": "Answer from this document.\n\n" + doc})
+    for past in [*history, turn]:
+        rng = random.Random(past.conversation * 1_000 + past.turn)
+        msgs.append({"role": "user", "content": make_prompt(past.question_tokens, rng)})
+        if past is not turn:
+            msgs.append({"role": "assistant", "content": make_prompt(past.output_tokens, rng)})
+    return msgs

@@ -7,6 +7,8 @@ without loading the simulator or matplotlib.
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 from collections.abc import Callable, Sequence
 
@@ -17,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy.api.app import create_app
     from proxy.api.logs import setup_logging
     from proxy.api.server import server_config
-    from proxy.api.workers import refusal, reuse_port_socket, supervise
+    from proxy.api.workers import refusal, supervise
     from proxy.config import ConfigError, load_config
 
     try:
@@ -31,12 +33,29 @@ def _serve(args: argparse.Namespace) -> int:
     if why is not None:
         print(why, file=sys.stderr)
         return 2
+    # Bind before anything starts, so a busy port is one clear line and exit 1, never a
+    # "gateway ready" followed by uvicorn's bind error. Workers share the port (SO_REUSEPORT).
+    try:
+        sock = _bind(host, port, reuse_port=args.reuse_port or args.workers > 1)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            print(
+                f"kvroute serve: port {port} is in use on {host}; pick another with --port",
+                file=sys.stderr,
+            )
+        else:
+            print(f"kvroute serve: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+        return 1
     if args.workers > 1:
-        # N processes on one port (proxy.api.workers); this one only supervises them.
+        # N processes on one port (proxy.api.workers); this one only supervises them. Its
+        # socket only proved the port free: never listening, it would take no connection,
+        # but the workers bind their own.
+        sock.close()
         return supervise(sys.argv[1:] if args.argv is None else args.argv, args.workers)
     setup_logging(args.log_level, args.log_format)
+    log_listen(host, sock)
     server_cfg = server_config(
-        create_app(cfg),
+        create_app(cfg, config_path=args.config),
         cfg,
         host,
         port,
@@ -46,26 +65,51 @@ def _serve(args: argparse.Namespace) -> int:
         backlog=4096,
         timeout_graceful_shutdown=30,
     )
-    sockets = [reuse_port_socket(host, port)] if args.reuse_port else None
-    uvicorn.Server(server_cfg).run(sockets=sockets)
+    uvicorn.Server(server_cfg).run(sockets=[sock])
     return 0
+
+
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The listening socket uvicorn would create (SO_REUSEADDR as uvicorn sets it);
+    ``reuse_port``: other processes may bind it too and the kernel spreads connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def log_listen(host: str, sock: socket.socket) -> None:
+    import logging
+
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    logging.getLogger("kvroute.app").info("bound to http://%s:%d; starting", shown, port)
 
 
 def _check_config(args: argparse.Namespace) -> int:
     from proxy.config import ConfigError, load_config
+    from proxy.config_errors import redact_url
 
     try:
         cfg = load_config(args.file)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
-    store = cfg.store.redis_url or "embedded (in-process)"
+    store = redact_url(cfg.store.redis_url) if cfg.store.redis_url else "embedded (in-process)"
     if cfg.store.sentinel is not None:
         store = f"sentinel master {cfg.store.sentinel.master!r}"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
     found = "" if cfg.discovery.type == "static" else f" + {cfg.discovery.type} discovery"
     print(
-        f"{args.file}: OK: {len(cfg.backends)} backends{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
+        f"{args.file}: OK: {len(cfg.backends)} backend{'' if len(cfg.backends) == 1 else 's'}{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
     )
     return 0
 
@@ -111,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (
         ("engine", "run a simulated inference engine whose KV cache fragments"),
         ("demo", "run the demo: engines + gateway + the problem statement's workload"),
+        ("local-fleet", "start the simulated engines a config file expects (one per backend)"),
         ("simulate", "simulate a fleet over days of uptime, per routing policy"),
         ("tune", "search config knobs in simulation and recommend values"),
     ):
@@ -121,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 _DELEGATED = {
     "engine": "loadtest.engine.server",
     "demo": "loadtest.demo",
+    "local-fleet": "loadtest.local_fleet",
     "simulate": "loadtest.sim.simulator",
     "tune": "loadtest.sim.tune",
 }

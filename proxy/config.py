@@ -17,6 +17,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
+from proxy import config_errors
+from proxy.config_errors import pydantic_problems
+
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
 
@@ -34,7 +37,8 @@ class _Strict(BaseModel):
 class BackendConfig(_Strict):
     """One inference server behind the gateway."""
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    # No leading "-": a name is passed to restart hooks' argv, where it must not read as an option.
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:][A-Za-z0-9_.:-]*$")
     url: HttpUrl
     pool: str = "general"
     kind: BackendKind = "vllm"
@@ -95,6 +99,57 @@ class PoolConfig(_Strict):
     role: PoolRole = "general"
 
 
+class PrefixConfig(_Strict):
+    """Prefix-cache and session affinity (``proxy.routing.affinity``, ``proxy.core.prefix``)."""
+
+    enabled: bool = Field(default=True, description="false: route by fit and length only")
+    block_tokens: int = Field(
+        default=16, gt=0, description="tokens per hashed block (vLLM's default block size)"
+    )
+    max_prompt_tokens: int = Field(
+        default=131_072, ge=0, description="only this many leading prompt tokens are hashed"
+    )
+    ttl_s: float = Field(
+        default=600.0, gt=0, description="a block not used for this long is forgotten"
+    )
+    pressure_ttl_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="the same on a node that is queueing, preempting or >95% full",
+    )
+    max_blocks_per_node: int = Field(
+        default=200_000,
+        gt=0,
+        description="bound of the index per node (LRU; also <= its KV capacity)",
+    )
+    min_saving_tokens: int = Field(
+        default=512, ge=0, description="a smaller expected saving leaves the fit order alone"
+    )
+    load_weight: float = Field(
+        default=1.0, ge=0.0, le=1.0, description="score = saving x (1 - load_weight x utilisation)"
+    )
+    max_utilisation: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="a node fuller than this never wins by affinity"
+    )
+    discount_paged: bool = Field(
+        default=True,
+        description="paged, queueing servers: the cached prefix lowers the demand checked and reserved",
+    )
+    spread_new: bool = Field(
+        default=True,
+        description="paged fleets: a new long prefix goes where it displaces the least cached content",
+    )
+    session_header: str = Field(default="x-session-id", min_length=1)
+    session_from_user: bool = Field(
+        default=True, description="the OpenAI `user` field is a session key"
+    )
+    session_tokens: int = Field(
+        default=1024, ge=0, description="the session's last node counts as this many cached tokens"
+    )
+    session_ttl_s: float = Field(default=1800.0, gt=0)
+    max_sessions: int = Field(default=100_000, ge=0)
+
+
 class RoutingConfig(_Strict):
     policy: PolicyName = "kvroute"
     long_threshold_tokens: int = Field(default=8_000, gt=0)
@@ -110,6 +165,7 @@ class RoutingConfig(_Strict):
     tokenize_in_thread_chars: int = Field(
         default=8_192, ge=0, description="prompts longer than this are tokenized off the event loop"
     )
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
 
 
 class SizingConfig(_Strict):
@@ -402,6 +458,13 @@ class ListenConfig(_Strict):
     port: int = Field(default=8000, ge=0, le=65535)
 
 
+class LogConfig(_Strict):
+    access_log: bool = Field(
+        default=False,
+        description="one line per /v1 request: id, model, class, demand, backend, attempts, status, duration",
+    )
+
+
 class AdminConfig(_Strict):
     api_key: str | None = Field(default=None, description="absent: admin endpoints are disabled")
 
@@ -549,6 +612,7 @@ class Config(_Strict):
     maintenance: MaintenanceConfig = MaintenanceConfig()
     sizing: SizingConfig = SizingConfig()
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    log: LogConfig = LogConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -610,17 +674,10 @@ def apply_env(
     return data
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: {err.error_count()} error(s)"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
-        value = e.get("input")
-        shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
-        lines.append(f"  {loc}: {msg}{shown}")
-    return "\n".join(lines)
+def _format_errors(err: ValidationError, data: dict[str, Any], source: str) -> str:
+    # Config-level (loc ()) errors are the cross checks, which cross_problems reports itself.
+    lines = pydantic_problems((e for e in err.errors() if e["loc"]), data, Config)
+    return config_errors.report(source, lines + config_errors.cross_problems(data))
 
 
 def parse_config(
@@ -634,7 +691,7 @@ def parse_config(
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(_format_errors(err, data, source)) from None
 
 
 def load_config(path: str | Path, environ: dict[str, str] | None = None) -> Config:

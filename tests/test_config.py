@@ -33,12 +33,15 @@ def test_minimal_config_gets_defaults() -> None:
 @pytest.mark.parametrize(
     ("data", "needle"),
     [
-        ({"backends": [{"name": "a", "url": "not a url"}]}, "backends.0.url"),
+        ({"backends": [{"name": "a", "url": "not a url"}]}, "backends[0] (name: a).url"),
         (
             {"backends": [{"name": "a", "url": "http://x:1", "pool": "nope"}]},
-            "backends.0.pool: 'nope' is not a defined pool",
+            "backends[0] (name: a).pool: 'nope' is not a defined pool",
         ),
-        ({"backends": [{"name": "a", "url": "http://x:1", "kind": "triton"}]}, "backends.0.kind"),
+        (
+            {"backends": [{"name": "a", "url": "http://x:1", "kind": "triton"}]},
+            "backends[0] (name: a).kind",
+        ),
         (
             {"backends": [{"name": "a", "url": "http://x:1"}, {"name": "a", "url": "http://x:2"}]},
             "duplicate backend name 'a'",
@@ -47,7 +50,7 @@ def test_minimal_config_gets_defaults() -> None:
         ({**MINIMAL, "routing": {"long_threshold_tokens": -5}}, "routing.long_threshold_tokens"),
         (
             {**MINIMAL, "routing": {"long_treshold_tokens": 5}},
-            "routing.long_treshold_tokens: Extra inputs are not permitted",
+            "routing.long_treshold_tokens: unknown key (did you mean `long_threshold_tokens`?)",
         ),
         (
             {**MINIMAL, "collector": {"scrape_interval_s": 10, "stale_after_s": 1}},
@@ -114,7 +117,7 @@ def test_check_config_cli(tmp_path: Path) -> None:
         text=True,
     )
     assert res.returncode == 1
-    assert "backends.0.pool: 'ghost' is not a defined pool" in res.stderr
+    assert "backends[0] (name: a).pool: 'ghost' is not a defined pool" in res.stderr
 
 
 def test_check_config_accepts_server_kinds_with_models(tmp_path: Path) -> None:
@@ -142,7 +145,7 @@ def test_check_config_accepts_server_kinds_with_models(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
     )
-    assert res.returncode == 1 and "backends.0.models.0" in res.stderr
+    assert res.returncode == 1 and "backends[0] (name: a).models[0]" in res.stderr
 
 
 def test_bytes_per_token_is_no_longer_accepted() -> None:

@@ -545,6 +545,14 @@ def test_compose_bind_mounts_and_build_context_exist() -> None:
     assert count >= 6
 
 
+def test_compose_gives_streams_time_to_finish_on_sigterm() -> None:
+    """Docker's default 10 s would SIGKILL the gateway mid-stream; it drains for up to 30 s."""
+    services = _yaml(COMPOSE)["services"]
+    for name in ("gateway", "engine-long-1", "engine-general-1"):
+        grace = services[name]["stop_grace_period"]
+        assert grace.endswith("s") and int(grace[:-1]) > 30, (name, grace)
+
+
 def test_compose_engines_two_long_two_general() -> None:
     compose = _yaml(COMPOSE)
     engines = _engines(compose)

@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "proxy.errors": 0,
     "proxy.tasks": 0,
     "proxy.config": 1,
+    "proxy.config_errors": 0,
     "proxy.core": 2,
     "proxy.routing": 3,
     "proxy.upstream": 4,

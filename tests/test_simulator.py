@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from loadtest.local_fleet import free_port
 from loadtest.sim.engine import SimConfig, SimResult, simulate
 from loadtest.sim.runner import WorkloadSpec, at_load
 from loadtest.sim.simulator import duration, main
 from loadtest.sim.tune import main as tune_main
 from loadtest.sim.workload import HoldModel, parse_mix, trace_stream
 from proxy.config import parse_config
+from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_until
 
 TRACE = (
     Path(__file__).resolve().parents[1] / "loadtest" / "data" / "AzureLLMInferenceTrace_code.csv"
@@ -189,6 +194,7 @@ def test_cli_rejects_bad_input() -> None:
 def test_tune_recommends_a_valid_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     conf = tmp_path / "kvroute.yaml"
     conf.write_text(
+        f"listen: {{port: {free_port()}}}\n"  # no gateway there: the capacity is assumed
         "pools: {general: {role: general}, long: {role: long}}\n"
         "backends:\n"
         "  - {name: a, url: 'http://127.0.0.1:9001', pool: long, kind: contiguous}\n"
@@ -215,6 +221,12 @@ def test_tune_recommends_a_valid_config(tmp_path: Path, capsys: pytest.CaptureFi
     text = capsys.readouterr().out
     for knob in ("long_pool", "long_threshold_tokens", "safety_margin", "restart", "all together"):
         assert knob in text
+    # Where the capacity came from is said; each recommendation comes with its measured effect.
+    assert "capacity per node from ASSUMED" in text
+    why = text.split("Why each recommendation", 1)[1].split("Recommended config", 1)[0]
+    for knob in ("long_pool", "long_threshold_tokens", "safety_margin", "restart"):
+        assert re.search(rf"- {knob}: (keep \S+: |\S+ -> \S+: )", why), why
+    assert "- all recommendations together: " in why
     snippet = text.split("paste into your kvroute YAML):", 1)[1]
     cfg = parse_config(yaml.safe_load(snippet))  # what it recommends is a config kvroute accepts
     assert [b.name for b in cfg.backends] == ["a", "b", "c"]
@@ -228,3 +240,28 @@ def test_tune_recommends_a_valid_config(tmp_path: Path, capsys: pytest.CaptureFi
         "combined",
     }
     assert tune_main(["--config", str(tmp_path / "missing.yaml"), "--no-progress"]) == 2
+
+
+def test_tune_reads_capacity_from_config_then_live_fleet(
+    tmp_path: Path, engine_factory: Callable[..., Any]
+) -> None:
+    from loadtest.sim.tune import capacity_for, parser
+
+    a = parser().parse_args(["--config", "x"])
+    with_caps = parse_config(
+        {"backends": [{"name": "a", "url": "http://127.0.0.1:9", "capacity_tokens": 90_000}]}
+    )
+    assert capacity_for(with_caps, a, set()) == (
+        90_000,
+        "the config's backends[].capacity_tokens (median)",
+    )
+    engine = engine_factory(name="e", capacity_tokens=100_000)
+    cfg = gateway_cfg([{"name": "e", "url": engine.url, "kind": "contiguous"}])
+    with run_gateway(cfg) as url:
+        wait_until(lambda: fleet_state(url)["backends"][0]["report"] is not None)
+        a.fleet = url
+        cap, source = capacity_for(cfg, a, set())
+    assert cap == 100_000 and source.startswith(url)
+    # An explicit --capacity wins over everything.
+    a.capacity = 50_000
+    assert capacity_for(with_caps, a, {"--capacity"})[0] == 50_000

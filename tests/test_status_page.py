@@ -133,6 +133,12 @@ def test_status_page_in_headless_chromium(
     row = re.search(r'<tr data-node="general-1">.*?</tr>', html)
     assert row is not None and '<span class="state draining">draining</span>' in row.group(0)
     assert '<td class="ratio low">0.08</td>' in html  # general-0's block ratio, flagged
+    # Allocator and advice in words, not raw enums.
+    assert "contiguous (fragments: needs whole blocks)" in html
+    assert "configured kind: contiguous" in html
+    action = re.search(r'<span class="action" data-action="(\w+)">(.*?)</span>', html)
+    assert action is not None and action.group(2) != action.group(1).upper(), html[-2000:]
+    assert action.group(2).endswith(".") and " " in action.group(2)
 
     assert pic.returncode == 0, pic.stderr[-2000:]
     data = shot.read_bytes()

@@ -19,6 +19,9 @@ above 1), ``retry ...`` outcomes, and ``stream first event`` / ``stream total`` 
 streams. ``--kv-summary FILE`` writes all counters as JSON when the run ends, plus the
 per-response ``attempts N`` and ``class short|long`` counts (``x-kvroute-class``).
 
+Needs locust: ``pip install 'kvroute[loadtest]'``. Locust exits 1 when any request failed
+(its ``--exit-code-on-error``, default 1), so a run with a single 503 "fails".
+
 Headless against a running gateway, CSV and HTML report::
 
     locust -f loadtest/bench/locustfile.py --headless -u 50 -r 10 -t 60s \\
@@ -45,10 +48,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from locust import HttpUser, events, task
-from locust.env import Environment
-
 from loadtest.workload import chat_overhead_tokens, load_trace, make_prompt
+
+LOCUST_HINT = (
+    "locust is not installed: pip install 'kvroute[loadtest]' "
+    "(in a clone: pip install -e '.[loadtest]')"
+)
+try:
+    from locust import HttpUser, events, task
+    from locust.env import Environment
+except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subprocess test
+    if not (exc.name or "").startswith("locust"):
+        raise
+    raise SystemExit(LOCUST_HINT) from None
 
 RETRYABLE = frozenset({429, 502, 503, 504})
 KV = "KVROUTE"
@@ -485,7 +497,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             url,
             *locust_args,
         ]
-        return subprocess.run(cmd, check=False).returncode
+        rc = subprocess.run(cmd, check=False).returncode
+        if rc == 1:
+            # Locust's own rule: exit 1 when any request failed, even one in thousands.
+            print(
+                "locust exited 1 because at least one request failed (its default "
+                "--exit-code-on-error); the failures table and the KVROUTE rows say which and why",
+                file=sys.stderr,
+            )
+        return rc
     finally:
         if child.stdin is not None:
             child.stdin.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import random
@@ -621,9 +622,17 @@ class EngineServer:
 async def serve(config: EngineConfig, ready_line: bool = True) -> None:
     """Serve until SIGINT/SIGTERM; prints one 'listening on URL' line (tests read the port from it)."""
     server = EngineServer(config)
-    await server.start()
+    try:
+        await server.start()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        # One line and a non-zero exit, not a traceback: the usual cause is a second engine.
+        raise SystemExit(
+            f"kvroute engine: port {config.port} is in use on {config.host}; pick another with --port"
+        ) from None
     if ready_line:
-        print(f"kvroute engine {config.name} listening on {server.url}", flush=True)
+        print(f"kvroute engine (name: {config.name}) listening on {server.url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -733,6 +742,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-parallel", type=int, default=1, help="engines behind one port (vllm/sglang)"
     )
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="vllm: turn off the automatic prefix cache (cached prompt blocks skip prefill)",
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -793,6 +807,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         decode_tokens_per_s=args.decode_tokens_per_s,
         speedup=args.speedup,
         seed=args.seed,
+        prefix_caching=not getattr(args, "no_prefix_caching", False),
     )
 
 

@@ -9,14 +9,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
-
 from loadtest.sim.model import SimResult
 from loadtest.sim.replicas import ReplicaSearch
+
+PLOTS_HINT = (
+    "plots need matplotlib and Pillow: pip install 'kvroute[sim]' "
+    "(in a clone: pip install -e '.[sim]')"
+)
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+except ModuleNotFoundError as exc:  # the gateway image installs no plotting stack
+    raise ModuleNotFoundError(PLOTS_HINT, name=exc.name) from None
 
 DPI = 80
 MAX_POINTS = 300  # per line: enough for the eye, and keeps each PNG well under 150 KB

@@ -9,6 +9,7 @@ The engine is ``loadtest.sim.engine``; this module only turns options into runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 import time
@@ -406,6 +407,10 @@ def _human(seconds: float) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     a = parser().parse_args(args)
+    if a.plots and not all(importlib.util.find_spec(m) for m in ("matplotlib", "PIL")):
+        # Say so before a run of minutes, not after it.
+        print("--plots needs matplotlib and Pillow: pip install 'kvroute[sim]'", file=sys.stderr)
+        return 2
     if a.quick:
         apply_quick(a, args)
     con = Console(width=None if sys.stdout.isatty() else 150)

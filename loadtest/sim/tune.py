@@ -43,14 +43,54 @@ NOISE = (
 )
 
 
+def live_capacities(url: str, timeout_s: float = 2.0) -> list[int]:
+    """KV capacities the gateway's ``/fleet`` reports right now (empty if it cannot be read).
+
+    urllib, not httpx: the simulator stays free of the gateway's network stack (one blocking
+    GET before any simulation runs).
+    """
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/fleet", timeout=timeout_s) as resp:
+            data = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
+    return [
+        int(b["report"]["capacity_tokens"])
+        for b in data.get("backends", [])
+        if isinstance(b, dict) and b.get("report") and b["report"].get("capacity_tokens")
+    ]
+
+
+def capacity_for(conf: Config, a: argparse.Namespace, given: set[str]) -> tuple[int, str]:
+    """Tokens per node and where the number came from, most specific source first:
+    --capacity, the config's backends[].capacity_tokens, a live /fleet (--fleet, else the
+    gateway at the config's listen address), else the simulator's default, said out loud."""
+    if "--capacity" in given:
+        return a.capacity, "--capacity"
+    caps = sorted(b.capacity_tokens for b in conf.backends if b.capacity_tokens)
+    if caps:
+        return caps[len(caps) // 2], "the config's backends[].capacity_tokens (median)"
+    url = a.fleet or f"http://{conf.listen.host}:{conf.listen.port}"
+    live = sorted(live_capacities(url))
+    if live:
+        return live[len(live) // 2], f"{url}/fleet, as the backends report it (median)"
+    return a.capacity, (
+        f"ASSUMED: the config sets no capacity_tokens and {url}/fleet did not answer; "
+        "pass --fleet URL (a running gateway) or --capacity N"
+    )
+
+
 def fleet_from_config(conf: Config, a: argparse.Namespace) -> SimConfig:
     """The fleet a config describes, as the simulator models it."""
     n = len(conf.backends)
     long_pool = sum(1 for b in conf.backends if conf.pool_role(b.pool) == "long")
     kinds = {b.kind for b in conf.backends}
     allocator = "contiguous" if "contiguous" in kinds else "paged"  # the fragmenting kind decides
-    caps = sorted(b.capacity_tokens for b in conf.backends if b.capacity_tokens)
-    capacity = caps[len(caps) // 2] if caps else a.capacity
+    capacity = a.capacity
     m = conf.maintenance
     # Enabled maintenance restarts fragmented nodes (scheduled restarts are not modelled here:
     # `kvroute simulate --restart uptime` compares them).
@@ -142,7 +182,7 @@ def better(r: SimResult, than: SimResult) -> bool:
     """Fewer failed requests beyond noise (2.5 sigma of a Poisson count, and at least 5%);
     with equal failures, fewer restarts."""
     gap = than.failures - r.failures
-    if gap > max(2.5 * math.sqrt(than.failures + r.failures), NOISE * than.failures, 2.0):
+    if gap > noise(than.failures, r.failures):
         return True
     return r.failures == than.failures and r.restarts < than.restarts
 
@@ -220,6 +260,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=default_jobs())
     ap.add_argument("--json", metavar="FILE", help="write every candidate's result as JSON")
     ap.add_argument("--quick", action="store_true", help="CI-sized: 1h per candidate")
+    ap.add_argument(
+        "--fleet",
+        metavar="URL",
+        help="a running gateway whose /fleet gives the backends' KV capacities "
+        "(default: the config's listen address, when the config sets no capacity_tokens)",
+    )
     ap.add_argument("--no-progress", action="store_true")
     add_service_options(ap)
     add_workload_options(ap)
@@ -237,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     con = Console(width=None if sys.stdout.isatty() else 150)
     try:
         conf = load_config(a.config)
+        a.capacity, capacity_source = capacity_for(conf, a, given)
         base = fleet_from_config(conf, a)
         spec = build_workload(a, base)
         rec, rows, results = search(base, spec, a.duration, a.jobs, not a.no_progress)
@@ -247,7 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{a.config}: {base.nodes} backends ({base.allocator}, {base.capacity_tokens:,} tokens each), "
         f"long pool {base.long_pool}; workload {spec.kind}; {a.duration / 3_600:g}h simulated per candidate"
     )
+    con.print(f"capacity per node from {capacity_source}", markup=False)
     con.print(result_table(rows))
+    con.print("\n[bold]Why each recommendation[/bold] (failed requests in the same simulated run):")
+    for line in explain(rows):
+        con.print(f"- {line}", markup=False, highlight=False)
     if a.replicas:
         reps = {}
         for label, cfg in (("current", base), ("recommended", rec)):
@@ -280,7 +331,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-Row = tuple[str, str, str, SimResult, SimResult, str]
+Row = tuple[str, str, str, SimResult, SimResult, str, dict[str, int]]
+
+
+def noise(a: int, b: int) -> float:
+    """The gap two failure counts must exceed to count as a difference (see ``better``)."""
+    return max(2.5 * math.sqrt(a + b), NOISE * a, 2.0)
+
+
+def explain(rows: list[Row]) -> list[str]:
+    """One sentence per knob: what was recommended, and the measured effect that decided it."""
+    out = []
+    for knob, now, best, cur, r, _, tried in rows:
+        if knob == "all together":
+            out.append(
+                f"all recommendations together: {cur.failures:,} -> {r.failures:,} failed "
+                f"({_pct(cur.failures, r.failures)}), {r.restarts} restarts"
+            )
+            continue
+        if best != now:
+            out.append(
+                f"{knob}: {now} -> {best}: {cur.failures:,} -> {r.failures:,} failed "
+                f"({_pct(cur.failures, r.failures)}), more than the noise of ±{noise(cur.failures, r.failures):.0f}"
+                + (
+                    f"; restarts {cur.restarts} -> {r.restarts}"
+                    if cur.restarts != r.restarts
+                    else ""
+                )
+            )
+            continue
+        lowest = min(tried.items(), key=lambda kv: kv[1], default=None)
+        if lowest is None or lowest[1] >= cur.failures:
+            out.append(f"{knob}: keep {now}: no other value failed fewer ({cur.failures:,} failed)")
+        else:
+            out.append(
+                f"{knob}: keep {now}: {lowest[0]} failed {lowest[1]:,} vs {cur.failures:,}, "
+                f"within the run's noise (±{noise(cur.failures, lowest[1]):.0f}), so not worth a change"
+            )
+    return out
+
+
+def _pct(before: int, after: int) -> str:
+    if before == 0:
+        return "no change" if after == 0 else f"+{after}"
+    return f"{100 * (after - before) / before:+.0f}%"
 
 
 def search(
@@ -304,14 +398,13 @@ def search(
             if c.knob == knob and better(r, best):
                 best_label, best = c.label, r
                 rec = apply(rec, knob, c.cfg)
-        tried = " · ".join(
-            f"{c.label}: {res[f'{c.knob}={c.label}'].failures:,}" for c in cands if c.knob == knob
-        )
-        rows.append((knob, current_label(base, knob), best_label, cur, best, tried))
+        per_value = {c.label: res[f"{c.knob}={c.label}"].failures for c in cands if c.knob == knob}
+        tried = " · ".join(f"{label}: {n:,}" for label, n in per_value.items())
+        rows.append((knob, current_label(base, knob), best_label, cur, best, tried, per_value))
     combined = run_jobs([Job("combined", rec, "kvroute", spec, dur)], 1, show, title="tune")[
         "combined"
     ]
-    rows.append(("all together", "-", "-", cur, combined, ""))
+    rows.append(("all together", "-", "-", cur, combined, "", {}))
     dump = [
         {"knob": c.knob, "value": c.label, **res[f"{c.knob}={c.label}"].summary()} for c in cands
     ]
@@ -334,7 +427,7 @@ def result_table(rows: list[Row]) -> Table:
         t.add_column(
             col, justify="right" if col.startswith(("failed:", "fail %", "restarts")) else "left"
         )
-    for knob, now, best, cur, r, tried in rows:
+    for knob, now, best, cur, r, tried, _ in rows:
         t.add_row(
             knob,
             now,

@@ -120,6 +120,14 @@ def ops_router() -> APIRouter:
             return denied
         return _json(request.app.openapi())
 
+    @router.post("/admin/reload")
+    async def reload(request: Request) -> Response:
+        if (denied := check_admin(request)) is not None:
+            return denied
+        outcome = await request.app.state.rt.reloader.reload("POST /admin/reload")
+        # 422: the file is invalid and nothing changed; the body says what is wrong.
+        return _json(outcome.as_dict(), 422 if outcome.result == "invalid" else 200)
+
     @router.post("/admin/backends/{name}/drain")
     async def drain(name: str, request: Request) -> Response:
         if (denied := check_admin(request)) is not None:

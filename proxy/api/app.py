@@ -26,10 +26,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
 from proxy.api.cache import Coalesced
 from proxy.api.hot import GatewayApp
+from proxy.api.kind_check import KindCheck, kind_mismatch
 from proxy.api.limits import RequestGuard
+from proxy.api.reconfigure import follow, policy_for
+from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
 from proxy.backends.discovery import Discovery, make_discovery
 from proxy.config import BackendConfig, Config
@@ -40,7 +44,6 @@ from proxy.gateway.sizing import load_sizer
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
-from proxy.routing import PolicySettings, make_policy
 from proxy.state import open_store, with_local_fallback
 from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache
@@ -97,9 +100,12 @@ class Runtime:
     owner_id: str
     started_at: float = field(default_factory=time.time)
     models_cache: tuple[float, bytes] | None = None
+    reloader: Reloader | None = None
 
 
-def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]]:
+def snapshot_json(
+    snap: FleetSnapshot | None, now: float, cfg: Config | None = None
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if snap is None:
         return out
@@ -120,6 +126,9 @@ def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]
             },
             "report": None,
         }
+        if cfg is not None:
+            with contextlib.suppress(KeyError):
+                item["kind"] = cfg.backend(n.name).kind
         if r is not None:
             item["report"] = {
                 "capacity_tokens": r.capacity_tokens,
@@ -137,23 +146,36 @@ def snapshot_json(snap: FleetSnapshot | None, now: float) -> list[dict[str, Any]
                 "largest_contiguous_free_block_ratio": round(r.largest_block_ratio, 4),
                 "fragmentation_ratio": round(r.fragmentation, 4),
             }
+            warning = kind_mismatch(cfg, n.name, r.allocator) if cfg is not None else None
+            if warning is not None:
+                item["warnings"] = [warning]
         out.append(item)
     return out
 
 
-def follow_backends(rt: Runtime, ops: Maintenance) -> Callable[[list[BackendConfig]], None]:
-    """Hand a discovered backend list to every part that keeps one."""
+def follow_backends(holder: ConfigHolder) -> Callable[[list[BackendConfig]], None]:
+    """Hand a discovered backend list to every part that keeps one: through the config
+    holder, the one road every config change takes (reloads too, proxy.api.reload)."""
 
     def apply(backends: list[BackendConfig]) -> None:
-        cfg = rt.cfg.model_copy(update={"backends": backends})
-        rt.cfg = cfg
-        rt.fleet.reconfigure(cfg)
-        rt.gateway.reconfigure(cfg)
-        ops.reconfigure(cfg)
-        if rt.collector is not None:
-            rt.collector.reconfigure(cfg)
+        holder.swap(holder.current.model_copy(update={"backends": backends}))
 
     return apply
+
+
+def keep_discovered(discovery: Discovery | None) -> Callable[[Config], Config]:
+    """A reloaded file's static ``backends`` plus what discovery found, as discovery merges them."""
+
+    def adjust(new: Config) -> Config:
+        if discovery is None:
+            return new
+        static = {b.name for b in discovery.static}
+        found = [b for b in discovery.backends if b.name not in static]
+        discovery.static = list(new.backends)
+        discovery.publish_quietly(found)
+        return new.model_copy(update={"backends": list(discovery.backends)})
+
+    return adjust
 
 
 def with_health(
@@ -171,8 +193,15 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool = True) -> FastAPI:
-    """Build the gateway app. A store passed in is used as is (tests); else one is opened from config."""
+def create_app(
+    cfg: Config,
+    store: StateStore | None = None,
+    run_collector: bool = True,
+    config_path: str | None = None,
+) -> FastAPI:
+    """Build the gateway app. A store passed in is used as is (tests); else one is opened from config.
+    With ``config_path``, SIGHUP and ``POST /admin/reload`` re-read that file (proxy.api.reload)."""
+    holder = ConfigHolder(cfg, config_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -188,20 +217,14 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         fleet = FleetCache(cfg, st)
         upstream = Upstream(cfg.upstream)
         await upstream.start()
-        settings = PolicySettings(
-            safety_margin=cfg.routing.safety_margin,
-            stale_after_s=cfg.collector.stale_after_s,
-            long_threshold_tokens=cfg.routing.long_threshold_tokens,
-        )
-        gateway = Gateway(
-            cfg, st, fleet, make_policy(cfg.routing.policy, settings), upstream, metrics, st.now
-        )
+        gateway = Gateway(cfg, st, fleet, policy_for(cfg), upstream, metrics, st.now)
         await gateway.start()  # active health checks (proxy.upstream.health)
         collector = Collector(cfg, st, owner) if run_collector else None
         metrics.attach_fleet(lambda: fleet.latest, st.now)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
         if collector is not None:
             collector.on_report.append(lambda name, report: gateway.admission.notify())
+            collector.on_report.append(KindCheck(lambda: app.state.rt.cfg).on_report)
             collector.start()
         app.state.rt = Runtime(cfg, st, fleet, gateway, collector, upstream, metrics, owner)
         ops = Maintenance(
@@ -212,22 +235,33 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
             collector.on_report.append(ops.on_report)
         metrics.registry.register(OpsCollector(ops, st.now))
         app.state.ops = ops
+        runtime: Runtime = app.state.rt
+        follow(holder, gateway, fleet, collector, ops, lambda new: setattr(runtime, "cfg", new))
         # Discovery (kubernetes, dns) changes the backend list while serving; static: None.
         discovery: Discovery | None = make_discovery(cfg)
         if discovery is not None:
-            discovery.on_change.append(follow_backends(app.state.rt, ops))
+            discovery.on_change.append(follow_backends(holder))
             await discovery.start()
         app.state.discovery = discovery
         ops.start()
+        reloader = runtime.reloader = Reloader(
+            holder,
+            ReloadMetrics(metrics.registry),
+            prepare=[load_sizer],
+            adjust=keep_discovered(discovery),
+        )
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)
+        n = len(cfg.backends)
         log.info(
-            "kvroute gateway ready: %d backends, policy %s",
-            len(app.state.rt.cfg.backends),
+            "kvroute gateway ready: %d backend%s, policy %s",
+            n,
+            "" if n == 1 else "s",
             cfg.routing.policy,
         )
         try:
-            yield
+            with reloader.on_sighup():
+                yield
         finally:
             if discovery is not None:
                 await discovery.stop()
@@ -249,9 +283,14 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
         redoc_url=None,
         openapi_url=None,
     )
-    app.add_middleware(
-        RequestGuard, cfg=cfg
-    )  # header size, client API keys, concurrency limit (proxy.api.limits)
+
+    # Both follow reloads. Added last = outermost: the access log times the whole request.
+    def follow_reloads(fn: Callable[[Config], None]) -> None:
+        holder.subscribe(lambda old, new: fn(new))
+
+    # Header size, client API keys, concurrency limit (proxy.api.limits).
+    app.add_middleware(RequestGuard, cfg=cfg, follow=follow_reloads)
+    app.add_middleware(AccessLog, cfg=cfg, follow=follow_reloads)
     app.include_router(
         ops_router()
     )  # admin actions, /fleet/advice, /fleet/events, status page at /
@@ -373,6 +412,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
                     "taken_at": snap.taken_at,
                     "degraded": r.fleet.degraded,
                     "policy": r.cfg.routing.policy,
+                    "config": r.reloader.describe() if r.reloader is not None else None,
                     "queue_depth": r.gateway.admission.depth,
                     # What this replica still holds: a leak shows here before any TTL hides it.
                     "reservations": {
@@ -380,7 +420,7 @@ def create_app(cfg: Config, store: StateStore | None = None, run_collector: bool
                         "pending_releases": len(r.gateway.ledger.pending),
                     },
                     "backends": with_health(
-                        snapshot_json(snap, r.store.now()), r.gateway.health.snapshot()
+                        snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
                     ),
                 }
             )

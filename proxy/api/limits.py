@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -83,17 +84,13 @@ def key_allowed(presented: bytes | None, keys: list[bytes]) -> bool:
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, cfg: Config) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        cfg: Config,
+        follow: Callable[[Callable[[Config], None]], None] | None = None,
+    ) -> None:
         self.app = app
-        lim = cfg.limits
-        self.max_header_bytes = lim.max_header_bytes
-        self.max_concurrent = lim.max_concurrent_requests
-        self.max_body = lim.max_body_bytes
-        self.body_timeout_s = lim.body_timeout_s
-        self.body_min_rate = lim.body_min_rate_bytes_s
-        self.budget = BodyBudget(lim.max_buffered_body_bytes)
-        self.retry_after = str(lim.retry_after_s)
-        self.keys = [k.encode() for k in cfg.auth.api_keys]
         self.inflight = 0
         # Plain handlers of the inference routes (proxy.api.hot): past the guard's checks a
         # POST on one of these paths goes straight to it instead of the framework's stack.
@@ -107,6 +104,22 @@ class RequestGuard:
             "body_budget": 0,
             "body_aborted": 0,
         }
+        # Counts bytes buffered right now: kept across reloads (its size needs a restart).
+        self.budget = BodyBudget(cfg.limits.max_buffered_body_bytes)
+        self.reconfigure(cfg)
+        if follow is not None:
+            # A config reload rotates client keys and limits at once.
+            follow(self.reconfigure)
+
+    def reconfigure(self, cfg: Config) -> None:
+        lim = cfg.limits
+        self.max_header_bytes = lim.max_header_bytes
+        self.max_concurrent = lim.max_concurrent_requests
+        self.max_body = lim.max_body_bytes
+        self.body_timeout_s = lim.body_timeout_s
+        self.body_min_rate = lim.body_min_rate_bytes_s
+        self.retry_after = str(lim.retry_after_s)
+        self.keys = [k.encode() for k in cfg.auth.api_keys]
 
     async def _refuse(
         self, err: ApiError, why: str, scope: Scope, receive: Receive, send: Send

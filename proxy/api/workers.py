@@ -14,7 +14,6 @@ restarts the whole set, which keeps "one port, N equal workers" simple to reason
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,18 +36,6 @@ def refusal(cfg: Config, workers: int) -> str | None:
     if workers > 1 and not cfg.store.uses_redis:
         return EMBEDDED_STORE_REFUSAL.format(n=workers)
     return None
-
-
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A listening socket that other processes may bind too (the kernel balances between them)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(4096)
-    sock.set_inheritable(True)
-    return sock
 
 
 def worker_argv(argv: Sequence[str]) -> list[str]:

@@ -47,11 +47,16 @@ class Discovery(abc.ABC):
     async def first_list(self) -> None:
         """One fetch before serving, so the first snapshot has backends; failures are logged."""
 
-    def publish(self, found: list[BackendConfig]) -> None:
+    def _merge(self, found: list[BackendConfig]) -> list[BackendConfig]:
         names = {b.name for b in self.static}
-        merged = self.static + sorted(
-            (b for b in found if b.name not in names), key=lambda b: b.name
-        )
+        return self.static + sorted((b for b in found if b.name not in names), key=lambda b: b.name)
+
+    def publish_quietly(self, found: list[BackendConfig]) -> None:
+        """Take a new list without calling ``on_change`` (a config reload applies it itself)."""
+        self.backends = self._merge(found)
+
+    def publish(self, found: list[BackendConfig]) -> None:
+        merged = self._merge(found)
         if merged == self.backends:
             return
         added = {b.name for b in merged} - {b.name for b in self.backends}

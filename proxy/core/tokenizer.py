@@ -51,6 +51,10 @@ class TiktokenCounter:
     def count(self, text: str) -> int:
         return len(self._enc.encode_ordinary(text)) if text else 0
 
+    def ids(self, text: str) -> list[int]:
+        """The token ids of ``text`` (the prefix index hashes them: ``proxy.core.prefix``)."""
+        return self._enc.encode_ordinary(text) if text else []
+
 
 @functools.cache
 def _tiktoken_encoding(name: str) -> tiktoken.Encoding:
@@ -82,6 +86,13 @@ class HFCounter:
         # encode_batch_fast (tokenizers >= 0.20) skips offsets; both release the GIL.
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return len(batch([text], add_special_tokens=False)[0].ids)
+
+    def ids(self, text: str) -> list[int]:
+        """The token ids of ``text`` (the prefix index hashes them: ``proxy.core.prefix``)."""
+        if not text:
+            return []
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return list(batch([text], add_special_tokens=False)[0].ids)
 
 
 def load_counter(

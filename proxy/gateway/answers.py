@@ -63,7 +63,7 @@ async def error_answer(
 ) -> Response | None:
     """A 4xx/5xx from ``backend``: relay the client's own mistake, divert anything else."""
     try:
-        async with asyncio.timeout(gw.cfg.upstream.idle_timeout_s):
+        async with asyncio.timeout(ctx.cfg.upstream.idle_timeout_s):
             body = await read_limited(resp)
     except (UpstreamBroken, TimeoutError):
         body = b""
@@ -108,7 +108,7 @@ def _allocation_failed(
         ctx.demand,
         cause,
     )
-    if ctx.attempts < gw.cfg.retry.max_attempts:
+    if ctx.attempts < ctx.cfg.retry.max_attempts:
         return None
     gw.metrics.requests.labels(ctx.cls, backend, "allocation_failure").inc()
     headers = ctx.answer_headers(backend, response_headers(resp.headers), only=_RETRY_AFTER)
@@ -165,7 +165,7 @@ async def whole_answer(
     """A non-streamed 2xx: read it all (nothing reached the client yet, so a failure may still divert)."""
     try:
         body = await read_body(
-            resp, gw.cfg.upstream.idle_timeout_s, ctx.deadline, gw.cfg.upstream.max_answer_bytes
+            resp, ctx.cfg.upstream.idle_timeout_s, ctx.deadline, ctx.cfg.upstream.max_answer_bytes
         )
     except AnswerTooLarge as exc:
         message = f"backend {backend} sent an answer too large to relay: {exc}"

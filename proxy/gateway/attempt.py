@@ -81,7 +81,7 @@ def _client_left(gw: Gateway, ctx: RequestContext, backend: str) -> Response:
 
 def headers_deadline(gw: Gateway, ctx: RequestContext, now: float) -> float:
     """When the backend's response headers must have come (the loop's clock)."""
-    up = gw.cfg.upstream
+    up = ctx.cfg.upstream
     limit = up.ttfb_timeout_s
     if not ctx.parsed.stream:
         limit += up.non_stream_s_per_token * (ctx.demand - ctx.prompt_tokens)

@@ -14,10 +14,12 @@ from typing import Literal
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import ParsedRequest
 from proxy.errors import UpstreamFailure
-from proxy.routing.policy import RequestClass
+from proxy.gateway.affinity import AffinityKey
+from proxy.routing.policy import Policy, RequestClass
 
 # Label values of kvroute_attempts_total{result}: how one attempt on one backend ended.
 AttemptResult = Literal[
@@ -75,6 +77,10 @@ class RequestContext:
     snap: FleetSnapshot
     retry_key: str | None
     upstream_headers: dict[str, str]
+    # The config and policy the request started with: a reload while it runs (proxy.api.reload)
+    # does not change its timeouts, attempts or ranking halfway.
+    cfg: Config
+    policy: Policy
     exclude: set[str] = field(default_factory=set)
     # Nodes known to have failed to allocate this request (its attempts, or the client's
     # earlier try by retry key): left out of ranking, but judged on memory, not as unavailable.
@@ -92,6 +98,8 @@ class RequestContext:
     failure: Response | None = None
     # How the request ends if ``failure`` is the answer (kvroute_requests_total{outcome}).
     failure_outcome: RequestResult = "upstream_error"
+    # Prompt block hashes and session for prefix/session affinity (None: affinity off).
+    affinity: AffinityKey | None = None
 
     def answer_headers(
         self,

@@ -93,7 +93,7 @@ def _remember_for_retry(gw: Gateway, ctx: RequestContext, backend: str) -> None:
     """
     if ctx.retry_key is not None:
         key = ctx.retry_key
-        ttl = gw.cfg.retry.retry_key_ttl_s
+        ttl = ctx.cfg.retry.retry_key_ttl_s
         item = retry_memory.entry(backend, gw.clock())
         gw.spawn(gw.store_quietly("add_failed", lambda: gw.store.add_failed(key, item, ttl)))
 
@@ -156,6 +156,6 @@ def verdict_for(gw: Gateway, ctx: RequestContext, view: FleetSnapshot, now: floa
         view,
         ctx.demand,
         now,
-        stale_after_s=gw.policy.settings.stale_after_s,
+        stale_after_s=ctx.policy.settings.stale_after_s,
         exclude=exclude,
     )

@@ -19,7 +19,7 @@ from proxy.errors import ApiError
 from proxy.gateway import retry_memory
 from proxy.gateway.context import RequestContext
 from proxy.gateway.sizing import size_request
-from proxy.routing.policy import classify
+from proxy.routing.policy import Policy, classify
 from proxy.state.base import StoreUnavailable
 from proxy.upstream.client import forward_headers
 
@@ -94,16 +94,24 @@ async def open_request(
     reservation_id: str,
     request_id: str,
     started: float,
+    cfg: Config | None = None,
+    policy: Policy | None = None,
 ) -> RequestContext:
-    """Size and classify a valid request, refuse one no backend could ever hold, recall its failures."""
-    rcfg = gw.cfg.routing
-    deadline = asyncio.get_running_loop().time() + gw.cfg.upstream.total_timeout_s
-    sized = await size_request(parsed, gw.cfg)
+    """Size and classify a valid request, refuse one no backend could ever hold, recall its failures.
+
+    ``cfg``/``policy``: what the request runs on to its end (the gateway's, read once by
+    ``handle``); absent, the gateway's current ones.
+    """
+    cfg = gw.cfg if cfg is None else cfg
+    policy = gw.policy if policy is None else policy
+    rcfg = cfg.routing
+    deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
+    sized = await size_request(parsed, cfg)
     prompt_tokens, demand = sized.prompt_tokens, sized.total
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
-    cap = max_capacity(gw.cfg, snap)
-    need = demand * (1.0 + rcfg.safety_margin) if gw.policy.checks_fit else float(demand)
+    cap = max_capacity(cfg, snap)
+    need = demand * (1.0 + rcfg.safety_margin) if policy.checks_fit else float(demand)
     if cap is not None and need > cap:
         raise ApiError(
             400,
@@ -112,7 +120,7 @@ async def open_request(
             param="messages" if parsed.endpoint == "chat" else "prompt",
             code="context_length_exceeded",
         )
-    key = retry_key(gw.cfg, request, parsed)
+    key = retry_key(cfg, request, parsed)
     ctx = RequestContext(
         request=request,
         parsed=parsed,
@@ -125,8 +133,11 @@ async def open_request(
         cls=cls,
         snap=snap,
         retry_key=key,
-        upstream_headers=forward_headers(request.headers, bool(gw.cfg.auth.api_keys)),
+        upstream_headers=forward_headers(request.headers, bool(cfg.auth.api_keys)),
+        cfg=cfg,
+        policy=policy,
     )
+    ctx.affinity = await gw.affinity.key_of(request, parsed)
     if key is not None:
         try:
             listed = await gw.store_call("failed_on", lambda: gw.store.failed_on(key))

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
     """The backend that now holds this request's reservation, or the request's final answer."""
     loop = asyncio.get_running_loop()
-    while ctx.attempts < gw.cfg.retry.max_attempts:
+    while ctx.attempts < ctx.cfg.retry.max_attempts:
         if loop.time() >= ctx.deadline:
             # No attempt after the request's own deadline: it could only time out, and
             # would count against a backend that did nothing wrong.
@@ -42,7 +42,9 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
         avoid = frozenset(ctx.exclude) | gw.health.avoid()
         now = gw.clock()
         view = gw.local.apply(ctx.snap)
-        ranked = gw.policy.rank(view, RouteRequest(ctx.demand, ctx.cls, avoid), now)
+        request = RouteRequest(ctx.demand, ctx.cls, avoid)
+        request = gw.affinity.route_request(ctx.affinity, request, view, now)
+        ranked = ctx.policy.rank(view, request, now)
         if not ctx.decided:
             gw.metrics.decision.observe(time.perf_counter() - ctx.started)
             ctx.decided = True
@@ -52,7 +54,10 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
                 gw.metrics.retries.labels("budget_exhausted").inc()
                 return give_up(gw, ctx)
             ctx.retries += 1
-        backend = await reserve_first(gw, ctx, ranked, now)
+        demands = (
+            {n: gw.affinity.demand_on(request, view, n) for n in ranked} if request.cached else None
+        )
+        backend = await reserve_first(gw, ctx, ranked, now, demands)
         if backend is not None:
             _begin_attempt(gw, ctx)
             return backend
@@ -64,7 +69,7 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
             # An outage: no report will make room, so the queue would only delay the 503.
             return nothing_fits(gw, ctx, verdict)
         if ctx.queue_deadline is None:
-            ctx.queue_deadline = time.monotonic() + gw.cfg.queue.max_wait_s
+            ctx.queue_deadline = time.monotonic() + ctx.cfg.queue.max_wait_s
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
         if waited is None:
             return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=ctx.attempts > 0)
@@ -89,7 +94,7 @@ def give_up(gw: Gateway, ctx: RequestContext) -> Response:
 def out_of_time(gw: Gateway, ctx: RequestContext) -> Response:
     """The request's total time ran out between attempts: its last failure, or a 504."""
     if ctx.failure is None:
-        limit = gw.cfg.upstream.total_timeout_s
+        limit = ctx.cfg.upstream.total_timeout_s
         ctx.failure = upstream_answer(
             "total_timeout", f"the request ran past its total time limit ({limit:g}s)"
         )
@@ -114,38 +119,49 @@ async def move_on(gw: Gateway, ctx: RequestContext, backend: str) -> None:
 
 
 async def reserve_first(
-    gw: Gateway, ctx: RequestContext, ranked: list[str], now: float
+    gw: Gateway,
+    ctx: RequestContext,
+    ranked: list[str],
+    now: float,
+    demands: dict[str, int] | None = None,
 ) -> str | None:
-    """Reserve on the best candidate that accepts; a lost race moves on to the next."""
+    """Reserve on the best candidate that accepts; a lost race moves on to the next.
+
+    ``demands``: what to reserve per node where it differs from the request's demand (a
+    cached prefix that the server reuses, ``proxy.gateway.affinity``).
+    """
     for name in ranked:
+        tokens = demands.get(name, ctx.demand) if demands else ctx.demand
         # Counted in this replica's view before the store answers: concurrent requests
         # ranking meanwhile already see it.
-        gw.local.add(name, ctx.reservation_id, ctx.demand)
+        gw.local.add(name, ctx.reservation_id, tokens)
         try:
             reserve = functools.partial(
                 gw.store.reserve,
                 name,
                 ctx.reservation_id,
-                ctx.demand,
+                tokens,
                 now,
-                gw.cfg.store.reservation_ttl_s,
-                check_fit=gw.policy.checks_fit,
-                headroom=gw.cfg.routing.safety_margin,
-                grace_s=gw.cfg.store.report_grace_s,
+                ctx.cfg.store.reservation_ttl_s,
+                check_fit=ctx.policy.checks_fit,
+                headroom=ctx.cfg.routing.safety_margin,
+                grace_s=ctx.cfg.store.report_grace_s,
             )
             # The ledger holds whatever the call may reserve, also when this request is
             # cancelled while the call is in flight or the store times out (it may still land).
             ok = await gw.ledger.reserve(
-                name, ctx.reservation_id, reserve, tokens=ctx.demand, created_at=now
+                name, ctx.reservation_id, reserve, tokens=tokens, created_at=now
             )
         except StoreUnavailable:
             # Degraded: route without a shared reservation rather than fail (counted locally).
+            gw.affinity.placed(ctx.affinity, name, now)
             return name
         except BaseException:
             gw.local.remove(name, ctx.reservation_id)
             raise
         if ok:
             gw.local.confirm(name, ctx.reservation_id, gw.fleet.clock())
+            gw.affinity.placed(ctx.affinity, name, now)
             return name
         gw.local.remove(name, ctx.reservation_id)
     return None
@@ -169,7 +185,7 @@ async def wait_for_fit(
             # The latest view, also for the answer's verdict if the wait ends with nothing.
             ctx.snap = snap
             request = RouteRequest(ctx.demand, ctx.cls, exclude | gw.health.avoid())
-            if gw.policy.rank(gw.local.apply(snap), request, gw.clock()):
+            if ctx.policy.rank(gw.local.apply(snap), request, gw.clock()):
                 return snap
     finally:
         gw.admission.leave()
@@ -185,7 +201,7 @@ def nothing_fits(
     if exhausted and ctx.failed_on:
         why = f"tried {', '.join(ctx.failed_on)}: all failed; " + why
     record_allocation_failure(gw, "", cause, ctx.demand, verdict)
-    retry_after = {"retry-after": str(gw.cfg.queue.retry_after_s)}
+    retry_after = {"retry-after": str(ctx.cfg.queue.retry_after_s)}
     if cause == "unavailable":
         gw.metrics.requests.labels(ctx.cls, "none", "unavailable").inc()
         err = ApiError(

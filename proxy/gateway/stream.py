@@ -92,7 +92,7 @@ class StreamRelay:
     async def body(self, first: bytes, on_close: OnceCallback) -> AsyncIterator[bytes]:
         """Relay the stream; a failure after the first byte ends it with an SSE error event."""
         backend, health = self.backend, self.gw.health
-        idle = self.gw.cfg.upstream.idle_timeout_s
+        idle = self.ctx.cfg.upstream.idle_timeout_s
         try:
             yield first
             while chunk := await next_chunk(self.resp, idle, self.ctx.deadline):

@@ -32,6 +32,7 @@ from proxy.core.validation import Endpoint
 from proxy.errors import ApiError
 from proxy.gateway import attempt, intake, placement
 from proxy.gateway.admission import Admission
+from proxy.gateway.affinity import Affinity
 from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
@@ -108,6 +109,8 @@ class Gateway:
         fleet.on_degraded_change.append(self._store_lost)
         # This replica's reservations in flight, laid over the cached snapshot when ranking.
         self.local = LocalReservations()
+        # Prefix-cache and session affinity of this replica (proxy.gateway.affinity).
+        self.affinity = Affinity(cfg)
         self.checker: ActiveChecker | None = None
         self._probe_headers: dict[str, dict[str, str]] = {}
         self.health.register(metrics.registry)
@@ -118,9 +121,11 @@ class Gateway:
         started = time.perf_counter()
         reservation_id = uuid.uuid4().hex
         request_id = safe_request_id(request.headers.get("x-request-id")) or reservation_id
+        # Read once: the whole walk uses the config it started with, whatever a reload does.
+        cfg, policy = self.cfg, self.policy
         try:
             # 1. parse + validate the body
-            parsed = await intake.read_and_parse(self.cfg, request, endpoint)
+            parsed = await intake.read_and_parse(cfg, request, endpoint)
         except ApiError as err:
             self.metrics.rejected.labels(err.code or "invalid").inc()
             return err.response({"x-request-id": request_id})
@@ -130,7 +135,7 @@ class Gateway:
         try:
             # 2. count tokens -> KV demand, 3. classify short/long
             ctx = await intake.open_request(
-                self, request, parsed, reservation_id, request_id, started
+                self, request, parsed, reservation_id, request_id, started, cfg, policy
             )
             answer = await self._route(ctx)
             return answer

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.routing.affinity import demand_on, prefer_cached
 from proxy.routing.policy import Policy, PolicySettings, RouteRequest, eligible
 
 
@@ -45,6 +46,9 @@ class KvroutePolicy(Policy):
     load, no admission queue, 3 seeds x 6 h) it failed 31% fewer requests with a long pool
     of 4 nodes (0.137% vs 0.200%) and the same with 7 (0.089%). A fresh node's one big
     block is worth more to the next long request than to this one.
+
+    Prefix-cache and session affinity (``proxy.routing.affinity``) then move the nodes that
+    fit and probably hold this prompt's prefix ahead of that order, unless they are loaded.
     """
 
     settings: PolicySettings = field(default_factory=PolicySettings)
@@ -54,11 +58,14 @@ class KvroutePolicy(Policy):
 
     def rank(self, snapshot: FleetSnapshot, req: RouteRequest, now: float) -> list[str]:
         margin = self.settings.safety_margin
-        demand = req.demand
+        affinity = self.settings.affinity
+        cached = req.cached
         fit: list[NodeView] = []
         unknown: list[NodeView] = []
         for n in eligible(snapshot, req, now, self.settings):
             r = n.report
+            # Cached prefix blocks that the server reuses are not allocated again.
+            demand = demand_on(n, req.demand, cached, affinity) if cached else req.demand
             if r is None:
                 unknown.append(n)
             # usable block < demand can never fit (margin and block rounding only add): skip fits()
@@ -93,6 +100,8 @@ class KvroutePolicy(Policy):
                 key=lambda n: (-n.usable_block(), n.name)
             )  # spill: least harm where most room
             ordered = general + long_pool
+        if cached or req.session_node is not None or req.indexed is not None:
+            ordered = prefer_cached(ordered, cached, req.session_node, affinity, req.indexed)
         # Nodes with no report: nothing to fit against, so last; by length only (pool role).
         want = "long" if req.cls == "long" else "general"
         unknown.sort(key=lambda n: (n.role != want, n.overlay.inflight, n.name))

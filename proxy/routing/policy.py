@@ -13,11 +13,14 @@ routers do, kept selectable so operators can A/B them.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
 
 from proxy.config import CollectorConfig, RoutingConfig
 from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.routing.affinity import AffinitySettings
 
 # Re-exported: the one per-node test of why nothing fits lives in its own module.
 from proxy.routing.nothing_fits import nothing_fits_reason as nothing_fits_reason
@@ -35,6 +38,16 @@ class RouteRequest:
     demand: int
     cls: RequestClass
     exclude: frozenset[str] = frozenset()
+    # Prompt tokens each node probably holds in its prefix cache (``proxy.core.prefix``).
+    cached: Mapping[str, int] = field(default_factory=lambda: _NOTHING_CACHED)
+    # The node this request's session went to last (``x-session-id`` / the ``user`` field).
+    session_node: str | None = None
+    # Given for a prompt worth caching: tokens the prefix index holds per node (spreads new
+    # prefixes over the fleet's caches, ``proxy.routing.affinity``).
+    indexed: Mapping[str, int] | None = None
+
+
+_NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})
 
 
 # The config model's defaults, not retyped here.
@@ -46,6 +59,7 @@ class PolicySettings:
     safety_margin: float = _ROUTING.safety_margin
     stale_after_s: float = _COLLECTOR.stale_after_s
     long_threshold_tokens: int = _ROUTING.long_threshold_tokens
+    affinity: AffinitySettings = field(default_factory=AffinitySettings)
 
 
 def eligible(

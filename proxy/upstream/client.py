@@ -156,7 +156,15 @@ class Upstream:
             ) from None
         except TimeoutError:
             raise UpstreamTimeout(f"no response within {limit:g}s", "ttfb") from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamConnectError(f"{exc.__class__.__name__}") from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            # Connected, then dropped before the headers (a crash, a reset): "broken", not a
+            # failure to connect, so logs and kvroute_attempts_total{result} tell them apart.
+            raise UpstreamBroken(
+                f"closed the connection before answering ({exc.__class__.__name__})"
+            ) from None
+        except OSError as exc:
             raise UpstreamConnectError(f"{exc.__class__.__name__}") from None
         except (ValueError, aiohttp.ClientError) as exc:
             # A header combination aiohttp refuses is this attempt's failure, never a 500.

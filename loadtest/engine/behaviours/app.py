@@ -23,6 +23,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
+from loadtest.engine.behaviours.prefix_cache import prompt_block_hashes
 from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
 from loadtest.engine.metrics import exposition
 from loadtest.engine.protocol import (
@@ -57,6 +58,7 @@ class BehaviourConfig:
     decode_tokens_per_s: float = 50.0
     speedup: float = 1.0
     seed: int = 0
+    prefix_caching: bool = True  # vLLM's automatic prefix caching (on by default in V1)
 
     def __post_init__(self) -> None:
         if self.behaviour not in DIALECTS:
@@ -103,6 +105,7 @@ class Front:
                 step_s,
                 config.prefill_tokens_per_s * config.speedup,
                 reserve_full=config.behaviour == "tgi",
+                prefix_caching=config.behaviour == "vllm" and config.prefix_caching,
             )
             for _ in range(config.data_parallel)
         ]
@@ -156,8 +159,9 @@ class Front:
         if prompt + p.max_tokens > self.max_model_len:
             return self._answer(*self.dialect.too_long(self.facts, prompt, p.max_tokens, explicit))
         core = min(self.cores, key=lambda c: c.load())
+        hashes = await self._prompt_hashes(body, prompt) if core.prefix is not None else ()
         now = asyncio.get_running_loop().time()
-        req = SimRequest(prompt, p.max_tokens, now)
+        req = SimRequest(prompt, p.max_tokens, now, hashes=hashes)
         core.submit(req, now)
         self._next += 1
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
@@ -175,6 +179,15 @@ class Front:
             )
         finally:
             core.abort(req)
+
+    async def _prompt_hashes(self, body: dict[str, Any], prompt: int) -> tuple[int, ...]:
+        """The prompt's block hashes (big prompts off the loop), never more blocks than it has."""
+        bs = self.config.block_size
+        if prompt > 2_000:
+            hashes = await asyncio.to_thread(prompt_block_hashes, body, bs)
+        else:
+            hashes = prompt_block_hashes(body, bs)
+        return hashes[: prompt // bs]
 
     async def _stream(
         self, request: web.Request, req: SimRequest, p: Parsed, completion_id: str

@@ -133,13 +133,12 @@ class Vllm:
         yield counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-            lambda c: c.stats.prompt_tokens,
+            lambda c: c.stats.prefix_queries if c.prefix is not None else c.stats.prompt_tokens,
         )
-        # The simulation reuses no prefixes: hits stay 0 (freed cached blocks are free).
         yield counter(
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
-            lambda c: 0,
+            lambda c: c.stats.prefix_hits,
         )
         yield counter(
             "vllm:num_preemptions",

@@ -11,7 +11,9 @@ KV is paged in blocks of ``block_size`` tokens:
 * ``reserve_full`` (TGI) instead takes prompt + max_tokens at admission, so nothing grows
   and nothing is preempted;
 * freed blocks keep their content as prefix cache but are free (reclaimed on demand), so
-  they never count as used.
+  they never count as used; with ``prefix_caching`` (vLLM) a request's leading prompt
+  blocks found in that cache (``prefix_cache.PrefixCache``) are shared or reused and skip
+  prefill: only the blocks not found are allocated and computed.
 
 A request that can never fit one engine is refused before it gets here (``max_model_len``).
 """
@@ -22,6 +24,8 @@ import asyncio
 import math
 from collections import deque
 from dataclasses import dataclass, field
+
+from loadtest.engine.behaviours.prefix_cache import PrefixCache
 
 # Buckets of vLLM's time-to-first-token histogram (seconds).
 TTFT_BUCKETS = (
@@ -45,6 +49,9 @@ class SimRequest:
     done: bool = False
     aborted: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The prompt's full-block hashes (prefix caching) and whether the core holds them now.
+    hashes: tuple[int, ...] = ()
+    holds_hashes: bool = False
 
     @property
     def tokens(self) -> int:
@@ -55,6 +62,8 @@ class SimRequest:
 class CoreStats:
     preemptions: int = 0
     prompt_tokens: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which found cached
     generation_tokens: int = 0
     finished: int = 0
     ttft_count: int = 0
@@ -73,6 +82,7 @@ class PagedCore:
         step_s: float,
         prefill_tokens_per_s: float,
         reserve_full: bool = False,
+        prefix_caching: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -86,6 +96,7 @@ class PagedCore:
         self.running: list[SimRequest] = []
         self.sleeping = False
         self.stats = CoreStats()
+        self.prefix = PrefixCache() if prefix_caching else None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -183,7 +194,8 @@ class PagedCore:
 
     def _grow(self, req: SimRequest) -> bool:
         """Room for one more token: a new block on a boundary, preempting when none is free."""
-        if self.reserve_full or req.tokens + 1 <= req.blocks * self.block_size:
+        held = req.blocks + (len(req.hashes) if req.holds_hashes else 0)
+        if self.reserve_full or req.tokens + 1 <= held * self.block_size:
             return True
         while self.free_blocks == 0:
             victim = self.running[-1]
@@ -207,23 +219,40 @@ class PagedCore:
             head = self.waiting[0]
             tokens = head.prompt_tokens + (head.max_tokens if self.reserve_full else head.generated)
             need = -(-tokens // self.block_size)
-            if need > self.free_blocks:
+            hits, shared = self.prefix.lookup(head.hashes) if self.prefix is not None else (0, 0)
+            if need - shared > self.free_blocks:
                 return  # FIFO: the head waits, and everything behind it
             self.waiting.popleft()
-            self._take(need)
             head.blocks = need
-            # Recompute after a preemption: prompt and generated tokens are prefilled again.
-            head.decode_at = now + head.tokens / self.prefill_tokens_per_s
+            cached = min(hits * self.block_size, head.tokens - 1)
+            if self.prefix is not None:
+                # The prompt's full blocks are shared and counted by hash, the rest are its own
+                # (taken before the allocator hands out free blocks, which evicts cached ones).
+                self.prefix.acquire(head.hashes)
+                head.holds_hashes = True
+                head.blocks = need - len(head.hashes)
+                self.stats.prefix_queries += head.prompt_tokens
+                self.stats.prefix_hits += max(0, cached)
+            self._take(need - shared)
+            # Recompute after a preemption: prompt and generated tokens are prefilled again
+            # (less what the prefix cache still holds).
+            head.decode_at = now + (head.tokens - max(0, cached)) / self.prefill_tokens_per_s
             self.stats.prompt_tokens += head.tokens
             self.running.append(head)
 
     def _take(self, n: int) -> None:
         self.free_blocks -= n
         self.cached_blocks = min(self.cached_blocks, self.free_blocks)
+        if self.prefix is not None:
+            self.prefix.trim(self.free_blocks)
 
     def _release(self, req: SimRequest) -> None:
-        self.free_blocks += req.blocks
-        self.cached_blocks += req.blocks
+        freed = req.blocks
+        if self.prefix is not None and req.holds_hashes:
+            freed += self.prefix.release(req.hashes)
+            req.holds_hashes = False
+        self.free_blocks += freed
+        self.cached_blocks += freed
         req.blocks = 0
 
     def _observe_ttft(self, seconds: float) -> None:

@@ -1,0 +1,327 @@
+"""Prefix-cache affinity end to end: the shared-document workload through the real gateway.
+
+Four simulated vLLM engines (``--behaviour vllm``: paged, lazy, queueing, automatic prefix
+cache) behind the gateway, one fresh fleet per run, the same requests (same seed, same
+arrival times, streamed) for each of: round robin, kvroute without affinity
+(``routing.prefix.enabled: false``), kvroute with affinity. Measured: the engines' own
+prefix-cache hit rate (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``), the
+client's time to first token (p50, p99), the engines' preemptions, failed requests. Then the
+same on contiguous (fragmenting, allocate-at-admission) engines, kvroute with and without
+affinity: failed requests, since there a cached prefix saves nothing in memory.
+
+    python -m loadtest.bench.prefix                      # both fleets, ~1.5 min on 2 cores
+    python -m loadtest.bench.prefix --only vllm --json out/prefix.json --plot docs/img/prefix.png
+
+Peers, where installed: vllm-router (the Rust router; PyPI ships it as a prebuilt wheel,
+``python -m venv /tmp/vllm-router-venv && /tmp/vllm-router-venv/bin/pip install vllm-router``)
+with ``--policy cache_aware`` (its default: approximate prefix tree per worker, with load
+balancing thresholds) and ``--policy consistent_hash``, straight in front of the same
+engines. Without it those rows are skipped with the reason printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.bench.overhead_targets import find_vllm_router
+from loadtest.local_fleet import EngineSpec, LocalFleet, Proc, free_port
+from loadtest.workload import SharedDocs, Turn, conversation_messages, shared_documents
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    label: str
+    engines: str  # "vllm" or "contiguous"
+    policy: str
+    affinity: bool
+
+
+RUNS = (
+    Run("round robin", "vllm", "round_robin", False),
+    Run("vllm-router cache_aware", "vllm", "vllm-router:cache_aware", False),
+    Run("vllm-router consistent_hash", "vllm", "vllm-router:consistent_hash", False),
+    Run("kvroute, no affinity", "vllm", "kvroute", False),
+    Run("kvroute + affinity", "vllm", "kvroute", True),
+    Run("kvroute, no affinity", "contiguous", "kvroute", False),
+    Run("kvroute + affinity", "contiguous", "kvroute", True),
+)
+
+
+@dataclass
+class Outcome:
+    label: str
+    engines: str
+    requests: int = 0
+    failed: int = 0
+    ttft_p50_ms: float = 0.0
+    ttft_p99_ms: float = 0.0
+    doc_ttft_p50_ms: float = 0.0
+    hit_rate: float = 0.0
+    preemptions: int = 0
+    wall_s: float = 0.0
+    by_backend: dict[str, int] = field(default_factory=dict)
+
+
+def bodies(w: SharedDocs) -> list[dict[str, Any]]:
+    """Every request's chat body, built up front (the clock is for sending only)."""
+    history: dict[int, list[Turn]] = {}
+    out = []
+    for t in w.turns:
+        past = history.setdefault(t.conversation, [])
+        msgs = conversation_messages(w, t, past)
+        past.append(t)
+        out.append(
+            {
+                "model": "sim-model",
+                "messages": msgs,
+                "max_tokens": t.output_tokens,
+                "stream": True,
+            }
+        )
+    return out
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def drive(gw: str, w: SharedDocs, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Open loop at the workload's arrival times; each result: status, ttft, backend, kind."""
+    results: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+        start = time.monotonic()
+
+        async def one(t: Turn, body: dict[str, Any]) -> None:
+            t0 = time.monotonic()
+            res: dict[str, Any] = {"kind": t.kind, "status": 0, "ttft": None, "backend": ""}
+            try:
+                async with client.stream("POST", gw + "/v1/chat/completions", json=body) as r:
+                    res["status"] = r.status_code
+                    res["backend"] = r.headers.get("x-kvroute-backend", "")
+                    async for _ in r.aiter_bytes():
+                        if res["ttft"] is None:
+                            res["ttft"] = time.monotonic() - t0
+            except httpx.HTTPError:
+                res["status"] = -1
+            results.append(res)
+
+        tasks = []
+        for t, body in zip(w.turns, payloads, strict=True):
+            delay = start + t.arrival_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(t, body)))
+        await asyncio.gather(*tasks)
+    return results
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=5.0).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+    return out
+
+
+def fleet_for(run: Run, capacity: int, speedup: float) -> LocalFleet:
+    extra: tuple[str, ...] = ("--behaviour", "vllm") if run.engines == "vllm" else ()
+    specs = [
+        EngineSpec(f"e{i}", allocator="contiguous", capacity_tokens=capacity, speedup=speedup)
+        for i in range(4)
+    ]
+    specs = [
+        EngineSpec(s.name, s.pool, s.allocator, s.capacity_tokens, s.speedup, s.block_size, extra)
+        for s in specs
+    ]
+    overrides: dict[str, Any] = {
+        "routing": {"prefix": {"enabled": run.affinity}},
+        "queue": {"max_wait_s": 20.0},
+        "upstream": {"total_timeout_s": 120.0},
+    }
+    return LocalFleet(specs, policy=run.policy, config_overrides=overrides)
+
+
+def wait_reported(gw: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        backends = httpx.get(gw + "/fleet", timeout=5.0).json()["backends"]
+        if all(b.get("report") for b in backends):
+            return
+        time.sleep(0.1)
+    raise RuntimeError("the engines did not report in time")
+
+
+def wait_serving(url: str, proc: Proc, timeout_s: float = 60.0) -> None:
+    """A router is ready when a real request gets a 200 through it."""
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.popen is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited (log: {proc.log_path})")
+        try:
+            if httpx.post(url + "/v1/chat/completions", json=body, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} never served within {timeout_s}s")
+
+
+def start_vllm_router(exe: str, policy: str, fleet: LocalFleet) -> Proc:
+    port = free_port()
+    argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    argv += ["--log-level", "warning", "--worker-urls", *(p.url for p in fleet.engines)]
+    proc = Proc("vllm-router", argv, f"http://127.0.0.1:{port}")
+    proc.start(log_dir=fleet.workdir)
+    wait_serving(proc.url, proc)
+    return proc
+
+
+def one_run(run: Run, w: SharedDocs, payloads: list[dict[str, Any]], args: Any) -> Outcome | None:
+    """One fresh fleet, one router, the whole workload; None when the router is not installed."""
+    capacity = args.capacity if run.engines == "vllm" else args.contiguous_capacity
+    peer = run.policy.partition("vllm-router:")[2]
+    exe = find_vllm_router(None) if peer else None
+    if peer and exe is None:
+        print(f"skipped {run.label}: vllm-router not installed (see the module docstring)")
+        return None
+    fleet = fleet_for(run, capacity, args.speedup)
+    router: Proc | None = None
+    try:
+        fleet.start_engines()
+        if exe is not None:
+            router = start_vllm_router(exe, peer, fleet)
+            url = router.url
+        else:
+            if run.engines == "vllm":
+                # The backends are vLLM servers: read with the vLLM adapter.
+                fleet.config_overrides["backends"] = [
+                    {"name": s.name, "url": p.url, "kind": "vllm"}
+                    for s, p in zip(fleet.specs, fleet.engines, strict=True)
+                ]
+            fleet.start_gateway(run.policy)
+            url = fleet.gateway_url
+            wait_reported(url)
+        t0 = time.monotonic()
+        results = asyncio.run(drive(url, w, payloads))
+        wall = time.monotonic() - t0
+        metrics = [scrape(p.url) for p in fleet.engines]
+    finally:
+        if router is not None:
+            router.stop()
+        fleet.stop()
+    ok = [r for r in results if r["status"] == 200]
+    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+    doc_ttfts = [r["ttft"] for r in ok if r["ttft"] is not None and r["kind"] == "document"]
+    hits = sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in metrics)
+    queries = sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in metrics)
+    by_backend: dict[str, int] = {}
+    for r in ok:
+        by_backend[r["backend"]] = by_backend.get(r["backend"], 0) + 1
+    return Outcome(
+        label=run.label,
+        engines=run.engines,
+        requests=len(results),
+        failed=len(results) - len(ok),
+        ttft_p50_ms=1000 * statistics.median(ttfts) if ttfts else 0.0,
+        ttft_p99_ms=1000 * pct(ttfts, 0.99),
+        doc_ttft_p50_ms=1000 * statistics.median(doc_ttfts) if doc_ttfts else 0.0,
+        hit_rate=hits / queries if queries else 0.0,
+        preemptions=int(sum(m.get("vllm:num_preemptions_total", 0.0) for m in metrics)),
+        wall_s=wall,
+        by_backend=dict(sorted(by_backend.items())),
+    )
+
+
+def table(outcomes: Sequence[Outcome]) -> str:
+    head = (
+        "| engines | routing | hit rate | TTFT p50 ms | TTFT p99 ms | doc TTFT p50 ms "
+        "| preemptions | failed |\n|---|---|---|---|---|---|---|---|"
+    )
+    rows = [
+        f"| {o.engines} | {o.label} | {o.hit_rate:.1%} | {o.ttft_p50_ms:.0f} | "
+        f"{o.ttft_p99_ms:.0f} | {o.doc_ttft_p50_ms:.0f} | {o.preemptions} | "
+        f"{o.failed}/{o.requests} |"
+        for o in outcomes
+    ]
+    return "\n".join([head, *rows])
+
+
+def plot(outcomes: Sequence[Outcome], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vllm = [o for o in outcomes if o.engines == "vllm"]
+    if not vllm:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), dpi=80)
+    labels = [o.label.replace("vllm-router ", "vllm-router\n").replace(", ", "\n") for o in vllm]
+    colours = ["#1b7837" if "affinity" in o.label and "+" in o.label else "#888888" for o in vllm]
+    axes[0].bar(labels, [100 * o.hit_rate for o in vllm], color=colours)
+    axes[0].set_title("prefix-cache hit rate (%)")
+    x = range(len(vllm))
+    axes[1].bar([i - 0.2 for i in x], [o.ttft_p50_ms for o in vllm], 0.4, label="p50")
+    axes[1].bar([i + 0.2 for i in x], [o.ttft_p99_ms for o in vllm], 0.4, label="p99")
+    axes[1].set_xticks(list(x), labels)
+    axes[1].set_title("time to first token (ms)")
+    axes[1].legend()
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.prefix", description=__doc__)
+    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--rate", type=float, default=16.0, help="requests per second")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--capacity", type=int, default=200_000, help="KV tokens per vLLM engine")
+    p.add_argument("--contiguous-capacity", type=int, default=100_000)
+    p.add_argument("--speedup", type=float, default=20.0)
+    p.add_argument("--only", choices=("vllm", "contiguous"), default=None)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args(argv)
+    w = shared_documents(args.requests, args.rate, seed=args.seed)
+    payloads = bodies(w)
+    outcomes = []
+    for run in RUNS:
+        if args.only is not None and run.engines != args.only:
+            continue
+        o = one_run(run, w, payloads, args)
+        if o is None:
+            continue
+        print(f"{o.engines:10s} {o.label:22s} {json.dumps(asdict(o))}", flush=True)
+        outcomes.append(o)
+    print(table(outcomes))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
+    if args.plot is not None:
+        plot(outcomes, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""The simulated vLLM's automatic prefix cache: full prompt blocks kept by hash, shared, evictable.
+
+As vLLM's block manager does (``vllm/v1/core/block_pool.py``, ``kv_cache_utils.py``): each
+full block of a prompt is named by a hash chained over its parent, so a new request reuses
+the longest run of leading blocks already present. A block held by a running request is
+shared (reference counted: it costs the newcomer nothing); a block whose last holder ended
+stays cached in the free pool and is reused for free if asked for before the allocator hands
+it out again (least recently freed first; a request's blocks are freed tail first, so a
+prompt's end is evicted before its start). Cached tokens skip prefill.
+
+The engine renders the prompt its own way (role markers, then text), not the gateway's: the
+gateway's prefix index must work from its own approximation, as it does against real servers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.core.tokens import encoding
+
+_ROOT = 0x6B76
+
+
+def render(body: dict[str, Any]) -> list[str]:
+    """The prompt as this engine's 'chat template' renders it, one text per message."""
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        parts = []
+        for m in msgs:
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            parts.append(f"<|{m.get('role')}|>\n{content or ''}\n")
+        return [*parts, "<|assistant|>\n"]
+    p = body.get("prompt")
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        return [p[0]]
+    return [p] if isinstance(p, str) else []
+
+
+@functools.lru_cache(maxsize=256)
+def _ids(text: str) -> tuple[int, ...]:
+    # A shared document is resent with every question: tokenized once per engine process.
+    return tuple(encoding().ids(text))
+
+
+def prompt_block_hashes(body: dict[str, Any], block_size: int) -> tuple[int, ...]:
+    """Chained hashes of the rendered prompt's full blocks (token ids from cl100k)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+        ids: Sequence[int] = p
+    else:
+        ids = [t for part in render(body) for t in _ids(part)]
+    out: list[int] = []
+    parent = _ROOT
+    for i in range(len(ids) // block_size):
+        parent = hash((parent, tuple(ids[i * block_size : (i + 1) * block_size])))
+        out.append(parent)
+    return tuple(out)
+
+
+class PrefixCache:
+    """Which block hashes are in the cache: pinned by running requests, or cached in free blocks."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, int] = {}
+        # Free blocks still holding content; the first is the next one the allocator reuses.
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+
+    def lookup(self, hashes: Sequence[int]) -> tuple[int, int]:
+        """(leading blocks present, how many of them are pinned: shared at no cost)."""
+        hits = shared = 0
+        for h in hashes:
+            if h in self.pinned:
+                shared += 1
+            elif h not in self.evictable:
+                break
+            hits += 1
+        return hits, shared
+
+    def acquire(self, hashes: Sequence[int]) -> None:
+        """A request now holds these blocks (reused or newly computed)."""
+        for h in hashes:
+            n = self.pinned.get(h)
+            if n is None:
+                self.evictable.pop(h, None)
+                self.pinned[h] = 1
+            else:
+                self.pinned[h] = n + 1
+
+    def release(self, hashes: Sequence[int]) -> int:
+        """A request let go of these blocks; returns how many became free (cached, evictable)."""
+        freed = 0
+        for h in reversed(hashes):
+            n = self.pinned.get(h, 0) - 1
+            if n > 0:
+                self.pinned[h] = n
+                continue
+            self.pinned.pop(h, None)
+            self.evictable[h] = None
+            self.evictable.move_to_end(h)
+            freed += 1
+        return freed
+
+    def trim(self, free_blocks: int) -> None:
+        """Free blocks handed out for new content lose what they cached (LRU first)."""
+        while len(self.evictable) > max(0, free_blocks):
+            self.evictable.popitem(last=False)

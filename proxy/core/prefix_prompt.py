@@ -1,0 +1,111 @@
+"""A request's prompt as token ids in the order a server would see them, for the prefix index.
+
+The gateway does not render the model's chat template; it concatenates, per message, the
+role and the text parts, in order. Two requests that share their first messages share the
+leading ids here exactly as they share the leading tokens of their rendered templates,
+which is what the prefix index compares (``proxy.core.prefix``). Media parts count as
+their type only (their bytes are the model's processor's business).
+
+Repeated messages (turn 20 of a chat resends turns 1-19; a shared document is resent with
+every question) are tokenized once: ids are kept in a bounded LRU by a digest of the text.
+
+Pure: no asyncio (``proxy.gateway.affinity`` runs big prompts in a worker thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+Encode = Callable[[str], list[int]]
+
+
+class IdsCache:
+    """Bounded LRU of token ids by (tokenizer id, text digest); bounded by total ids held."""
+
+    def __init__(self, max_tokens: int = 2_000_000, min_chars: int = 256) -> None:
+        self.max_tokens = max_tokens
+        self.min_chars = min_chars
+        self._lru: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def ids(self, encoder_id: str, encode: Encode, text: str) -> array[int]:
+        if len(text) < self.min_chars or self.max_tokens <= 0:
+            return array("q", encode(text))
+        h = hashlib.blake2b(encoder_id.encode(), digest_size=16)
+        h.update(text.encode("utf-8", "surrogatepass"))
+        key = h.digest()
+        with self._lock:
+            hit = self._lru.get(key)
+            if hit is not None:
+                self._lru.move_to_end(key)
+                return hit
+        got = array("q", encode(text))
+        with self._lock:
+            if key not in self._lru:
+                self._lru[key] = got
+                self._held += len(got)
+            while self._held > self.max_tokens and self._lru:
+                _, old = self._lru.popitem(last=False)
+                self._held -= len(old)
+        return got
+
+
+def prompt_ids(
+    body: dict[str, Any],
+    encoder_id: str,
+    encode: Encode,
+    max_tokens: int,
+    cache: IdsCache | None = None,
+) -> array[int]:
+    """The leading ``max_tokens`` ids of the prompt (chat: messages in order; completions: first prompt)."""
+    out: array[int] = array("q")
+
+    def add(text: str) -> bool:
+        if not text:
+            return len(out) < max_tokens
+        got = cache.ids(encoder_id, encode, text) if cache is not None else array("q", encode(text))
+        out.extend(got[: max_tokens - len(out)])
+        return len(out) < max_tokens
+
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        for m in msgs:
+            if not isinstance(m, dict):
+                continue
+            if not add(f"<{m.get('role', '')}>") or not _add_content(m.get("content"), add):
+                break
+        return out
+    p = body.get("prompt")
+    if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+        out.extend(t for t in p[:max_tokens] if 0 <= t < 2**62)
+    elif isinstance(p, list) and p:
+        first = p[0]
+        if isinstance(first, str):
+            add(first)
+        elif isinstance(first, list):
+            out.extend(t for t in first[:max_tokens] if isinstance(t, int) and 0 <= t < 2**62)
+    elif isinstance(p, str):
+        add(p)
+    return out
+
+
+def _add_content(content: Any, add: Callable[[str], bool]) -> bool:
+    if isinstance(content, str):
+        return add(content)
+    for part in content if isinstance(content, list) else []:
+        if isinstance(part, str):
+            text = part
+        elif isinstance(part, dict):
+            got = part.get("text")
+            text = got if isinstance(got, str) else f"<{part.get('type')}>"
+        else:
+            continue
+        if not add(str(text)):
+            return False
+    return True

@@ -1,0 +1,209 @@
+"""The gateway's side of prefix and session affinity: hash at intake, look up at placement, record.
+
+* Intake (``key_of``): the prompt's token ids (the model's tokenizer, repeated messages from
+  a cache) hashed in chained blocks (``proxy.core.prefix``); in a worker thread when the
+  prompt is big, as sizing does. The session key is the ``x-session-id`` header (configurable)
+  or the OpenAI ``user`` field.
+* Placement (``route_request``): each node's expected saving from the index, the session's
+  last node, into the ``RouteRequest`` the policy ranks (``proxy.routing.affinity``), and
+  the (possibly discounted) demand to reserve on the chosen node (``demand_on``).
+* Record (``placed``): the chosen node holds this prompt's blocks afterwards.
+
+Each gateway replica keeps its own index, by choice: the index is a hint (a wrong guess costs
+a prefill, never a failure: fit is checked against the shared store), replicas behind one
+load balancer see the same documents again and learn the same placements within a few
+requests, and sharing would put ~2,000 hash writes per 30k-token request on Redis's request
+path (one Redis call per request today). Session stickiness is per replica for the same
+reason; a sticky load balancer in front (by the same header) makes it exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+from starlette.requests import Request
+
+from proxy.config import Config, PrefixConfig
+from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.core.prefix import PrefixIndex, PrefixIndexConfig, block_hashes
+from proxy.core.prefix_prompt import IdsCache, prompt_ids
+from proxy.core.validation import ParsedRequest
+from proxy.gateway.sizing import sizer_for
+from proxy.routing.affinity import AffinitySettings, demand_on, utilisation
+from proxy.routing.policy import RouteRequest
+
+#: Above this many characters of prompt, ids and hashes are computed in a worker thread.
+_THREAD_ABOVE_CHARS = 16_384
+#: A node this full (for new work) is evicting: the index forgets it sooner.
+_EVICTING_UTILISATION = 0.95
+
+
+def affinity_settings(p: PrefixConfig) -> AffinitySettings:
+    """The policy's affinity weights from ``routing.prefix``."""
+    return AffinitySettings(
+        enabled=p.enabled,
+        min_saving_tokens=p.min_saving_tokens,
+        load_weight=p.load_weight,
+        max_utilisation=p.max_utilisation,
+        session_tokens=p.session_tokens,
+        discount_paged=p.discount_paged,
+        spread_new=p.spread_new,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityKey:
+    """What a request brings to affinity: its prompt's block hashes and its session."""
+
+    hashes: tuple[int, ...] = ()
+    session: str | None = None
+
+
+class Affinity:
+    """The prefix index and the session map of this replica."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg.routing.prefix
+        c = self.cfg
+        self.index = PrefixIndex(
+            PrefixIndexConfig(c.block_tokens, c.ttl_s, c.pressure_ttl_s, c.max_blocks_per_node)
+        )
+        self.ids_cache = IdsCache()
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._full_cfg = cfg
+        self._next_expiry = 0.0
+        # Each node's last reported start time: a restarted server's cache is empty.
+        self._started: dict[str, float] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.enabled
+
+    # ------------------------------------------------------------------ intake
+    async def key_of(self, request: Request, parsed: ParsedRequest) -> AffinityKey | None:
+        """The request's block hashes and session; None when affinity is off."""
+        if not self.cfg.enabled:
+            return None
+        session = self._session_of(request, parsed)
+        if self.cfg.max_prompt_tokens <= 0:
+            return AffinityKey((), session)
+        chars = sum(len(m) for m in _texts(parsed))
+        if chars > _THREAD_ABOVE_CHARS:
+            hashes = await asyncio.to_thread(self.hashes_of, parsed)
+        else:
+            hashes = self.hashes_of(parsed)
+        return AffinityKey(hashes, session)
+
+    def hashes_of(self, parsed: ParsedRequest) -> tuple[int, ...]:
+        counter = sizer_for(self._full_cfg).model(parsed.model).counter
+        encode = getattr(counter, "ids", None)
+        if encode is None:
+            return ()
+        c = self.cfg
+        ids = prompt_ids(parsed.body, counter.id, encode, c.max_prompt_tokens, self.ids_cache)
+        return tuple(block_hashes(ids, c.block_tokens))
+
+    def _session_of(self, request: Request, parsed: ParsedRequest) -> str | None:
+        key = request.headers.get(self.cfg.session_header)
+        if not key and self.cfg.session_from_user:
+            user = parsed.body.get("user")
+            key = user if isinstance(user, str) else None
+        return f"{parsed.model[:200]}|{key[:200]}" if key else None
+
+    # --------------------------------------------------------------- placement
+    def route_request(
+        self, key: AffinityKey | None, base: RouteRequest, view: FleetSnapshot, now: float
+    ) -> RouteRequest:
+        """``base`` with each node's expected saving and the session's last node filled in."""
+        if key is None or not self.cfg.enabled:
+            return base
+        self._observe(view, now)
+        cached: dict[str, int] = {}
+        if key.hashes:
+            for n in view.nodes:
+                blocks = self.index.match(n.name, key.hashes, now)
+                if blocks:
+                    cached[n.name] = blocks * self.cfg.block_tokens
+        indexed = None
+        if (
+            self.cfg.spread_new
+            and len(key.hashes) * self.cfg.block_tokens >= self.cfg.min_saving_tokens
+        ):
+            bt = self.cfg.block_tokens
+            indexed = {n.name: self.index.size(n.name) * bt for n in view.nodes}
+        session_node = self._session_node(key.session, now)
+        return replace(base, cached=cached, session_node=session_node, indexed=indexed)
+
+    def demand_on(self, req: RouteRequest, view: FleetSnapshot, name: str) -> int:
+        """What to reserve on ``name``: the demand, less its cached prefix where it is reused."""
+        if not req.cached:
+            return req.demand
+        for n in view.nodes:
+            if n.name == name:
+                return demand_on(n, req.demand, req.cached, self._settings())
+        return req.demand
+
+    def placed(self, key: AffinityKey | None, backend: str, now: float) -> None:
+        """The request went to ``backend``: it holds the prompt's blocks, the session follows."""
+        if key is None:
+            return
+        if key.hashes:
+            self.index.record(backend, key.hashes, now)
+        if key.session is not None and self.cfg.max_sessions > 0:
+            self._sessions[key.session] = (backend, now)
+            self._sessions.move_to_end(key.session)
+            while len(self._sessions) > self.cfg.max_sessions:
+                self._sessions.popitem(last=False)
+
+    # ------------------------------------------------------------------ upkeep
+    def _session_node(self, session: str | None, now: float) -> str | None:
+        if session is None:
+            return None
+        hit = self._sessions.get(session)
+        if hit is None or now - hit[1] > self.cfg.session_ttl_s:
+            return None
+        return hit[0]
+
+    def _observe(self, view: FleetSnapshot, now: float) -> None:
+        for n in view.nodes:
+            r = n.report
+            if r is None:
+                continue
+            if self._started.setdefault(n.name, r.started_at) != r.started_at:
+                self.index.forget(n.name)
+                self._started[n.name] = r.started_at
+            self.index.observe(n.name, r.capacity_tokens, _evicting(n))
+        if now >= self._next_expiry:
+            # Age expiry sweeps at most once a second: matching checks ages anyway.
+            self.index.expire(now)
+            self._next_expiry = now + 1.0
+
+    def _settings(self) -> AffinitySettings:
+        return affinity_settings(self.cfg)
+
+
+def _evicting(n: NodeView) -> bool:
+    """A node that queues, preempts or is nearly full reuses its free cached blocks soon."""
+    return bool(n.overlay.pressure) or utilisation(n) > _EVICTING_UTILISATION
+
+
+def _texts(parsed: ParsedRequest) -> list[str]:
+    body = parsed.body
+    out: list[str] = []
+    msgs = body.get("messages")
+    for m in msgs if isinstance(msgs, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out.extend(
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+    p = body.get("prompt")
+    if isinstance(p, str):
+        out.append(p)
+    elif isinstance(p, list) and p and isinstance(p[0], str):
+        out.append(p[0])
+    return out
