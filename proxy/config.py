@@ -61,6 +61,17 @@ class BackendConfig(_Strict):
         description="model ids served here; empty: discovered from the backend's /v1/models",
     )
     models_path: str = "/v1/models"
+    prefill_tokens_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="queueing backends: prompt tokens prefilled per second (expected wait); "
+        "none: 10000 per engine",
+    )
+    decode_tokens_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="queueing backends: output tokens per second per request; none: 30",
+    )
 
     @model_validator(mode="after")
     def _one_key_source(self) -> BackendConfig:
@@ -166,6 +177,16 @@ class RoutingConfig(_Strict):
         default=8_192, ge=0, description="prompts longer than this are tokenized off the event loop"
     )
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
+    unknown_model: Literal["reject", "pass_through"] = Field(
+        default="reject",
+        description="a model no backend lists: 404 model_not_found (as vLLM), or send it anyway",
+    )
+    spill_margin_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="a long request leaves the long pool when its expected wait exceeds a "
+        "general node's by more than this (queueing backends)",
+    )
 
 
 class SizingConfig(_Strict):
@@ -311,6 +332,11 @@ class CollectorConfig(_Strict):
     report_ttl_s: float = Field(default=60.0, gt=0)
     models_refresh_s: float = Field(
         default=30.0, gt=0, description="how often each backend's /v1/models is read again"
+    )
+    pressure_hold_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="a node that showed queueing, preemption or full slots stays full this long",
     )
     fall: int = Field(
         default=2, ge=1, description="failed scrapes in a row before a backend is marked down"

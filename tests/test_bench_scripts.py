@@ -165,3 +165,18 @@ def test_bench_sizing_smoke() -> None:
     out = run_module("loadtest.bench.sizing", "--trace-limit", "20", "--repeat", "2").stdout
     for line in ("## 30k-token prompt", "with cache:", "model / cl100k =", "NOT a real model's"):
         assert line in out, out
+
+
+def test_bench_queueing_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "q.json"
+    run_module(
+        "loadtest.bench.queueing",
+        "--runs", "1", "--duration", "2", "--rate", "4", "--policies", "kvroute,round_robin",
+        "--json", str(out_json),
+    )  # fmt: skip
+    rows = json.loads(out_json.read_text())
+    assert [r["policy"] for r in rows] == ["kvroute", "round_robin"]
+    for r in rows:
+        assert r["requests"] > 0 and r["failed"] == 0, r
+        assert r["short_ttft_p50"] is not None and r["preemptions"] >= 0
+        assert r["output_tokens_per_s"] > 0

@@ -308,6 +308,8 @@ def test_gateway_follows_discovered_backends(kube: FakeKubeApi, token_file: Path
                 "discovery": kube_cfg(kube, token_file).model_dump(),
                 "collector": {"scrape_interval_s": 0.1, "stale_after_s": 2.0},
                 "health": {"active": {"interval_s": 0.2}},
+                # The engines serve "sim-model"; this test sends "m" (model routing: 404).
+                "routing": {"unknown_model": "pass_through"},
             },
             environ={},
         )

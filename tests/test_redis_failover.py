@@ -112,6 +112,8 @@ def test_sentinel_failover_under_traffic() -> None:
                 },
                 "collector": {"scrape_interval_s": 0.2, "stale_after_s": 3.0},
                 "queue": {"max_wait_s": 10.0},
+                # The engines serve "sim-model"; the clients send "m" (model routing: 404).
+                "routing": {"unknown_model": "pass_through"},
             },
             environ={},
         )

@@ -179,6 +179,11 @@ def ops_router() -> APIRouter:
                 "restarting": ops.restarting,
                 "max_concurrent_restarts": ops.settings.max_concurrent_restarts,
             }
+            rt = request.app.state.rt
+            snap = rt.fleet.latest
+            if snap is not None:
+                # Long pool vs general pool by expected wait (queueing backends).
+                body["pools"] = rt.gateway.queues.pool_advice(snap, rt.store.now())
             return orjson.dumps(body)
 
         payload = await advice_cache.get("advice", compute)

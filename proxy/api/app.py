@@ -32,6 +32,7 @@ from proxy.api.cache import Coalesced
 from proxy.api.hot import GatewayApp
 from proxy.api.kind_check import KindCheck, kind_mismatch
 from proxy.api.limits import RequestGuard
+from proxy.api.models import fleet_models, kind_errors, lookup_from
 from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
@@ -123,6 +124,7 @@ def snapshot_json(
                 "draining": n.overlay.draining,
                 "cooldown_until": n.overlay.cooldown_until or None,
                 "ceiling_tokens": n.overlay.ceiling_tokens,
+                "pressure": n.overlay.pressure or None,
             },
             "report": None,
         }
@@ -138,6 +140,12 @@ def snapshot_json(
                 "block_size": r.block_size,
                 "running": r.running,
                 "waiting": r.waiting,
+                "queueing": r.queueing,
+                "preemptions": r.preemptions,
+                "engines": r.engines,
+                "engine_free_tokens": list(r.engine_free_tokens),
+                "max_num_seqs": r.max_num_seqs,
+                "sleeping": r.sleeping,
                 "started_at": r.started_at,
                 "reported_at": r.reported_at,
                 "age_s": round(now - r.reported_at, 3),
@@ -218,11 +226,13 @@ def create_app(
         upstream = Upstream(cfg.upstream)
         await upstream.start()
         gateway = Gateway(cfg, st, fleet, policy_for(cfg), upstream, metrics, st.now)
+        gateway.kind_errors = kind_errors  # each backend kind's adapter reads its errors
         await gateway.start()  # active health checks (proxy.upstream.health)
         collector = Collector(cfg, st, owner) if run_collector else None
         metrics.attach_fleet(lambda: fleet.latest, st.now)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
         if collector is not None:
+            gateway.models_info = lookup_from(collector.models)
             collector.on_report.append(lambda name, report: gateway.admission.notify())
             collector.on_report.append(KindCheck(lambda: app.state.rt.cfg).on_report)
             collector.start()
@@ -339,6 +349,9 @@ def create_app(
         now = time.monotonic()
         if r.models_cache is not None and now - r.models_cache[0] < 5.0:
             return Response(r.models_cache[1], media_type="application/json")
+        listed = fleet_models(r.cfg, r.gateway.models_info, int(r.started_at))
+        if listed is not None:
+            return _json(listed)
         snap = await r.fleet.snapshot()
         up = [n.name for n in snap.nodes if n.up]
 

@@ -9,6 +9,7 @@ full before anything reaches the client, so a body that stalls or breaks can sti
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ from proxy.core.fleet import FailureCause, FleetSnapshot, classify_failure
 from proxy.errors import ApiError, UpstreamBroken, UpstreamFailure, upstream_answer
 from proxy.gateway.context import FAILURE_RESULTS, AttemptResult, RequestContext
 from proxy.gateway.divert import divert, record_allocation_failure, verdict_for
-from proxy.upstream.classify import UpstreamVerdict, classify_response, is_json_object
+from proxy.upstream.classify import UpstreamVerdict, Verdict, classify_response, is_json_object
 from proxy.upstream.client import (
     AnswerTooLarge,
     BodyTimeout,
@@ -69,7 +70,8 @@ async def error_answer(
         body = b""
     finally:
         resp.close()
-    verdict = classify_response(resp.status, body, resp.headers.get("retry-after"))
+    generic = classify_response(resp.status, body, resp.headers.get("retry-after"))
+    verdict = by_kind(gw, ctx, backend, generic, resp.status, body)
     if verdict.verdict == "client_error":
         gw.metrics.attempts.labels(backend, verdict.verdict).inc()
         gw.health.success(backend)
@@ -82,6 +84,35 @@ async def error_answer(
         return _allocation_failed(gw, ctx, backend, resp, body, verdict)
     _failed_or_busy(gw, ctx, backend, resp, body, verdict)
     return None
+
+
+def by_kind(
+    gw: Gateway,
+    ctx: RequestContext,
+    backend: str,
+    verdict: UpstreamVerdict,
+    status: int,
+    body: bytes,
+) -> UpstreamVerdict:
+    """The backend kind's own reading of its error (TGI's 424 out of memory is an allocation
+    failure, its 429 overload). An allocation failure the generic reading already recognised
+    (the kvroute contract's exact error, a KV phrase) is never downgraded."""
+    if verdict.verdict == "allocation":
+        return verdict
+    try:
+        kind = ctx.cfg.backend(backend).kind
+        read = _KIND_VERDICTS.get(gw.kind_errors(kind, status, body) or "")
+    except KeyError:
+        return verdict
+    return dataclasses.replace(verdict, verdict=read) if read is not None else verdict
+
+
+_KIND_VERDICTS: dict[str, Verdict] = {
+    "allocation": "allocation",
+    "overload": "overload",
+    "client_error": "client_error",
+    "server_error": "server_error",
+}
 
 
 def _allocation_failed(

@@ -82,6 +82,8 @@ class RequestContext:
     cfg: Config
     policy: Policy
     exclude: set[str] = field(default_factory=set)
+    # Backends that do not serve the request's model or whose max_model_len is too small.
+    ruled_out: frozenset[str] = frozenset()
     # Nodes known to have failed to allocate this request (its attempts, or the client's
     # earlier try by retry key): left out of ranking, but judged on memory, not as unavailable.
     no_room: set[str] = field(default_factory=set)
@@ -94,6 +96,8 @@ class RequestContext:
     decided: bool = False
     # When waiting in the admission queue must end (set on first entry, monotonic clock).
     queue_deadline: float | None = None
+    # When holding at the gateway began (monotonic; queueing backends bound it by their wait).
+    hold_started: float | None = None
     # The answer if we stop now after an upstream failure; None while nothing failed.
     failure: Response | None = None
     # How the request ends if ``failure`` is the answer (kvroute_requests_total{outcome}).

@@ -152,6 +152,11 @@ def verdict_for(gw: Gateway, ctx: RequestContext, view: FleetSnapshot, now: floa
     unavailable; nodes that failed to allocate it are judged on their memory instead.
     """
     exclude = (ctx.exclude - ctx.no_room) | gw.health.avoid()
+    if ctx.ruled_out:
+        # Backends that do not serve the model (or its length) are not part of the question.
+        view = FleetSnapshot(
+            tuple(n for n in view.nodes if n.name not in ctx.ruled_out), view.taken_at
+        )
     return judge(
         view,
         ctx.demand,

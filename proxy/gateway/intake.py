@@ -1,7 +1,9 @@
 """Steps 1-3 of the walk: read and validate the body, size it in KV tokens, classify it.
 
 Bad input is answered here, before any state is touched: a body over the limit is a 413, a
-request larger than any backend's whole cache a 400 (``context_length_exceeded``).
+model served nowhere a 404 (``model_not_found``), a request longer than the model's
+``max_model_len`` a 400 in vLLM's words (``proxy.gateway.models``), and, where no limit is
+known, one larger than any backend's whole cache a 400 (``context_length_exceeded``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
 from proxy.gateway import retry_memory
 from proxy.gateway.context import RequestContext
+from proxy.gateway.models import check_length, route_model
 from proxy.gateway.sizing import size_request
 from proxy.routing.policy import Policy, classify
 from proxy.state.base import StoreUnavailable
@@ -106,13 +109,16 @@ async def open_request(
     policy = gw.policy if policy is None else policy
     rcfg = cfg.routing
     deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
-    sized = await size_request(parsed, cfg)
+    served = route_model(gw, parsed, cfg)
+    sized = await size_request(parsed, cfg, served.limit)
     prompt_tokens, demand = sized.prompt_tokens, sized.total
+    too_small = check_length(gw, served, parsed, prompt_tokens, cfg)
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
     cap = max_capacity(cfg, snap)
     need = demand * (1.0 + rcfg.safety_margin) if policy.checks_fit else float(demand)
-    if cap is not None and need > cap:
+    # With the model's max_model_len known, that is the limit the servers enforce (above).
+    if served.limit is None and cap is not None and need > cap:
         raise ApiError(
             400,
             f"this request needs {demand} tokens of KV cache ({prompt_tokens} prompt + "
@@ -136,6 +142,7 @@ async def open_request(
         upstream_headers=forward_headers(request.headers, bool(cfg.auth.api_keys)),
         cfg=cfg,
         policy=policy,
+        ruled_out=served.ruled_out | too_small,
     )
     ctx.affinity = await gw.affinity.key_of(request, parsed)
     if key is not None:

@@ -82,6 +82,12 @@ class FleetCollector(Collector):
             reserved,
             inflight,
         ]
+        pressure = GaugeMetricFamily(
+            "kvroute_backend_pressure",
+            "1 while a queueing backend is full for new work: queue, slots, preemption or asleep",
+            labels=["backend", "reason"],
+        )
+        fams.append(pressure)
         if snap is not None:
             for n in snap.nodes:
                 labels = [n.name, n.pool]
@@ -89,6 +95,9 @@ class FleetCollector(Collector):
                 draining.add_metric(labels, 1.0 if n.overlay.draining else 0.0)
                 reserved.add_metric(labels, float(n.overlay.reserved_tokens))
                 inflight.add_metric(labels, float(n.overlay.inflight))
+                for reason in ("queue", "slots", "preemption", "asleep"):
+                    on = 1.0 if n.overlay.pressure == reason else 0.0
+                    pressure.add_metric([n.name, reason], on)
                 r = n.report
                 if r is None:
                     continue

@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError, upstream_answer
+from proxy.gateway import queueing
 from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import record_allocation_failure, verdict_for
 from proxy.routing.nothing_fits import NothingFits
@@ -39,7 +40,7 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
             # No attempt after the request's own deadline: it could only time out, and
             # would count against a backend that did nothing wrong.
             return out_of_time(gw, ctx)
-        avoid = frozenset(ctx.exclude) | gw.health.avoid()
+        avoid = frozenset(ctx.exclude) | gw.health.avoid() | ctx.ruled_out
         now = gw.clock()
         view = gw.local.apply(ctx.snap)
         request = RouteRequest(ctx.demand, ctx.cls, avoid)
@@ -68,10 +69,21 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
         if verdict.cause == "unavailable":
             # An outage: no report will make room, so the queue would only delay the 503.
             return nothing_fits(gw, ctx, verdict)
+        if queueing.hold_over(gw, ctx, view, avoid):
+            # A queueing backend with KV room, only its queue full: no hold at all.
+            queued = await join_queue(gw, ctx, avoid)
+            if queued is not None:
+                _begin_attempt(gw, ctx)
+                return queued
         if ctx.queue_deadline is None:
             ctx.queue_deadline = time.monotonic() + ctx.cfg.queue.max_wait_s
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
         if waited is None:
+            # Queueing backends (vLLM, SGLang, TGI) are a place to wait, never a 503.
+            queued = await join_queue(gw, ctx, avoid)
+            if queued is not None:
+                _begin_attempt(gw, ctx)
+                return queued
             return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=ctx.attempts > 0)
         ctx.snap = waited
     if ctx.failure is not None:
@@ -124,11 +136,14 @@ async def reserve_first(
     ranked: list[str],
     now: float,
     demands: dict[str, int] | None = None,
+    check_fit: bool = True,
 ) -> str | None:
     """Reserve on the best candidate that accepts; a lost race moves on to the next.
 
     ``demands``: what to reserve per node where it differs from the request's demand (a
     cached prefix that the server reuses, ``proxy.gateway.affinity``).
+    ``check_fit=False``: the reservation is taken whatever the memory figures (a queueing
+    backend's own queue is where the request waits).
     """
     for name in ranked:
         tokens = demands.get(name, ctx.demand) if demands else ctx.demand
@@ -143,7 +158,7 @@ async def reserve_first(
                 tokens,
                 now,
                 ctx.cfg.store.reservation_ttl_s,
-                check_fit=ctx.policy.checks_fit,
+                check_fit=ctx.policy.checks_fit and check_fit,
                 headroom=ctx.cfg.routing.safety_margin,
                 grace_s=ctx.cfg.store.report_grace_s,
             )
@@ -167,6 +182,17 @@ async def reserve_first(
     return None
 
 
+async def join_queue(gw: Gateway, ctx: RequestContext, avoid: frozenset[str]) -> str | None:
+    """Hand the request to the queueing backend expected to start it soonest (or None)."""
+    ctx.snap = await gw.fleet.snapshot(force=True)
+    now = gw.clock()
+    ranked = gw.queues.ranked(ctx, gw.local.apply(ctx.snap), avoid, now)
+    backend = await reserve_first(gw, ctx, [name for name, _ in ranked], now, check_fit=False)
+    if backend is not None:
+        gw.queues.handed.labels(backend, "hold_over").inc()
+    return backend
+
+
 async def wait_for_fit(
     gw: Gateway, ctx: RequestContext, exclude: frozenset[str], deadline: float
 ) -> FleetSnapshot | None:
@@ -175,6 +201,8 @@ async def wait_for_fit(
         return None
     gw.metrics.queue_depth.set(gw.admission.depth)
     start = time.monotonic()
+    if ctx.hold_started is None:
+        ctx.hold_started = start
     try:
         while True:
             remaining = deadline - time.monotonic()
@@ -187,6 +215,8 @@ async def wait_for_fit(
             request = RouteRequest(ctx.demand, ctx.cls, exclude | gw.health.avoid())
             if ctx.policy.rank(gw.local.apply(snap), request, gw.clock()):
                 return snap
+            if queueing.hold_over(gw, ctx, gw.local.apply(snap), request.exclude):
+                return None
     finally:
         gw.admission.leave()
         gw.metrics.queue_depth.set(gw.admission.depth)

@@ -38,6 +38,8 @@ from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.metrics import GatewayMetrics
+from proxy.gateway.models import KindErrors, ModelsLookup
+from proxy.gateway.queueing import BackendQueues
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.gateway.resilience_metrics import ResilienceCollector
 from proxy.gateway.retry_budget import RetryBudget
@@ -113,6 +115,12 @@ class Gateway:
         self.affinity = Affinity(cfg)
         self.checker: ActiveChecker | None = None
         self._probe_headers: dict[str, dict[str, str]] = {}
+        # What each backend's /v1/models said (the collector's cache; the app wires it).
+        self.models_info: ModelsLookup = lambda name: None
+        # A backend kind's own reading of an error answer (its adapter's classify_error);
+        # the app wires the adapters in. Unset, the generic verdict stands.
+        self.kind_errors: KindErrors = lambda kind, status, body: None
+        self.queues = BackendQueues(cfg, metrics.registry)
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
 

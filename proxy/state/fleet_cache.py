@@ -20,11 +20,13 @@ Times come from the store's clock (``StateStore.now``) unless a clock is passed 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
 from proxy.config import Config
-from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView
+from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.core.pressure import PressureConfig, PressureTracker
 from proxy.state.base import BackendState, StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker
 
@@ -43,16 +45,12 @@ def node_from_state(cfg: Config, name: str, st: BackendState | None, now: float)
         and report.capacity_tokens != b.capacity_tokens
     ):
         cap = b.capacity_tokens
-        report = MemoryReport(
+        # replace(), not a new report: queueing, engines, preemptions... must survive.
+        report = dataclasses.replace(
+            report,
             capacity_tokens=cap,
             free_tokens=min(report.free_tokens, cap),
             largest_free_block_tokens=min(report.largest_free_block_tokens, cap),
-            allocator=report.allocator,
-            block_size=report.block_size,
-            running=report.running,
-            waiting=report.waiting,
-            started_at=report.started_at,
-            reported_at=report.reported_at,
         )
     return NodeView(
         name=name,
@@ -85,6 +83,8 @@ class FleetCache:
         self.degraded = False
         self.store_errors = 0
         self.on_degraded_change: list[Callable[[bool], None]] = []
+        # Queue / preemption / slot signals with hysteresis (proxy.core.pressure).
+        self.pressure = PressureTracker(PressureConfig(cfg.collector.pressure_hold_s))
         own = getattr(store, "breaker", None)
         # A degraded-mode store brings the breaker it runs around Redis: one circuit, not two.
         self.breaker = (
@@ -131,12 +131,25 @@ class FleetCache:
             return self.length_only(now)
         self._set_degraded(self.store.degraded)
         snap = FleetSnapshot(
-            tuple(node_from_state(self.cfg, n, states.get(n), now) for n in self.names),
+            tuple(
+                self._with_pressure(node_from_state(self.cfg, n, states.get(n), now), now)
+                for n in self.names
+            ),
             taken_at=now,
         )
         self._snap = snap
         self._last_ok = now
         return snap
+
+    def _with_pressure(self, node: NodeView, now: float) -> NodeView:
+        """A queueing node that shows a queue, preemptions, full slots or sleep is full for now."""
+        if node.report is None or not node.report.queueing:
+            return node
+        self.pressure.observe(node.name, node.report, now)
+        reason = self.pressure.reason(node.name, now)
+        if not reason:
+            return node
+        return dataclasses.replace(node, overlay=dataclasses.replace(node.overlay, pressure=reason))
 
     async def snapshot(self, force: bool = False) -> FleetSnapshot:
         now = self.clock()

@@ -61,6 +61,9 @@ def gateway_cfg(backends: list[dict[str, Any]], **sections: Any) -> Config:
         "backends": backends,
         "collector": {"scrape_interval_s": 0.1, "stale_after_s": 2.0},
         "queue": {"max_wait_s": 0.5},
+        # The simulated engines answer any model name; most tests send "m". Tests of model
+        # routing set "reject" (the shipped default) themselves.
+        "routing": {"unknown_model": "pass_through"},
     }
     for k, v in sections.items():
         data.setdefault(k, {}).update(v)

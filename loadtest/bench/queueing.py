@@ -1,0 +1,318 @@
+"""Queueing backends near saturation: kvroute vs round robin vs least loaded, streaming clients.
+
+A reduced form of the "vLLM, exactly" / "Queueing backends" benchmark that fits a shared
+2-core machine: four vLLM-mode engines (``kvroute engine --behaviour vllm``: paged blocks
+allocated lazily, a FIFO waiting queue instead of errors, preemption with recompute), two of
+them data-parallel 2, two in a ``long`` pool; the bimodal mix (70% short chats, 30% long
+documents, lengths scaled down) sent open-loop near the fleet's prefill capacity, every client
+streaming. For each policy the engines are started fresh, then the gateway (a process, as
+deployed), then the same request list (same seed, same arrival times).
+
+Reported per policy: failed requests, time to first token (first streamed content) p50/p99
+for short and for long requests, preemptions (the engines' own ``vllm:num_preemptions_total``),
+requests the gateway handed to a backend's queue, and throughput (output tokens per second).
+vllm-router is not installable here (no network, no Rust toolchain): it is not in the table.
+
+    python -m loadtest.bench.queueing --runs 1 --duration 15 --rate 8 --json out/q.json \\
+        --plot docs/img/queueing.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.local_fleet import free_port
+from loadtest.workload import Request, bimodal, chat_overhead_tokens, make_prompt
+
+POLICIES = ("kvroute", "round_robin", "least_loaded")
+# name, data-parallel engines, pool
+FLEET = (("e0", 1, "long"), ("e1", 1, "long"), ("e2", 2, "general"), ("e3", 2, "general"))
+
+
+@dataclass
+class Sample:
+    kind: str
+    status: int
+    ttft_s: float | None
+    tokens: int
+    backend: str = ""
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    samples: list[Sample] = field(default_factory=list)
+    preemptions: int = 0
+    handed_to_queue: int = 0
+    wall_s: float = 0.0
+
+    def pct(self, kind: str, q: float) -> float | None:
+        xs = sorted(s.ttft_s for s in self.samples if s.kind == kind and s.ttft_s is not None)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+    def summary(self) -> dict[str, Any]:
+        failed = sum(1 for s in self.samples if s.status != 200 or s.ttft_s is None)
+        return {
+            "policy": self.policy,
+            "requests": len(self.samples),
+            "failed": failed,
+            "short_ttft_p50": self.pct("short", 0.5),
+            "short_ttft_p99": self.pct("short", 0.99),
+            "long_ttft_p50": self.pct("long", 0.5),
+            "long_ttft_p99": self.pct("long", 0.99),
+            "preemptions": self.preemptions,
+            "handed_to_queue": self.handed_to_queue,
+            "output_tokens_per_s": sum(s.tokens for s in self.samples) / max(self.wall_s, 1e-9),
+        }
+
+
+def start_engine(name: str, dp: int, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    argv = [sys.executable, "-m", "proxy.cli", "engine", "--behaviour", "vllm", "--port", "0"]
+    argv += ["--name", name, "--model", "sim-model", "--data-parallel", str(dp)]
+    argv += ["--capacity-tokens", str(args.capacity * dp), "--block-size", "16"]
+    argv += ["--prefill-tokens-per-s", str(args.prefill), "--decode-tokens-per-s", "30"]
+    argv += ["--speedup", str(args.speedup), "--chunk-interval-s", "0.1"]
+    argv += ["--max-num-seqs", str(args.max_num_seqs)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise RuntimeError(f"engine {name} did not start: {line!r}")
+    return proc, line.split("listening on ", 1)[1].strip()
+
+
+def gateway_config(policy: str, urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    rate = args.prefill * args.speedup
+    backends = [
+        {
+            "name": name,
+            "url": urls[name],
+            "kind": "vllm",
+            "pool": pool,
+            "prefill_tokens_per_s": rate,
+            "decode_tokens_per_s": 30 * args.speedup,
+        }
+        for name, _dp, pool in FLEET
+    ]
+    return {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "backends": backends,
+        "pools": {"general": {"role": "general"}, "long": {"role": "long"}},
+        "routing": {"policy": policy, "long_threshold_tokens": args.long_min // 2},
+        "collector": {"scrape_interval_s": 0.25, "stale_after_s": 5.0},
+        "health": {"active": {"enabled": False}},
+    }
+
+
+def start_gateway(cfg: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[str], str]:
+    path = workdir / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    url = f"http://127.0.0.1:{cfg['listen']['port']}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            fleet = httpx.get(url + "/fleet", timeout=1).json()["backends"]
+            if all(b["report"] for b in fleet):
+                return proc, url
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("gateway did not start")
+
+
+def counter(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name in (name, name + "_total")
+    )
+
+
+async def one(
+    client: httpx.AsyncClient, url: str, req: Request, body: dict[str, Any], t0: float
+) -> Sample:
+    ttft: float | None = None
+    tokens = 0
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return Sample(req.kind, resp.status_code, None, 0)
+            async for line in resp.aiter_lines():
+                if line.startswith("data:") and '"content"' in line:
+                    if ttft is None:
+                        ttft = time.monotonic() - t0
+                    tokens += 1
+            return Sample(req.kind, 200, ttft, tokens, resp.headers.get("x-kvroute-backend", ""))
+    except httpx.HTTPError:
+        return Sample(req.kind, 0, None, tokens)
+
+
+async def drive(url: str, requests: list[Request], seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    overhead = chat_overhead_tokens()
+    bodies = [
+        {
+            "model": "sim-model",
+            "messages": [
+                {"role": "user", "content": make_prompt(max(1, r.prompt_tokens - overhead), rng)}
+            ],
+            "max_tokens": max(1, r.output_tokens),
+            "stream": True,
+        }
+        for r in requests
+    ]
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        start = time.monotonic()
+        tasks: list[asyncio.Task[Sample]] = []
+        for req, body in zip(requests, bodies, strict=True):
+            delay = start + req.arrival_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t0 = time.monotonic()
+            tasks.append(
+                asyncio.create_task(one(client, url + "/v1/chat/completions", req, body, t0))
+            )
+        return list(await asyncio.gather(*tasks))
+
+
+def run_policy(policy: str, requests: list[Request], args: argparse.Namespace) -> PolicyRun:
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        urls: dict[str, str] = {}
+        for name, dp, _pool in FLEET:
+            proc, url = start_engine(name, dp, args)
+            procs.append(proc)
+            urls[name] = url
+        with tempfile.TemporaryDirectory() as tmp:
+            gw, gw_url = start_gateway(gateway_config(policy, urls, args), Path(tmp))
+            procs.append(gw)
+            started = time.monotonic()
+            samples = asyncio.run(drive(gw_url, requests, args.seed))
+            run = PolicyRun(policy, samples, wall_s=time.monotonic() - started)
+            run.preemptions = int(sum(counter(u, "vllm:num_preemptions") for u in urls.values()))
+            run.handed_to_queue = int(counter(gw_url, "kvroute_queued_at_backend"))
+        return run
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| run | policy | failed | short TTFT p50 / p99 (s) | long TTFT p50 / p99 (s) "
+        "| preemptions | handed to a backend queue | output tok/s |\n|---|---|---|---|---|---|---|---|"
+    )
+    lines = [
+        f"| {r['run']} | {r['policy']} | {r['failed']}/{r['requests']} "
+        f"| {fmt(r['short_ttft_p50'])} / {fmt(r['short_ttft_p99'])} "
+        f"| {fmt(r['long_ttft_p50'])} / {fmt(r['long_ttft_p99'])} "
+        f"| {r['preemptions']} | {r['handed_to_queue']} | {r['output_tokens_per_s']:.0f} |"
+        for r in rows
+    ]
+    return "\n".join([head, *lines])
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, kind in zip(axes, ("short", "long"), strict=True):
+        for i, policy in enumerate(POLICIES):
+            mine = [r for r in rows if r["policy"] == policy]
+            p99 = [r[f"{kind}_ttft_p99"] or 0.0 for r in mine]
+            p50 = [r[f"{kind}_ttft_p50"] or 0.0 for r in mine]
+            xs = [i + 0.25 * j for j in range(len(mine))]
+            ax.bar(xs, p99, width=0.2, label=f"{policy} p99" if kind == "short" else None)
+            ax.scatter(xs, p50, color="black", s=12, zorder=3)
+        ax.set_xticks(range(len(POLICIES)), POLICIES)
+        ax.set_title(f"{kind} requests: TTFT p99 (bars), p50 (dots)")
+        ax.set_ylabel("seconds")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.queueing", description=__doc__)
+    p.add_argument("--runs", type=int, default=1, help="repetitions of the whole comparison")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per policy")
+    p.add_argument("--rate", type=float, default=11.0, help="arrivals per second")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--capacity", type=int, default=24_000, help="KV tokens per engine")
+    p.add_argument("--prefill", type=float, default=2_500.0, help="prefill tokens/s per engine")
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="running requests per engine")
+    p.add_argument("--long-min", type=int, default=3_000, help="long prompts: min tokens")
+    p.add_argument("--long-max", type=int, default=6_000, help="long prompts: max tokens")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    for run in range(1, args.runs + 1):
+        requests = bimodal(
+            args.rate,
+            duration_s=args.duration,
+            seed=args.seed + run,
+            short=(20, 300),
+            long=(args.long_min, args.long_max),
+            short_output=(16, 128),
+            long_output=(32, 256),
+        )
+        for policy in args.policies.split(","):
+            res = run_policy(policy, requests, args).summary()
+            res["run"] = run
+            rows.append(res)
+            print(table([res]).splitlines()[-1], flush=True)
+    print(table(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
+    if args.plot is not None:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

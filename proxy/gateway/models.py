@@ -1,0 +1,79 @@
+"""Step 1b of the walk: which backends may take this ``model``, and its context limit.
+
+The catalog (``proxy.core.catalog``) is built from the config's ``models`` per backend and
+what each backend's ``GET /v1/models`` last said (the collector's cache, refreshed every
+``collector.models_refresh_s``). A model served nowhere is a 404 ``model_not_found`` listing
+what is served; a request longer than the model's ``max_model_len`` on every backend that
+serves it is vLLM's own 400, before any state is touched; backends whose limit is too small
+for this request are ruled out of its routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from proxy.config import Config
+from proxy.core.catalog import BackendModels, Catalog, ModelRoute
+from proxy.core.model_limits import LimitError, context_length_error, model_not_found
+from proxy.core.validation import ParsedRequest
+from proxy.errors import ApiError
+
+if TYPE_CHECKING:
+    from proxy.gateway.walk import Gateway
+
+# Backend name -> what its /v1/models listed (model id -> max_model_len), None while unknown.
+# The app wires it to the collector's cache (gateway code does not import the adapters).
+ModelsLookup = Callable[[str], "Mapping[str, int | None] | None"]
+# (backend kind, status, body) -> "allocation" | "overload" | "client_error" | "server_error",
+# or None when no adapter reads that kind.
+KindErrors = Callable[[str, int, bytes], "str | None"]
+
+
+def build_catalog(cfg: Config, lookup: ModelsLookup) -> Catalog:
+    """Config ``models`` win; else the backend's own list; ``models.<id>.max_model_len`` fills gaps."""
+    out: list[BackendModels] = []
+    for b in cfg.backends:
+        info = lookup(b.name)
+        ids: tuple[str, ...] | None = b.models or (tuple(info) if info is not None else None)
+        limits: dict[str, int | None] = {}
+        for model in ids or ():
+            found = info.get(model) if info is not None else None
+            conf = cfg.models.get(model)
+            limits[model] = found if found is not None else (conf.max_model_len if conf else None)
+        out.append(BackendModels(b.name, ids, limits))
+    return Catalog(tuple(out))
+
+
+def as_api_error(err: LimitError) -> ApiError:
+    return ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code)
+
+
+def route_model(gw: Gateway, parsed: ParsedRequest, cfg: Config) -> ModelRoute:
+    """Where the request's model is served; 404 ``model_not_found`` when nowhere."""
+    catalog = build_catalog(cfg, gw.models_info)
+    route = catalog.route(parsed.model, cfg.routing.unknown_model == "pass_through")
+    if route is None:
+        raise as_api_error(model_not_found(parsed.model, catalog.served_ids()))
+    return route
+
+
+def check_length(
+    gw: Gateway, route: ModelRoute, parsed: ParsedRequest, prompt_tokens: int, cfg: Config
+) -> frozenset[str]:
+    """vLLM's 400 when the request exceeds the model's largest limit; else the backends too small.
+
+    Without ``max_tokens`` a server fills the rest of the context (vLLM), so only the prompt
+    must fit: it must leave room for one token.
+    """
+    prompt = parsed.body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+        # Several prompts: each is its own sequence with its own limit (only the total is known here).
+        return frozenset()
+    given = parsed.max_tokens is not None
+    asked = parsed.max_tokens if parsed.max_tokens is not None else 1
+    err = context_length_error(route.limit, prompt_tokens, asked, given)
+    if err is not None:
+        raise as_api_error(err)
+    catalog = build_catalog(cfg, gw.models_info)
+    return catalog.too_small(parsed.model, prompt_tokens + asked)

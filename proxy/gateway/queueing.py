@@ -1,0 +1,108 @@
+"""Late binding for queueing backends: hold while it pays, then join the shortest queue.
+
+A request that fits nowhere now waits in the gateway's admission queue. For fail-fast
+backends (the kvroute contract) the hold is bounded by ``queue.max_wait_s`` and ends in 503.
+For queueing backends (vLLM, SGLang, TGI: they queue instead of failing) a backend's queue is
+a valid place to wait, never a reason for a 503:
+
+* the best backend (``proxy.routing.queueing``: shortest expected wait) has the KV room and
+  only its queue or slots are full: join it at once; a FIFO queue there starts the request
+  as soon as the gateway could have (measured: holding behind the pressure signal made
+  short-request TTFT worse, docs/benchmarks.md section 6);
+* it is short of KV (sending now risks preemption): hold, but only as long as its expected
+  wait (ski rental: the hold never costs more than twice the better of the two choices) and
+  at most ``queue.max_wait_s``; then join it, with an unchecked reservation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy.config import Config
+from proxy.core.fleet import FleetSnapshot
+from proxy.gateway.context import RequestContext
+from proxy.routing.policy import PolicySettings, RouteRequest, eligible
+from proxy.routing.pool_sizing import PoolSizing
+from proxy.routing.queueing import (
+    DEFAULT_DECODE_TOKENS_PER_S,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    QueueingSettings,
+    Rates,
+    is_queueing,
+    rank_by_wait,
+)
+
+if TYPE_CHECKING:
+    from proxy.gateway.walk import Gateway
+
+
+def settings_from(cfg: Config) -> QueueingSettings:
+    rates = {
+        b.name: Rates(
+            b.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
+            b.decode_tokens_per_s or DEFAULT_DECODE_TOKENS_PER_S,
+        )
+        for b in cfg.backends
+    }
+    return QueueingSettings(cfg.routing.spill_margin_s, rates)
+
+
+class BackendQueues:
+    """The gateway's side of queueing backends: settings and the hand-over counter."""
+
+    def __init__(self, cfg: Config, registry: CollectorRegistry) -> None:
+        self.settings = settings_from(cfg)
+        self.policy_settings = PolicySettings(
+            safety_margin=cfg.routing.safety_margin,
+            stale_after_s=cfg.collector.stale_after_s,
+            long_threshold_tokens=cfg.routing.long_threshold_tokens,
+        )
+        self.handed = Counter(
+            "kvroute_queued_at_backend_total",
+            "Requests that fit nowhere now, sent to the queueing backend expected to start them soonest",
+            ["backend", "why"],
+            registry=registry,
+        )
+        # Pool sizing from the pools' expected waits (``GET /fleet/advice``: ``pools``).
+        self.sizing = PoolSizing()
+        self.long_threshold_tokens = cfg.routing.long_threshold_tokens
+
+    def pool_advice(self, snap: FleetSnapshot, now: float) -> dict[str, object]:
+        verdict = self.sizing.observe(
+            snap,
+            now,
+            self.settings,
+            self.long_threshold_tokens,
+            self.policy_settings.stale_after_s,
+        )
+        return self.sizing.to_json(verdict)
+
+    def ranked(
+        self, ctx: RequestContext, snap: FleetSnapshot, avoid: frozenset[str], now: float
+    ) -> list[tuple[str, float]]:
+        """Queueing backends the request may go to, by expected wait (empty: none queue)."""
+        req = RouteRequest(ctx.demand, ctx.cls, avoid)
+        # ``snap`` carries this replica's own reservations (``Gateway.local``): a burst spreads.
+        nodes = [n for n in eligible(snap, req, now, self.policy_settings) if is_queueing(n)]
+        return rank_by_wait(nodes, ctx.prompt_tokens, ctx.demand, ctx.cls, self.settings)
+
+
+def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: frozenset[str]) -> bool:
+    """Should the request stop holding at the gateway and join a backend's queue now?
+
+    At once when the best backend has the KV room and only its queue or slots are full: the
+    gateway learns nothing a FIFO queue there would not act on sooner (a hold would only add
+    a report interval). Otherwise once the hold has lasted as long as that backend's expected
+    wait (it is short of KV: holding avoids preemption while it lasts).
+    """
+    ranked = gw.queues.ranked(ctx, snap, avoid, gw.clock())
+    if not ranked:
+        return False
+    best = snap.by_name()[ranked[0][0]]
+    if best.usable_block() >= ctx.demand:
+        return True
+    held = time.monotonic() - ctx.hold_started if ctx.hold_started is not None else 0.0
+    return held >= ranked[0][1]

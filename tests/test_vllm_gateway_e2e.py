@@ -1,0 +1,187 @@
+"""Through the real gateway, against vLLM-mode engines: model routing, the 400, pressure,
+and queueing backends that are never answered 503 because memory looks short."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.server
+import threading
+from typing import Any
+
+import httpx
+
+from tests.support.behaviours import engine_state, engines
+from tests.support.gateway import gateway_cfg, run_gateway, wait_until
+
+FAST = {"speedup": 20, "block_size": 16}
+
+
+def backends(urls: dict[str, str], **extra: Any) -> list[dict[str, Any]]:
+    return [{"name": n, "url": u, "kind": "vllm", **extra} for n, u in urls.items()]
+
+
+def listed(gw: str) -> dict[str, dict[str, Any]]:
+    return {m["id"]: m for m in httpx.get(gw + "/v1/models", timeout=5).json()["data"]}
+
+
+def reported(gw: str, n: int) -> bool:
+    return sum(1 for b in httpx.get(gw + "/fleet").json()["backends"] if b["report"]) == n
+
+
+def test_model_routing_404_and_the_fleets_model_list() -> None:
+    specs = [
+        ("vllm", "a", {"model": "alpha", "data_parallel": 2, "max_model_len": 4000, **FAST}),
+        ("vllm", "b", {"model": "beta", "max_model_len": 1000, **FAST}),
+    ]
+    with engines(*specs) as urls:
+        cfg = gateway_cfg(backends(urls), routing={"unknown_model": "reject"})
+        with run_gateway(cfg) as gw:
+            wait_until(lambda: set(listed(gw)) == {"alpha", "beta"}, what="models discovered")
+            models = listed(gw)
+            assert models["alpha"]["max_model_len"] == 4000 and models["alpha"]["backends"] == ["a"]
+            assert models["beta"]["max_model_len"] == 1000 and models["beta"]["backends"] == ["b"]
+            for model, backend in [("alpha", "a"), ("beta", "b")] * 3:
+                body = {"model": model, "prompt": "hello there", "max_tokens": 5}
+                r = httpx.post(gw + "/v1/completions", json=body, timeout=30)
+                assert r.status_code == 200 and r.headers["x-kvroute-backend"] == backend
+            r = httpx.post(
+                gw + "/v1/chat/completions",
+                json={"model": "gamma", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            err = r.json()["error"]
+            assert r.status_code == 404 and err["code"] == "model_not_found"
+            assert "alpha, beta" in err["message"] and err["param"] == "model"
+
+
+def test_max_model_len_400_in_vllms_words_before_any_backend_sees_it() -> None:
+    with engines(("vllm", "b", {"model": "beta", "max_model_len": 1000, **FAST})) as urls:
+        cfg = gateway_cfg(backends(urls, models=["beta"]), routing={"unknown_model": "reject"})
+        with run_gateway(cfg) as gw:
+            wait_until(lambda: listed(gw).get("beta", {}).get("max_model_len") == 1000)
+            body = {"model": "beta", "prompt": "word " * 100, "max_tokens": 950}
+            r = httpx.post(gw + "/v1/completions", json=body, timeout=30)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+            assert "maximum context length is 1000 tokens" in err["message"]
+            assert err["param"] == "max_tokens"
+            long_prompt = {"model": "beta", "prompt": "word " * 1200}
+            r = httpx.post(gw + "/v1/completions", json=long_prompt, timeout=30)
+            assert r.status_code == 400 and "input tokens" in r.json()["error"]["message"]
+            # Neither reached the engine: its own counters saw nothing.
+            metrics = httpx.get(urls["b"] + "/metrics").text
+            assert 'vllm:request_success_total{engine="0",finished_reason="length"' not in metrics
+            ok = {"model": "beta", "prompt": "word " * 100, "max_tokens": 50}
+            assert httpx.post(gw + "/v1/completions", json=ok, timeout=30).status_code == 200
+
+
+def test_a_saturated_node_ranks_as_full_and_shows_why() -> None:
+    # One slot each; decode slow enough that a request holds its slot for ~2 s.
+    slow = {"max_num_seqs": 1, "decode_tokens_per_s": 10, "speedup": 1, "model": "m"}
+    with engines(("vllm", "busy", slow), ("vllm", "idle", slow)) as urls:
+        cfg = gateway_cfg(backends(urls))
+        with run_gateway(cfg) as gw:
+            wait_until(lambda: reported(gw, 2), what="reports")
+            # Fill "busy" behind the gateway's back: one running, one waiting.
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                body = {"model": "m", "prompt": "x", "max_tokens": 20}
+                futs = [
+                    pool.submit(httpx.post, urls["busy"] + "/v1/completions", json=body, timeout=30)
+                    for _ in range(2)
+                ]
+                wait_until(lambda: engine_state(urls["busy"])[0]["waiting"] == 1, what="queue")
+
+                def pressure() -> dict[str, Any]:
+                    return {
+                        b["name"]: b["overlay"]["pressure"]
+                        for b in httpx.get(gw + "/fleet").json()["backends"]
+                    }
+
+                wait_until(lambda: pressure()["busy"] is not None, what="pressure seen")
+                assert pressure()["busy"] in ("slots", "queue") and pressure()["idle"] is None
+                metrics = httpx.get(gw + "/metrics").text
+                assert 'kvroute_backend_pressure{backend="busy",reason="' in metrics
+                # A new request goes to the idle node, though "busy" has more KV free than it needs.
+                short = {"model": "m", "prompt": "y", "max_tokens": 2}
+                for _ in range(3):
+                    r = httpx.post(gw + "/v1/completions", json=short, timeout=30)
+                    assert r.status_code == 200 and r.headers["x-kvroute-backend"] == "idle"
+                assert all(f.result().status_code == 200 for f in futs)
+
+
+def test_queueing_backends_are_never_a_503_and_a_burst_spreads() -> None:
+    # Each engine holds two requests at full demand; twelve arrive at once, and the
+    # gateway's hold is short: what does not fit joins an engine's queue, nothing fails.
+    flags = {"capacity_tokens": 2048, "block_size": 16, "speedup": 10, "model": "m"}
+    with engines(("vllm", "v0", flags), ("vllm", "v1", flags)) as urls:
+        cfg = gateway_cfg(backends(urls), queue={"max_wait_s": 0.3})
+        with run_gateway(cfg) as gw:
+            wait_until(lambda: reported(gw, 2), what="reports")
+            body = {"model": "m", "prompt": "one two three four " * 25, "max_tokens": 880}
+
+            def call(_: int) -> httpx.Response:
+                return httpx.post(gw + "/v1/completions", json=body, timeout=120)
+
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                answers = list(pool.map(call, range(12)))
+            assert [r.status_code for r in answers] == [200] * 12
+            placed = [r.headers["x-kvroute-backend"] for r in answers]
+            assert placed.count("v0") >= 3 and placed.count("v1") >= 3
+            metrics = httpx.get(gw + "/metrics").text
+            assert "kvroute_queued_at_backend_total{" in metrics
+            pools = httpx.get(gw + "/fleet/advice").json()["pools"]
+            assert pools["pools"]["general"]["nodes"] == 2 and pools["verdict"] == "unknown"
+
+
+class _OomTgi(http.server.BaseHTTPRequestHandler):
+    """A TGI that runs out of memory on every generation (424, TGI's own error shape)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        body = b'{"error": "Request failed during generation: CUDA out of memory", "error_type": "generation"}'
+        self.send_response(424)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    # A healthy-looking TGI's /metrics (copied from a real TGI-mode engine by the test).
+    metrics = b""
+
+    def do_GET(self) -> None:
+        body = self.metrics if self.path == "/metrics" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_tgi_out_of_memory_424_is_diverted_not_relayed() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OomTgi)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with engines(("tgi", "good", {"model": "m", **FAST})) as urls:
+            _OomTgi.metrics = httpx.get(urls["good"] + "/metrics").content
+            bad = f"http://127.0.0.1:{server.server_address[1]}"
+            cfg = gateway_cfg(
+                [
+                    {"name": "oom", "url": bad, "kind": "tgi", "models": ["m"]},
+                    {"name": "good", "url": urls["good"], "kind": "tgi", "models": ["m"]},
+                ],
+                routing={"policy": "round_robin"},
+                health={"active": {"enabled": False}},
+            )
+            with run_gateway(cfg) as gw:
+                wait_until(lambda: reported(gw, 2), what="reports")
+                body = {"model": "m", "prompt": "hello", "max_tokens": 3}
+                answers = [
+                    httpx.post(gw + "/v1/completions", json=body, timeout=30) for _ in range(4)
+                ]
+                assert [r.status_code for r in answers] == [200] * 4
+                assert {r.headers["x-kvroute-backend"] for r in answers} == {"good"}
+                assert 'result="allocation"' in httpx.get(gw + "/metrics").text
+    finally:
+        server.shutdown()
