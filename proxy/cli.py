@@ -19,6 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy.api.app import create_app
     from proxy.api.logs import setup_logging
     from proxy.api.server import server_config
+    from proxy.api.workers import refusal, supervise
     from proxy.config import ConfigError, load_config
 
     try:
@@ -28,10 +29,14 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or cfg.listen.host
     port = args.port if args.port is not None else cfg.listen.port
+    why = refusal(cfg, args.workers)
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 2
     # Bind before anything starts, so a busy port is one clear line and exit 1, never a
-    # "gateway ready" followed by uvicorn's bind error.
+    # "gateway ready" followed by uvicorn's bind error. Workers share the port (SO_REUSEPORT).
     try:
-        sock = _bind(host, port)
+        sock = _bind(host, port, reuse_port=args.reuse_port or args.workers > 1)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             print(
@@ -41,6 +46,12 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             print(f"kvroute serve: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
         return 1
+    if args.workers > 1:
+        # N processes on one port (proxy.api.workers); this one only supervises them. Its
+        # socket only proved the port free: never listening, it would take no connection,
+        # but the workers bind their own.
+        sock.close()
+        return supervise(sys.argv[1:] if args.argv is None else args.argv, args.workers)
     setup_logging(args.log_level, args.log_format)
     log_listen(host, sock)
     server_cfg = server_config(
@@ -58,12 +69,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket uvicorn would create (SO_REUSEADDR as uvicorn sets it)."""
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The listening socket uvicorn would create (SO_REUSEADDR as uvicorn sets it);
+    ``reuse_port``: other processes may bind it too and the kernel spreads connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()
@@ -125,7 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-format", default="text", choices=["text", "json"], help="json: one object per line"
     )
-    s.set_defaults(func=_serve)
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes on this port (SO_REUSEPORT); more than one needs Redis",
+    )
+    s.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    s.set_defaults(func=_serve, argv=None)
 
     c = sub.add_parser("check-config", help="validate a config file and print what is wrong")
     c.add_argument("file")
@@ -158,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = argparse.Namespace(rest=argv[1:])
         return _delegate(_DELEGATED[argv[0]])(ns)
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        # The workers of `serve --workers N` are started with this same command line.
+        args.argv = argv
     rc: int = args.func(args)
     return rc
 

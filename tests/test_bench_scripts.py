@@ -42,13 +42,15 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
         "loadtest.bench.overhead",
         "--duration", "0.5", "--concurrency", "2", "--modes", "json,sse", "--stream-chunks", "8",
         "--loadgen", "python", "--no-redis", "--no-vllm-router", "--asgi-layers", "20",
+        "--long-requests", "2",
         "--json", str(out_json),
     )  # fmt: skip
     res = load(out_json)
     assert res["loadgen"] == "python"
     assert "req/s" in out.stdout
     by_key = {(p["target"], p["mode"]): p for p in res["points"]}
-    assert set(by_key) == {(t, m) for t in ("direct", "kvroute") for m in ("json", "sse")}
+    targets = ("direct", "kvroute", "bare-aiohttp-proxy")
+    assert set(by_key) == {(t, m) for t in targets for m in ("json", "sse")}
     for (target, mode), p in by_key.items():
         assert p["requests"] > 0 and p["rps"] > 0, p
         assert p["errors"] == 0, p
@@ -58,6 +60,12 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
         if mode == "sse":
             assert p["events_per_response"] == 8 + 1  # 8 chunks and [DONE], relayed whole
             assert p["events_per_s"] > 0
+    # The figures: throughput against the bare proxy, the 30k-token decision, loop lag.
+    assert res["summary"]["json c=2"]["x_bare-aiohttp-proxy"] > 0
+    assert res["summary"]["sse c=2"]["events_x_bare-aiohttp-proxy"] > 0
+    decision = res["extras"]["decision"]
+    assert decision["decision_ms_p50_alone"] > 0 and decision["loop_lag_ms_p99"] >= 0
+    assert "== summary" in out.stdout
     layers = res["asgi_layers"]
     assert layers["fastapi_cpu_us_per_req"] > 0 and layers["starlette_cpu_us_per_req"] > 0
 

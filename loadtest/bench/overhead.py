@@ -37,6 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from loadtest.bench.overhead_extras import decision_and_lag, store_round_trips
 from loadtest.bench.overhead_load import (
     CHAT_PATH,
     cpu_seconds,
@@ -45,7 +46,15 @@ from loadtest.bench.overhead_load import (
     run_python_load,
     run_wrk,
 )
-from loadtest.bench.overhead_report import Point, add_ratios, loadavg, merge_rounds, print_table
+from loadtest.bench.overhead_report import (
+    Point,
+    add_ratios,
+    loadavg,
+    merge_rounds,
+    print_summary,
+    print_table,
+    summary,
+)
 from loadtest.bench.overhead_targets import Bench, Target, count_sse_events
 from loadtest.bench.overhead_variants import VARIANTS, gateway_starlette, serve_variant
 
@@ -265,12 +274,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time N in-process requests through FastAPI vs Starlette routes",
     )
     p.add_argument(
+        "--no-bare-proxy",
+        action="store_true",
+        help="skip the bare aiohttp round-robin proxy (the stand-in for vllm-router's floor)",
+    )
+    p.add_argument(
+        "--no-extras",
+        action="store_true",
+        help="skip store round trips, 1 vs 2 workers, and the 30k-token decision / loop lag",
+    )
+    p.add_argument(
+        "--long-requests",
+        type=int,
+        default=15,
+        help="30k-token requests timed alone; the 30%%-long mix sends about 7x as many (default 15)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="everything at small sizes in about a minute: 1 s points, c=1,32, 2 backends",
+    )
+    p.add_argument(
         "--json", dest="json_out", default=None, help="write all results as JSON to this file"
     )
     return p
 
 
+def apply_quick(args: argparse.Namespace) -> None:
+    """--quick: short points, the two concurrencies the targets name, two backends."""
+    if args.quick:
+        args.duration = 1.0
+        args.concurrency = [1, 32]
+        args.backends = 2
+        args.rounds = 1
+        args.long_requests = min(args.long_requests, 5)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    apply_quick(args)
     wrk = find_wrk()
     gen = "wrk" if args.loadgen == "wrk" or (args.loadgen == "auto" and wrk) else "python"
     if gen == "wrk" and wrk is None:
@@ -297,7 +338,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             vr = bench.vllm_router()
             if vr is not None:
                 targets.append(vr)
+        if not args.no_bare_proxy:
+            bare = bench.variant("passthrough-aiohttp")
+            bare.name = "bare-aiohttp-proxy"
+            bare.note = "a few dozen lines: aiohttp.web + aiohttp client, round robin, no routing"
+            targets.append(bare)
         extra = [bench.variant(v) for v in variants]
+        if not args.no_extras and "kvroute-redis" in {t.name for t in targets}:
+            extra.append(bench.kvroute("kvroute-redis-w2", redis=True, workers=2))
         cal = calibrate(bench, wrk) if args.calibrate else None
         layers = (
             asgi_layer_cost(bench.gateway_config_path("asgi-layers", False), args.asgi_layers, 3)
@@ -320,6 +368,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         points = [merge_rounds(v) for v in raw.values()]
         add_ratios(points, events)
         notes = {t.name: t.note for t in targets + extra}
+        extras: dict[str, Any] = {}
+        if not args.no_extras:
+            by_name = {t.name: t for t in targets}
+            if "kvroute-redis" in by_name and bench.redis is not None:
+                extras["store_round_trips"] = store_round_trips(
+                    by_name["kvroute-redis"].url, bench.redis.url, n=120 if args.quick else 600
+                )
+            extras["decision"] = decision_and_lag(
+                bench.gateway_config_path("decision", False),
+                n_long=args.long_requests,
+                mix_n=7 * args.long_requests,
+            )
     finally:
         bench.stop_all()
     result = {
@@ -336,6 +396,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "calibration": cal,
         "asgi_layers": layers,
         "points": [asdict(p) for p in points],
+        "extras": extras,
+        "summary": summary(points, extras, vconc),
         "skipped": bench.skipped,
         "notes": notes,
         "elapsed_s": round(time.time() - started, 1),
@@ -354,6 +416,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"Starlette route {layers['starlette_cpu_us_per_req']} us ({layers['fastapi_over_starlette']}x)"
         )
     print_table(points, bench.skipped, notes)
+    print_summary(result["summary"])
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=2))

@@ -7,6 +7,7 @@ import contextlib
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -106,3 +107,59 @@ def print_table(points: list[Point], skipped: dict[str, str], notes: dict[str, s
         print(f"  {name}: {note}")
     for name, why in skipped.items():
         print(f"  SKIPPED {name}: {why}")
+
+
+def summary(points: list[Point], extras: dict[str, Any], top_conc: int) -> dict[str, Any]:
+    """The issue's figures in one place: ratios to the bare proxy (vllm-router's stand-in
+    where it cannot run) and to direct, added latency, SSE rate, round trips, decision, workers."""
+    at = {(p.target, p.mode, p.concurrency): p for p in points}
+    out: dict[str, Any] = {}
+    for mode in ("json", "sse"):
+        for conc in sorted({p.concurrency for p in points if p.mode == mode}):
+            kv = at.get(("kvroute", mode, conc))
+            if kv is None:
+                continue
+            row: dict[str, Any] = {
+                "kvroute_rps": round(kv.rps),
+                "x_direct": _round(kv.rps_ratio_vs_direct),
+                "p50_added_ms": _round(kv.p50_added_ms),
+                "p99_added_ms": _round(kv.p99_added_ms),
+                "cpu_us_per_req": _round(kv.router_cpu_us_per_req, 0),
+            }
+            for ref in ("bare-aiohttp-proxy", "vllm-router"):
+                r = at.get((ref, mode, conc))
+                if r is not None and r.rps > 0:
+                    row[f"x_{ref}"] = round(kv.rps / r.rps, 3)
+            if mode == "sse":
+                row["events_per_s"] = _round(kv.events_per_s, 0)
+                d = at.get(("direct", mode, conc))
+                b = at.get(("bare-aiohttp-proxy", mode, conc))
+                if b is not None and b.events_per_s and kv.events_per_s:
+                    row["events_x_bare-aiohttp-proxy"] = round(kv.events_per_s / b.events_per_s, 3)
+                if d is not None and d.events_per_s and kv.events_per_s:
+                    row["events_x_direct"] = round(kv.events_per_s / d.events_per_s, 3)
+            out[f"{mode} c={conc}"] = row
+    w1 = at.get(("kvroute-redis", "json", top_conc))
+    w2 = at.get(("kvroute-redis-w2", "json", top_conc))
+    if w1 is not None and w2 is not None and w1.rps > 0:
+        out["workers"] = {
+            "concurrency": top_conc,
+            "rps_1": round(w1.rps),
+            "rps_2": round(w2.rps),
+            "x": round(w2.rps / w1.rps, 3),
+        }
+    out.update(extras)
+    return out
+
+
+def _round(v: float | None, nd: int = 2) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print("\n== summary (kvroute; x_bare-aiohttp-proxy is the stand-in for x vllm-router) ==")
+    for key, val in s.items():
+        if isinstance(val, dict):
+            print(f"  {key}: " + ", ".join(f"{k} {v}" for k, v in val.items()))
+        else:
+            print(f"  {key}: {val}")

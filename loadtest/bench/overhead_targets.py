@@ -163,7 +163,7 @@ class Bench:
     def direct(self) -> Target:
         return Target("direct", self.backends[0].url, [self.backends[0]], "backend-0 itself")
 
-    def kvroute(self, name: str, redis: bool) -> Target:
+    def kvroute(self, name: str, redis: bool, workers: int = 1) -> Target:
         port = free_port()
         cfg = self.gateway_config_path(name, redis)
         argv = [
@@ -177,6 +177,8 @@ class Bench:
             str(port),
             "--log-level",
             "warning",
+            "--workers",
+            str(workers),
         ]
         p = self.start(Proc(name, argv, f"http://127.0.0.1:{port}"), env=self.env())
         wait_post_ok(p.url, proc=p)
@@ -184,8 +186,9 @@ class Bench:
             name,
             p.url,
             [p],
-            "kvroute serve (FastAPI, uvicorn httptools+uvloop)"
-            + (", Redis store" if redis else ""),
+            "kvroute serve (uvicorn httptools+uvloop, hot routes past FastAPI)"
+            + (", Redis store" if redis else "")
+            + (f", --workers {workers}" if workers > 1 else ""),
         )
 
     def variant(self, kind: str) -> Target:

@@ -22,6 +22,8 @@ VARIANTS = (
     "workers2-redis",
     "passthrough-starlette",
     "passthrough-aiohttp",
+    "granian",
+    "aiohttp-server",
 )
 
 VARIANT_NOTES = {
@@ -32,6 +34,8 @@ VARIANT_NOTES = {
     "redis-bg-release": "same gateway on Redis, reservation release run in the background, not awaited before answering",
     "passthrough-starlette": "do-nothing relay: Starlette on uvicorn + aiohttp client (no routing)",
     "passthrough-aiohttp": "do-nothing relay: aiohttp.web server + aiohttp client (no routing)",
+    "granian": "same gateway app on granian (Rust HTTP server, ASGI, uvloop) instead of uvicorn",
+    "aiohttp-server": "same gateway app on aiohttp.web's server through a minimal ASGI adapter",
 }
 
 
@@ -213,6 +217,29 @@ def serve_variant(argv: Sequence[str]) -> int:
         return 0
     if a.kind == "starlette":
         uvicorn.run(gateway_starlette(a.config), loop="uvloop", http="httptools", **common)
+        return 0
+    if a.kind == "granian":
+        from granian import Granian
+
+        os.environ["KVBENCH_CONFIG"] = a.config
+        Granian(
+            "loadtest.bench.overhead_variants:variant_app_factory",
+            factory=True,
+            address="127.0.0.1",
+            port=a.port,
+            interface="asgi",  # type: ignore[arg-type]
+            loop="uvloop",  # type: ignore[arg-type]
+            http="1",  # type: ignore[arg-type]
+            workers=1,
+            backlog=4096,
+            log_level="warning",  # type: ignore[arg-type]
+        ).serve()
+        return 0
+    if a.kind == "aiohttp-server":
+        from loadtest.bench.asgi_on_aiohttp import serve_asgi
+
+        os.environ["KVBENCH_CONFIG"] = a.config
+        serve_asgi(variant_app_factory(), a.port)
         return 0
     if a.kind == "redis-bg-release":
         _release_in_background()

@@ -30,6 +30,7 @@ from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
 from proxy.api.cache import Coalesced
 from proxy.api.fleet_view import snapshot_json, with_health
+from proxy.api.hot import GatewayApp
 from proxy.api.kind_check import KindCheck
 from proxy.api.limits import RequestGuard
 from proxy.api.models import fleet_models, kind_errors, lookup_from
@@ -216,7 +217,7 @@ def create_app(
 
     # No public OpenAPI document (it lists the admin routes): /openapi.json is served to the
     # admin key only (proxy.api.admin), and there is no /docs page.
-    app = FastAPI(
+    app = GatewayApp(
         title="kvroute",
         version="0.1.0",
         lifespan=lifespan,
@@ -271,6 +272,8 @@ def create_app(
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
+    # And a POST on them skips the middleware stack too, past the same guard (proxy.api.hot).
+    app.hot_routes = {"/v1/chat/completions": chat, "/v1/completions": completions}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -92,6 +92,9 @@ class RequestGuard:
     ) -> None:
         self.app = app
         self.inflight = 0
+        # Plain handlers of the inference routes (proxy.api.hot): past the guard's checks a
+        # POST on one of these paths goes straight to it instead of the framework's stack.
+        self.hot: dict[str, ASGIApp] = {}
         self.refused: dict[str, int] = {
             "headers": 0,
             "auth": 0,
@@ -183,7 +186,10 @@ class RequestGuard:
                 return
             self.inflight += 1
             try:
-                await self.app(scope, replay(body, receive), send)
+                app = self.app
+                if self.hot and scope["method"] == "POST":
+                    app = self.hot.get(scope["path"], app)
+                await app(scope, replay(body, receive), send)
             finally:
                 self.inflight -= 1
         finally:

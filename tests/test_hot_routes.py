@@ -1,0 +1,51 @@
+"""The inference routes' fast dispatch (proxy.api.hot) answers like the full stack.
+
+A real gateway on uvicorn; the one injected fault is a bug in the walk (nothing else can
+raise an unexpected exception there), to show it is still a 500 in OpenAI's format.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from proxy.api.hot import GatewayApp
+from proxy.api.limits import RequestGuard
+from proxy.gateway.walk import Gateway
+from tests.support.gateway import gateway_cfg, run_gateway, serve_app
+
+
+def _cfg() -> object:
+    return gateway_cfg([{"name": "a", "url": "http://127.0.0.1:1"}])
+
+
+def test_a_bug_in_the_walk_is_an_openai_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(self: Gateway, request: object, endpoint: str) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Gateway, "handle", broken)
+    with run_gateway(_cfg()) as url:  # type: ignore[arg-type]
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": []})
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "internal_error"
+    assert "a bug" not in r.text
+
+
+def test_only_post_takes_the_fast_dispatch_and_the_guard_is_the_apps_own() -> None:
+    from proxy.api.app import create_app
+
+    app = create_app(_cfg())  # type: ignore[arg-type]
+    assert isinstance(app, GatewayApp)
+    with serve_app(app, _cfg()) as url:  # type: ignore[arg-type]
+        # The first request builds the stack: the guard found in it holds the hot handlers.
+        assert httpx.get(url + "/v1/chat/completions").status_code == 405
+        r = httpx.post(
+            url + "/v1/completions", content=b"{", headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        guard = app._guard
+        assert isinstance(guard, RequestGuard)
+        assert set(guard.hot) == {"/v1/chat/completions", "/v1/completions"}
+        # Both requests went through that one guard (its concurrency count is the app's).
+        assert guard.inflight == 0
