@@ -66,6 +66,7 @@ class ReservationLedger:
         self.store_may_have_lost = False
         self.reasserted = 0
         self._reasserting = asyncio.Lock()
+        self._reasserting_keys: set[Key] = set()
         # Runs only while releases are queued: started by a failed release, ends when none is left.
         self._retries = PeriodicTask(
             "kvroute-release-retry",
@@ -131,18 +132,28 @@ class ReservationLedger:
         if key not in self.held:
             return  # released meanwhile
         reservation_id, backend = key
-        await self.breaker.call(
-            functools.partial(
-                self.store.reserve,
-                backend,
-                reservation_id,
-                tokens,
-                created_at,
-                self.ttl_s,
-                check_fit=False,
-            ),
-            "reserve",
-        )
+        # A release while this write is in flight must be a forget (see release()): the
+        # write may land after it, and only a forget's marker refuses it.
+        self._reasserting_keys.add(key)
+        try:
+            await self.breaker.call(
+                functools.partial(
+                    self.store.reserve,
+                    backend,
+                    reservation_id,
+                    tokens,
+                    created_at,
+                    self.ttl_s,
+                    check_fit=False,
+                ),
+                "reserve",
+            )
+        except StoreUnavailable:
+            # It may still land: release it "unsure" when the request ends.
+            self.unsure.add(key)
+            raise
+        finally:
+            self._reasserting_keys.discard(key)
 
     async def reserve(
         self,
@@ -214,6 +225,8 @@ class ReservationLedger:
         key = (reservation_id, backend)
         self.held.pop(key, None)
         self.claims.pop(key, None)
+        if key in self._reasserting_keys:
+            unsure = True
         if key in self.unsure:
             self.unsure.discard(key)
             unsure = True

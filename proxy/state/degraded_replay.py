@@ -65,6 +65,10 @@ class LocalReplay:
         self._unsynced: dict[Key, SyncState] = {}
         # Shared releases to send; value: give up at (monotonic).
         self._releases: dict[Key, float] = {}
+        # Reserves sent to Redis that it did not answer: the command may still run after our
+        # release (a paused Redis resumes; a timed-out connection's buffer is read), so their
+        # release is always a forget, which refuses that late reserve.
+        self._may_land_late: set[Key] = set()
         self._mirrored: dict[str, tuple[object, ...]] = {}
 
     # --- the mirror ---
@@ -115,6 +119,8 @@ class LocalReplay:
     def reserved_locally(self, key: Key, *, sent: bool) -> None:
         """A reserve Redis did not answer was granted locally (``sent``: it may still land)."""
         self._unsynced[key] = "maybe" if sent else "local"
+        if sent:
+            self._may_land_late.add(key)
 
     def refused_locally(self, key: Key, ttl_s: float) -> None:
         """Refused here, but the shared reserve may still run once Redis resumes."""
@@ -130,6 +136,10 @@ class LocalReplay:
             await self.local.release(name, reservation_id)
         else:
             await self.local.forget(name, reservation_id, until)
+        if key in self._may_land_late:
+            self._may_land_late.discard(key)
+            if until is None:
+                until = self._now() + self.reservation_ttl_s
         state = self._unsynced.get(key)
         if state == "local":
             del self._unsynced[key]
@@ -195,7 +205,9 @@ class LocalReplay:
                 raise
             if self._unsynced.pop(key, None) == "released":
                 try:
-                    await self._call("release", partial(self.shared.release, name, rid))
+                    # A forget: the reserve first sent while Redis was away may still land.
+                    until = self._now() + self.reservation_ttl_s
+                    await self._call("forget", partial(self.shared.forget, name, rid, until))
                 except StoreUnavailable:
                     self._releases[key] = time.monotonic() + self.reservation_ttl_s
                     raise
