@@ -340,7 +340,9 @@ def holds(n: NodeView, demand: int, margin: float) -> bool:
     assert r is not None
     if ov.ceiling_tokens is not None and NOW < ov.ceiling_until and demand >= ov.ceiling_tokens:
         return False
-    need = demand + demand * margin
+    # demand × (1 + margin), in that order, as the docs state it and the store's Lua computes
+    # it (in floating point: 5,320 × 1.1 is a hair above 5,852, so a 5,852 block is short).
+    need = demand * (1.0 + margin)
     if r.allocator == "paged" and r.block_size > 1:
         blocks = int(need) // r.block_size + (1 if int(need) % r.block_size else 0)
         need = blocks * r.block_size
