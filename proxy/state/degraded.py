@@ -205,7 +205,9 @@ class DegradedStore(StateStore):
                 grace_s=grace_s,
             )
             if ok:
-                self._replay.reserved_locally(key, sent=sent)
+                # A reserve without a fit check is a re-assert of a reservation Redis may
+                # already hold (ledger.reassert): its release must reach Redis as well.
+                self._replay.reserved_locally(key, sent=sent or not check_fit)
             elif sent:
                 self._replay.refused_locally(key, ttl_s)
             return ok
