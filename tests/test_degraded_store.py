@@ -118,7 +118,7 @@ async def test_releases_missed_are_sent_but_never_for_unsent_reserves(
     for _ in range(3):
         await store.read(["n1"], store.now())
     assert store.breaker.state == "open"
-    assert await store.reserve("n1", "never-sent", 100, store.now(), TTL, check_fit=False)
+    assert await store.reserve("n1", "never-sent", 100, store.now(), TTL)
     assert store.local_only() == {("n1", "never-sent"): "local"}
     await store.release("n1", "never-sent")
     await store.release("n1", "shared-1")  # Redis must see this one
