@@ -238,7 +238,8 @@ class Gateway:
     def release_later(self, ctx: RequestContext, backend: str) -> None:
         """Free this request's reservation on ``backend`` (the ledger retries a failed release)."""
         self.local.remove(backend, ctx.reservation_id)
-        self.spawn(self.ledger.release(backend, ctx.reservation_id))
+        if not self.ledger.release_at_once(backend, ctx.reservation_id):
+            self.spawn(self.ledger.release(backend, ctx.reservation_id))
 
     async def drain_background(self) -> None:
         if self._background:
