@@ -6,6 +6,11 @@ watcher is a task; when the client disconnects, the watcher cancels the request'
 leaving the ``async with`` turns that cancellation back into ``watch.gone`` (the way
 ``asyncio.timeout`` turns its own cancellation into ``TimeoutError``). A cancellation from
 anywhere else (server shutdown) still propagates.
+
+The watcher starts only once the attempt has run ``WATCH_AFTER_S`` (a timer, not a task):
+most tiny answers come sooner and need no watcher at all, and a client that leaves is
+noticed at most that much later (a generation takes far longer, and the backend still sees
+the cancel).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import asyncio
 from types import TracebackType
 
 from starlette.requests import Request
+
+# How long an attempt runs before the client is watched (seconds).
+WATCH_AFTER_S = 0.05
 
 
 async def client_gone(request: Request) -> None:
@@ -29,11 +37,12 @@ async def client_gone(request: Request) -> None:
 class ClientWatch:
     """``async with ClientWatch(request) as watch``: the block is cancelled if the client goes."""
 
-    __slots__ = ("_armed", "_request", "_task", "_watcher", "gone")
+    __slots__ = ("_armed", "_request", "_task", "_timer", "_watcher", "gone")
 
     def __init__(self, request: Request) -> None:
         self._request = request
         self._task: asyncio.Task[object] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Task[None] | None = None
         # Only while the block runs: a disconnect noticed after it must not cancel what follows.
         self._armed = False
@@ -41,10 +50,14 @@ class ClientWatch:
 
     async def __aenter__(self) -> ClientWatch:
         self._task = asyncio.current_task()
-        self._watcher = asyncio.ensure_future(client_gone(self._request))
-        self._watcher.add_done_callback(self._on_gone)
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
         self._armed = True
         return self
+
+    def _start(self) -> None:
+        if self._armed:
+            self._watcher = asyncio.ensure_future(client_gone(self._request))
+            self._watcher.add_done_callback(self._on_gone)
 
     def _on_gone(self, watcher: asyncio.Task[None]) -> None:
         if self._armed and not watcher.cancelled() and self._task is not None:
@@ -58,6 +71,8 @@ class ClientWatch:
         tb: TracebackType | None,
     ) -> bool:
         self._armed = False
+        if self._timer is not None:
+            self._timer.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
         if not self.gone or self._task is None:
