@@ -18,16 +18,16 @@ from __future__ import annotations
 import asyncio
 from types import TracebackType
 
-from starlette.requests import Request
+from starlette.types import Receive
 
 # How long an attempt runs before the client is watched (seconds).
 WATCH_AFTER_S = 0.05
 
 
-async def client_gone(request: Request) -> None:
+async def client_gone(receive: Receive) -> None:
     """Returns when the client disconnects (the body was read already, so nothing else comes)."""
     try:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
     except Exception:
         # This server cannot tell: never report the client gone.
@@ -35,12 +35,15 @@ async def client_gone(request: Request) -> None:
 
 
 class ClientWatch:
-    """``async with ClientWatch(request) as watch``: the block is cancelled if the client goes."""
+    """``async with ClientWatch(receive) as watch``: the block is cancelled if the client goes.
 
-    __slots__ = ("_armed", "_request", "_task", "_timer", "_watcher", "gone")
+    ``receive``: the request's ASGI receive, its body already read.
+    """
 
-    def __init__(self, request: Request) -> None:
-        self._request = request
+    __slots__ = ("_armed", "_receive", "_task", "_timer", "_watcher", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
         self._task: asyncio.Task[object] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -56,7 +59,7 @@ class ClientWatch:
 
     def _start(self) -> None:
         if self._armed:
-            self._watcher = asyncio.ensure_future(client_gone(self._request))
+            self._watcher = asyncio.ensure_future(client_gone(self._receive))
             self._watcher.add_done_callback(self._on_gone)
 
     def _on_gone(self, watcher: asyncio.Task[None]) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import fields, replace
 
 import pytest
-from starlette.requests import Request
+from starlette.types import Receive
 
 from proxy.config import Config
 from proxy.core.fleet import MemoryReport, NodeView, Overlay
@@ -74,15 +74,15 @@ def test_the_catalog_follows_changed_model_lists_and_configs() -> None:
     assert [b.name for b in cache.get(other, lookup).backends] == ["a"]
 
 
-def _quiet_request() -> tuple[Request, asyncio.Event]:
-    """A request whose client disconnects when the event is set."""
+def _quiet_request() -> tuple[Receive, asyncio.Event]:
+    """A request's receive, whose client disconnects when the event is set."""
     left = asyncio.Event()
 
     async def receive() -> dict[str, object]:
         await left.wait()
         return {"type": "http.disconnect"}
 
-    return Request({"type": "http", "method": "POST", "headers": []}, receive), left
+    return receive, left
 
 
 async def test_the_watch_cancels_the_block_when_the_client_leaves() -> None:
