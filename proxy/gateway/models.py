@@ -53,10 +53,14 @@ class CatalogCache:
     was built from (copies: a list changed in place is still seen as changed).
     """
 
+    # Routes remembered per catalog (model names come from clients: bounded).
+    MAX_ROUTES = 256
+
     def __init__(self) -> None:
         self._cfg: Config | None = None
         self._lists: tuple[dict[str, int | None] | None, ...] = ()
         self._catalog: Catalog | None = None
+        self._routes: dict[tuple[str, bool], ModelRoute | None] = {}
 
     def get(self, cfg: Config, lookup: ModelsLookup) -> Catalog:
         lists = tuple(lookup(b.name) for b in cfg.backends)
@@ -64,7 +68,18 @@ class CatalogCache:
             self._catalog = build_catalog(cfg, lookup)
             self._cfg = cfg
             self._lists = tuple(dict(m) if m is not None else None for m in lists)
+            self._routes.clear()
         return self._catalog
+
+    def route(self, cfg: Config, lookup: ModelsLookup, model: str) -> ModelRoute | None:
+        """``Catalog.route`` for ``model`` under ``cfg``, computed once per catalog."""
+        catalog = self.get(cfg, lookup)
+        key = (model, cfg.routing.unknown_model == "pass_through")
+        if key not in self._routes:
+            if len(self._routes) >= self.MAX_ROUTES:
+                self._routes.clear()
+            self._routes[key] = catalog.route(*key)
+        return self._routes[key]
 
 
 def as_api_error(err: LimitError) -> ApiError:
@@ -73,10 +88,10 @@ def as_api_error(err: LimitError) -> ApiError:
 
 def route_model(gw: Gateway, parsed: ParsedRequest, cfg: Config) -> ModelRoute:
     """Where the request's model is served; 404 ``model_not_found`` when nowhere."""
-    catalog = gw.catalogs.get(cfg, gw.models_info)
-    route = catalog.route(parsed.model, cfg.routing.unknown_model == "pass_through")
+    route = gw.catalogs.route(cfg, gw.models_info, parsed.model)
     if route is None:
-        raise as_api_error(model_not_found(parsed.model, catalog.served_ids()))
+        served = gw.catalogs.get(cfg, gw.models_info).served_ids()
+        raise as_api_error(model_not_found(parsed.model, served))
     return route
 
 

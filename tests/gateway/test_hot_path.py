@@ -72,6 +72,13 @@ def test_the_catalog_follows_changed_model_lists_and_configs() -> None:
     assert cache.get(cfg, lookup).model_limit("m") == 300
     other = _cfg("a")
     assert [b.name for b in cache.get(other, lookup).backends] == ["a"]
+    # Routes follow the catalog they were computed on.
+    route = cache.route(other, lookup, "m")
+    assert route is not None and route.limit == 200
+    lists["a"]["m"] = 50
+    route = cache.route(other, lookup, "m")
+    assert route is not None and route.limit == 50
+    assert cache.route(other, lookup, "nowhere") is None
 
 
 def _quiet_request() -> tuple[Receive, asyncio.Event]:
