@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.config import Config
 from proxy.errors import ApiError
+from proxy.gateway.intake import READ_BODY
 
 API_PREFIX = "/v1/"
 
@@ -189,6 +190,8 @@ class RequestGuard:
                 app = self.app
                 if self.hot and scope["method"] == "POST":
                     app = self.hot.get(scope["path"], app)
+                # The walk takes the body from the scope (no second read through receive).
+                scope[READ_BODY] = body
                 await app(scope, replay(body, receive), send)
             finally:
                 self.inflight -= 1

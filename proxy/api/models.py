@@ -20,9 +20,17 @@ from proxy.gateway.models import ModelsLookup, build_catalog
 def lookup_from(models: Callable[[str], ModelsInfo | None]) -> ModelsLookup:
     """The collector's cache as the gateway reads it: model id -> max_model_len."""
 
+    # The same (immutable) answer gives the same mapping: no dict built per request.
+    seen: dict[str, tuple[ModelsInfo, Mapping[str, int | None]]] = {}
+
     def lookup(name: str) -> Mapping[str, int | None] | None:
         info = models(name)
-        return None if info is None else {m.id: m.max_model_len for m in info.models}
+        if info is None:
+            return None
+        hit = seen.get(name)
+        if hit is None or hit[0] is not info:
+            hit = seen[name] = (info, {m.id: m.max_model_len for m in info.models})
+        return hit[1]
 
     return lookup
 

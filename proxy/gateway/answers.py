@@ -216,12 +216,12 @@ async def whole_answer(
         answer = upstream_answer("bad_response", message)
         divert(gw, ctx, backend, answer, result="garbage", broken=message)
         return None
-    gw.metrics.attempts.labels(backend, "ok").inc()
+    gw.metrics.labelled(gw.metrics.attempts, backend, "ok").inc()
     gw.health.success(backend)
     ctx.backend = backend
     # Off the answer's path (a Redis round trip).
     gw.release_later(ctx, backend)
-    gw.metrics.requests.labels(ctx.cls, backend, "success").inc()
-    gw.metrics.duration.labels(ctx.cls).observe(time.perf_counter() - started)
+    gw.metrics.labelled(gw.metrics.requests, ctx.cls, backend, "success").inc()
+    gw.metrics.labelled(gw.metrics.duration, ctx.cls).observe(time.perf_counter() - started)
     headers = ctx.answer_headers(backend, response_headers(resp.headers))
     return Response(body, status_code=resp.status, headers=headers)

@@ -22,12 +22,12 @@ import time
 from typing import TYPE_CHECKING
 
 from aiohttp import ClientResponse
-from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.core.validation import Endpoint
 from proxy.errors import UpstreamConnectError, UpstreamError, upstream_answer
 from proxy.gateway.answers import broken_answer, error_answer, whole_answer
+from proxy.gateway.client_watch import ClientWatch
 from proxy.gateway.context import FAILURE_RESULTS, RequestContext
 from proxy.gateway.divert import divert
 from proxy.gateway.stream import start_stream
@@ -43,33 +43,12 @@ PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v
 
 async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | None:
     """Forward to ``backend``. A Response ends the request; None means divert to another node."""
-    attempt = asyncio.ensure_future(_forward(gw, ctx, backend))
-    gone = asyncio.ensure_future(client_gone(ctx.request))
-    try:
-        await asyncio.wait((attempt, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not attempt.done():
-            attempt.cancel()
-            # Its cleanup drops the upstream connection and frees the reservation.
-            await asyncio.gather(attempt, return_exceptions=True)
-        if attempt.cancelled():
-            # Cancelled before its first step, it never ran its cleanup (a second release
-            # of the same reservation is a no-op).
-            gw.release_later(ctx, backend)
-    if attempt.cancelled():
-        return _client_left(gw, ctx, backend)
-    return attempt.result()
-
-
-async def client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body was read already, so nothing else comes)."""
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    except Exception:
-        # This server cannot tell: never report the client gone.
-        await asyncio.get_running_loop().create_future()
+    # A client that leaves cancels the attempt at once: its cleanup drops the upstream
+    # connection and frees the reservation.
+    async with ClientWatch(ctx.request.receive):
+        return await _forward(gw, ctx, backend)
+    # Reached only when the watch suppressed its own cancellation: the client went away.
+    return _client_left(gw, ctx, backend)
 
 
 def _client_left(gw: Gateway, ctx: RequestContext, backend: str) -> Response:

@@ -30,9 +30,17 @@ if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
 
 
+# Where the request guard (proxy.api.limits) leaves the body it read, within the same limit.
+READ_BODY = "kvroute.body"
+
+
 async def read_and_parse(cfg: Config, request: Request, endpoint: Endpoint) -> ParsedRequest:
     """Read the body within ``limits.max_body_bytes`` (declared or streamed) and validate it."""
     limit = cfg.limits.max_body_bytes
+    content_type = request.headers.get("content-type")
+    read: bytes | None = request.scope.get(READ_BODY)
+    if read is not None and len(read) <= limit:
+        return parse_request(read, endpoint, cfg.routing.max_tokens_limit, content_type)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(
@@ -52,9 +60,7 @@ async def read_and_parse(cfg: Config, request: Request, endpoint: Endpoint) -> P
             )
         chunks.append(chunk)
     raw = b"".join(chunks)
-    return parse_request(
-        raw, endpoint, cfg.routing.max_tokens_limit, request.headers.get("content-type")
-    )
+    return parse_request(raw, endpoint, cfg.routing.max_tokens_limit, content_type)
 
 
 def retry_key(cfg: Config, request: Request, parsed: ParsedRequest) -> str | None:

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker
+from proxy.state.memory import InProcessStore
 from proxy.tasks import PeriodicTask
 
 log = logging.getLogger("kvroute.reservations")
@@ -76,6 +77,10 @@ class ReservationLedger:
             keep_going=self._still_pending,
         )
         self._bg: set[asyncio.Task[object]] = set()
+        # The embedded store's calls never suspend (no I/O): nothing can cancel one halfway,
+        # so its reserve needs no shielding task (measured: a task and a future per request).
+        # Exactly that class: a subclass may wait inside its calls.
+        self._calls_never_suspend = type(store) is InProcessStore
 
     def hold(
         self,
@@ -176,14 +181,14 @@ class ReservationLedger:
             sent = True
             return await call()
 
-        # After a store outage, first tell the store what this gateway already placed.
-        await self.reassert()
-        task = asyncio.ensure_future(self.breaker.call(sent_call, "reserve"))
+        if self.store_may_have_lost:
+            # After a store outage, first tell the store what this gateway already placed.
+            await self.reassert()
         try:
-            ok = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._release_after(t, backend, reservation_id, sent))
-            raise
+            if self._calls_never_suspend:
+                ok = await self.breaker.call(sent_call, "reserve")
+            else:
+                ok = await self._shielded(sent_call, backend, reservation_id, lambda: sent)
         except StoreUnavailable:
             self.on_error("reserve")
             self.hold(backend, reservation_id, sent=sent, tokens=tokens, created_at=created_at)
@@ -196,6 +201,24 @@ class ReservationLedger:
         if ok:
             self.hold(backend, reservation_id, tokens=tokens, created_at=created_at)
         return ok
+
+    async def _shielded(
+        self,
+        call: Callable[[], Awaitable[bool]],
+        backend: str,
+        reservation_id: str,
+        was_sent: Callable[[], bool],
+    ) -> bool:
+        """The reserve call in a task of its own: a cancelled caller leaves it running, and
+        what it reserved is released once it is done (never before)."""
+        task = asyncio.ensure_future(self.breaker.call(call, "reserve"))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(
+                lambda t: self._release_after(t, backend, reservation_id, was_sent())
+            )
+            raise
 
     def _release_after(
         self, task: asyncio.Future[bool], backend: str, reservation_id: str, sent: bool
@@ -223,6 +246,32 @@ class ReservationLedger:
         way), so the store is told to ``forget`` the id: a reserve landing later is refused.
         """
         key = (reservation_id, backend)
+        forget = self._settle(key, unsure)
+        if forget is None:
+            return  # the reserve never reached the store: nothing there to release
+        try:
+            await self.breaker.call(lambda: self._drop(backend, reservation_id, forget), "release")
+        except StoreUnavailable:
+            self.on_error("release")
+            self.mark_unsure()
+            self.pending[key] = self.clock() + self.ttl_s
+            self._retries.start()
+
+    def release_at_once(self, backend: str, reservation_id: str) -> bool:
+        """``release()`` done before returning, when the store is the embedded one (its
+        calls never suspend nor fail): no task per request. False: use ``release()``."""
+        if not self._calls_never_suspend:
+            return False
+        assert isinstance(self.store, InProcessStore)
+        forget = self._settle((reservation_id, backend), False)
+        if forget:
+            self.store.forget_now(backend, reservation_id, self.store.now() + self.ttl_s)
+        elif forget is not None:
+            self.store.release_now(backend, reservation_id)
+        return True
+
+    def _settle(self, key: Key, unsure: bool) -> bool | None:
+        """Stop holding ``key``; whether its release must be a forget (None: nothing to release)."""
         self.held.pop(key, None)
         self.claims.pop(key, None)
         if key in self._reasserting_keys:
@@ -232,14 +281,8 @@ class ReservationLedger:
             unsure = True
         if key in self.unsent:
             self.unsent.discard(key)
-            return  # the reserve never reached the store: nothing there to release
-        try:
-            await self.breaker.call(lambda: self._drop(backend, reservation_id, unsure), "release")
-        except StoreUnavailable:
-            self.on_error("release")
-            self.mark_unsure()
-            self.pending[key] = self.clock() + self.ttl_s
-            self._retries.start()
+            return None
+        return unsure
 
     async def _drop(self, backend: str, reservation_id: str, unsure: bool) -> None:
         if unsure:

@@ -12,7 +12,7 @@ is unreachable) stays counted here until it ends: the replica's view stays its o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from proxy.core.fleet import FleetSnapshot, NodeView
 
@@ -63,11 +63,4 @@ class LocalReservations:
         if not unseen:
             return n
         tokens = sum(e.tokens for e in unseen)
-        ov = n.overlay
-        overlay = replace(
-            ov,
-            pending_tokens=ov.pending_tokens + tokens,
-            reserved_tokens=ov.reserved_tokens + tokens,
-            inflight=ov.inflight + len(unseen),
-        )
-        return replace(n, overlay=overlay)
+        return n.with_overlay(n.overlay.plus_pending(tokens, len(unseen)))

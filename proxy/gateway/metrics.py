@@ -8,12 +8,16 @@ per request and can never go stale relative to what the router used.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from proxy.core.fleet import FleetSnapshot
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -117,6 +121,8 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
+        # Children of labelled metrics by (metric, label values): see ``labelled``.
+        self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         self.requests = Counter(
             "kvroute_requests",
             "Requests by class, final backend and outcome",
@@ -179,6 +185,15 @@ class GatewayMetrics:
         self.active = Gauge(
             "kvroute_active_requests", "Requests being handled by this gateway", registry=r
         )
+
+    def labelled(self, metric: M, *values: str) -> M:
+        """``metric.labels(*values)``, looked up once per label set: prometheus_client
+        checks and locks on every ``labels()`` call, three times per request."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child  # type: ignore[return-value]
 
     def attach_fleet(
         self, snapshot: Callable[[], FleetSnapshot | None], now: Callable[[], float]

@@ -45,16 +45,53 @@ def build_catalog(cfg: Config, lookup: ModelsLookup) -> Catalog:
     return Catalog(tuple(out))
 
 
+class CatalogCache:
+    """The catalog, built again only when the config or a backend's model list changed.
+
+    Built per request it cost two catalog builds per request (the route, then the length
+    check); here a request compares each backend's current list with the one the catalog
+    was built from (copies: a list changed in place is still seen as changed).
+    """
+
+    # Routes remembered per catalog (model names come from clients: bounded).
+    MAX_ROUTES = 256
+
+    def __init__(self) -> None:
+        self._cfg: Config | None = None
+        self._lists: tuple[dict[str, int | None] | None, ...] = ()
+        self._catalog: Catalog | None = None
+        self._routes: dict[tuple[str, bool], ModelRoute | None] = {}
+
+    def get(self, cfg: Config, lookup: ModelsLookup) -> Catalog:
+        lists = tuple(lookup(b.name) for b in cfg.backends)
+        if cfg is not self._cfg or self._catalog is None or lists != self._lists:
+            self._catalog = build_catalog(cfg, lookup)
+            self._cfg = cfg
+            self._lists = tuple(dict(m) if m is not None else None for m in lists)
+            self._routes.clear()
+        return self._catalog
+
+    def route(self, cfg: Config, lookup: ModelsLookup, model: str) -> ModelRoute | None:
+        """``Catalog.route`` for ``model`` under ``cfg``, computed once per catalog."""
+        catalog = self.get(cfg, lookup)
+        key = (model, cfg.routing.unknown_model == "pass_through")
+        if key not in self._routes:
+            if len(self._routes) >= self.MAX_ROUTES:
+                self._routes.clear()
+            self._routes[key] = catalog.route(*key)
+        return self._routes[key]
+
+
 def as_api_error(err: LimitError) -> ApiError:
     return ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code)
 
 
 def route_model(gw: Gateway, parsed: ParsedRequest, cfg: Config) -> ModelRoute:
     """Where the request's model is served; 404 ``model_not_found`` when nowhere."""
-    catalog = build_catalog(cfg, gw.models_info)
-    route = catalog.route(parsed.model, cfg.routing.unknown_model == "pass_through")
+    route = gw.catalogs.route(cfg, gw.models_info, parsed.model)
     if route is None:
-        raise as_api_error(model_not_found(parsed.model, catalog.served_ids()))
+        served = gw.catalogs.get(cfg, gw.models_info).served_ids()
+        raise as_api_error(model_not_found(parsed.model, served))
     return route
 
 
@@ -75,5 +112,5 @@ def check_length(
     err = context_length_error(route.limit, prompt_tokens, asked, given)
     if err is not None:
         raise as_api_error(err)
-    catalog = build_catalog(cfg, gw.models_info)
+    catalog = gw.catalogs.get(cfg, gw.models_info)
     return catalog.too_small(parsed.model, prompt_tokens + asked)

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from proxy.gateway.client_watch import ClientWatch
+
 log = logging.getLogger("kvroute.gateway")
 
 # Seconds past the request's deadline that a blocked write to the client may still take.
@@ -60,13 +62,32 @@ class RelayResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             if self.deadline is None:
-                await super().__call__(scope, receive, send)
+                await self._stream(scope, receive, send)
                 return
             try:
                 async with asyncio.timeout_at(self.deadline + WRITE_GRACE_S):
-                    await super().__call__(scope, receive, send)
+                    await self._stream(scope, receive, send)
             except TimeoutError:
                 # Returning unfinished makes the server close the client's connection.
                 log.warning("stream cut: the client stopped reading past the total time limit")
         finally:
             await self.on_close()
+
+    async def _stream(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Starlette's streaming, without its task group where the server predates ASGI 2.4.
+
+        Before spec 2.4 (uvicorn says 2.3) a server's ``send`` does not fail once the client
+        has gone, so Starlette streams in an anyio task group raced against a disconnect
+        listener: a task group and two tasks per stream. Here the stream runs in the
+        request's own task under a ``ClientWatch``: the same cancel when the client leaves,
+        and a task only for a stream that lasts past ``WATCH_AFTER_S``.
+        """
+        spec = scope.get("asgi", {}).get("spec_version", "2.0")
+        if tuple(map(int, spec.split("."))) >= (2, 4):
+            # send() raises once the client is gone: Starlette needs no listener.
+            await super().__call__(scope, receive, send)
+            return
+        async with ClientWatch(receive):
+            await self.stream_response(send)
+        if self.background is not None:
+            await self.background()

@@ -55,7 +55,7 @@ async def start_stream(
         message = f"backend {backend} sent a stream that is not server-sent events"
         broken_answer(gw, ctx, backend, resp, "bad_response", message)
         return None
-    gw.metrics.attempts.labels(backend, "ok").inc()
+    gw.metrics.labelled(gw.metrics.attempts, backend, "ok").inc()
     ctx.backend = backend
     relay = StreamRelay(gw, ctx, backend, resp, started)
     # RelayResponse runs close() even if the client left before the first chunk was pulled
@@ -128,6 +128,7 @@ class StreamRelay:
         else:
             self.resp.release()
         cls = self.ctx.cls
-        self.gw.metrics.requests.labels(cls, self.backend, self.outcome).inc()
-        self.gw.metrics.duration.labels(cls).observe(time.perf_counter() - self.started)
+        metrics = self.gw.metrics
+        metrics.labelled(metrics.requests, cls, self.backend, self.outcome).inc()
+        metrics.labelled(metrics.duration, cls).observe(time.perf_counter() - self.started)
         self.gw.release_later(self.ctx, self.backend)

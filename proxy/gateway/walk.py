@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -38,7 +38,7 @@ from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.metrics import GatewayMetrics
-from proxy.gateway.models import KindErrors, ModelsLookup
+from proxy.gateway.models import CatalogCache, KindErrors, ModelsLookup
 from proxy.gateway.queueing import BackendQueues
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.gateway.resilience_metrics import ResilienceCollector
@@ -117,6 +117,7 @@ class Gateway:
         self._probe_headers: dict[str, dict[str, str]] = {}
         # What each backend's /v1/models said (the collector's cache; the app wires it).
         self.models_info: ModelsLookup = lambda name: None
+        self.catalogs = CatalogCache()
         # A backend kind's own reading of an error answer (its adapter's classify_error);
         # the app wires the adapters in. Unset, the generic verdict stands.
         self.kind_errors: KindErrors = lambda kind, status, body: None
@@ -127,7 +128,8 @@ class Gateway:
     # ---------------------------------------------------------------- the walk
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
-        reservation_id = uuid.uuid4().hex
+        # 128 random bits as 32 hex digits, like uuid4().hex (measured 0.8 vs 4.2 us).
+        reservation_id = os.urandom(16).hex()
         request_id = safe_request_id(request.headers.get("x-request-id")) or reservation_id
         # Read once: the whole walk uses the config it started with, whatever a reload does.
         cfg, policy = self.cfg, self.policy
@@ -238,7 +240,8 @@ class Gateway:
     def release_later(self, ctx: RequestContext, backend: str) -> None:
         """Free this request's reservation on ``backend`` (the ledger retries a failed release)."""
         self.local.remove(backend, ctx.reservation_id)
-        self.spawn(self.ledger.release(backend, ctx.reservation_id))
+        if not self.ledger.release_at_once(backend, ctx.reservation_id):
+            self.spawn(self.ledger.release(backend, ctx.reservation_id))
 
     async def drain_background(self) -> None:
         if self._background:

@@ -170,6 +170,10 @@ class InProcessStore(StateStore):
         return True
 
     async def release(self, name: str, reservation_id: str) -> None:
+        self.release_now(name, reservation_id)
+
+    def release_now(self, name: str, reservation_id: str) -> None:
+        """``release`` without a coroutine (the ledger's per-request path: no task needed)."""
         res = self._res.get(name)
         if res is not None:
             res.pop(reservation_id, None)
@@ -177,8 +181,11 @@ class InProcessStore(StateStore):
                 del self._res[name]
 
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
+        self.forget_now(name, reservation_id, until)
+
+    def forget_now(self, name: str, reservation_id: str, until: float) -> None:
         check_finite(until=until)
-        await self.release(name, reservation_id)
+        self.release_now(name, reservation_id)
         tombs = self._tombs.setdefault(name, {})
         # Expired ones are swept by the next reserve on this backend.
         tombs[reservation_id] = max(float(until), tombs.get(reservation_id, float("-inf")))

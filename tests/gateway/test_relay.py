@@ -92,3 +92,38 @@ async def test_a_client_gone_before_the_first_chunk_still_closes(spec_version: s
         await asyncio.wait_for(response(scope, receive, send), timeout=5.0)
     assert not started
     assert counter.calls == 1
+
+
+async def test_a_client_gone_mid_stream_stops_the_relay_on_a_pre_2_4_server() -> None:
+    """uvicorn says ASGI 2.3: its send() ignores a gone client, so only the watch stops the relay."""
+    counter = Counter()
+    on_close = OnceCallback(counter)
+    left = asyncio.Event()
+    ended = asyncio.Event()
+    chunks = 0
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal chunks
+        try:
+            while True:
+                chunks += 1
+                if chunks == 3:
+                    left.set()
+                yield b"data: x\n\n"
+                await asyncio.sleep(0.005)
+        finally:
+            ended.set()
+
+    async def send(message: Message) -> None:
+        return None  # a gone client's writes vanish, as uvicorn's do
+
+    async def receive() -> Message:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {**SCOPE, "asgi": {"spec_version": "2.3"}}
+    response = RelayResponse(body(), on_close, media_type="text/event-stream")
+    await asyncio.wait_for(response(scope, receive, send), timeout=5.0)
+    assert ended.is_set() and counter.calls == 1
+    # Stopped soon after the disconnect (the watch starts within 50 ms), not read forever.
+    assert chunks < 200

@@ -1,0 +1,86 @@
+"""Watch the client while an attempt runs in the request's own task; cancel it if the client leaves.
+
+The attempt used to run in a task of its own, raced against a watcher with ``asyncio.wait``:
+two tasks and a wait per request. Here the attempt runs in the request's task and only the
+watcher is a task; when the client disconnects, the watcher cancels the request's task, and
+leaving the ``async with`` turns that cancellation back into ``watch.gone`` (the way
+``asyncio.timeout`` turns its own cancellation into ``TimeoutError``). A cancellation from
+anywhere else (server shutdown) still propagates.
+
+The watcher starts only once the attempt has run ``WATCH_AFTER_S`` (a timer, not a task):
+most tiny answers come sooner and need no watcher at all, and a client that leaves is
+noticed at most that much later (a generation takes far longer, and the backend still sees
+the cancel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+
+from starlette.types import Receive
+
+# How long an attempt runs before the client is watched (seconds).
+WATCH_AFTER_S = 0.05
+
+
+async def client_gone(receive: Receive) -> None:
+    """Returns when the client disconnects (the body was read already, so nothing else comes)."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        # This server cannot tell: never report the client gone.
+        await asyncio.get_running_loop().create_future()
+
+
+class ClientWatch:
+    """``async with ClientWatch(receive) as watch``: the block is cancelled if the client goes.
+
+    ``receive``: the request's ASGI receive, its body already read.
+    """
+
+    __slots__ = ("_armed", "_receive", "_task", "_timer", "_watcher", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task[object] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        # Only while the block runs: a disconnect noticed after it must not cancel what follows.
+        self._armed = False
+        self.gone = False
+
+    async def __aenter__(self) -> ClientWatch:
+        self._task = asyncio.current_task()
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+        self._armed = True
+        return self
+
+    def _start(self) -> None:
+        if self._armed:
+            self._watcher = asyncio.ensure_future(client_gone(self._receive))
+            self._watcher.add_done_callback(self._on_gone)
+
+    def _on_gone(self, watcher: asyncio.Task[None]) -> None:
+        if self._armed and not watcher.cancelled() and self._task is not None:
+            self.gone = True
+            self._task.cancel()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        self._armed = False
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if not self.gone or self._task is None:
+            return False
+        # Our cancel is spent: take it back. Suppress the CancelledError only when no one
+        # else cancelled the task too.
+        others = self._task.uncancel()
+        return exc_type is asyncio.CancelledError and others == 0

@@ -1,0 +1,148 @@
+"""The request path's shortcuts (docs/benchmarks.md, Issue 12) do what the long way did.
+
+Each one replaced a general mechanism measured on the hot path (a task, a
+``dataclasses.replace``, a catalog built per request); these tests hold them to the same
+results as the general mechanism.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import fields, replace
+
+import pytest
+from starlette.types import Receive
+
+from proxy.config import Config
+from proxy.core.fleet import MemoryReport, NodeView, Overlay
+from proxy.gateway.client_watch import ClientWatch
+from proxy.gateway.ledger import ReservationLedger
+from proxy.gateway.models import CatalogCache
+from proxy.state.breaker import CircuitBreaker
+from proxy.state.memory import InProcessStore
+
+
+def test_plus_pending_keeps_every_other_field() -> None:
+    # Every field set away from its default: a field plus_pending forgets shows here.
+    ov = Overlay(1, 2, 3, True, 4.0, 5, 6.0, "queue")
+    assert {f.name for f in fields(Overlay)} == {
+        "pending_tokens",
+        "reserved_tokens",
+        "inflight",
+        "draining",
+        "cooldown_until",
+        "ceiling_tokens",
+        "ceiling_until",
+        "pressure",
+    }, "a new Overlay field: add it to Overlay.plus_pending"
+    assert ov.plus_pending(10, 2) == replace(ov, pending_tokens=11, reserved_tokens=12, inflight=5)
+    node = NodeView("b", "long", "long", False, MemoryReport(9, 8, 7), ov)
+    assert {f.name for f in fields(NodeView)} == {
+        "name",
+        "pool",
+        "role",
+        "up",
+        "report",
+        "overlay",
+    }, "a new NodeView field: add it to NodeView.with_overlay"
+    assert node.with_overlay(Overlay()) == replace(node, overlay=Overlay())
+
+
+def _cfg(*names: str) -> Config:
+    return Config.model_validate(
+        {"backends": [{"name": n, "url": f"http://127.0.0.1:1/{n}"} for n in names]}
+    )
+
+
+def test_the_catalog_follows_changed_model_lists_and_configs() -> None:
+    lists: dict[str, dict[str, int | None]] = {"a": {"m": 100}}
+
+    def lookup(name: str) -> Mapping[str, int | None] | None:
+        return lists.get(name)
+
+    cache, cfg = CatalogCache(), _cfg("a", "b")
+    first = cache.get(cfg, lookup)
+    assert cache.get(cfg, lookup) is first  # nothing changed: not built again
+    assert first.model_limit("m") == 100
+    # Changed in place (same dict object): still seen.
+    lists["a"]["m"] = 200
+    assert cache.get(cfg, lookup).model_limit("m") == 200
+    lists["b"] = {"m": 300}
+    assert cache.get(cfg, lookup).model_limit("m") == 300
+    other = _cfg("a")
+    assert [b.name for b in cache.get(other, lookup).backends] == ["a"]
+    # Routes follow the catalog they were computed on.
+    route = cache.route(other, lookup, "m")
+    assert route is not None and route.limit == 200
+    lists["a"]["m"] = 50
+    route = cache.route(other, lookup, "m")
+    assert route is not None and route.limit == 50
+    assert cache.route(other, lookup, "nowhere") is None
+
+
+def _quiet_request() -> tuple[Receive, asyncio.Event]:
+    """A request's receive, whose client disconnects when the event is set."""
+    left = asyncio.Event()
+
+    async def receive() -> dict[str, object]:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    return receive, left
+
+
+async def test_the_watch_cancels_the_block_when_the_client_leaves() -> None:
+    request, left = _quiet_request()
+    reached_after = False
+    async with ClientWatch(request) as watch:
+        left.set()
+        await asyncio.sleep(5)
+        reached_after = True
+    assert watch.gone and not reached_after
+    # The task is not left cancelled: it can still wait.
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
+    await asyncio.sleep(0)
+
+
+async def test_the_watch_lets_other_cancellations_through_and_ignores_a_late_disconnect() -> None:
+    request, left = _quiet_request()
+
+    async def body() -> None:
+        async with ClientWatch(request):
+            await asyncio.sleep(5)
+
+    task = asyncio.ensure_future(body())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # After its block, a disconnect cancels nothing.
+    request, left = _quiet_request()
+    async with ClientWatch(request) as watch:
+        pass
+    left.set()
+    await asyncio.sleep(0.01)
+    assert not watch.gone
+
+
+class _Slow(InProcessStore):
+    """An embedded store whose calls wait: it gets the general path."""
+
+    async def release(self, name: str, reservation_id: str) -> None:
+        await asyncio.sleep(0)
+        await super().release(name, reservation_id)
+
+
+async def test_the_embedded_store_releases_at_once_and_only_that_class() -> None:
+    store = InProcessStore()
+    ledger = ReservationLedger(store, CircuitBreaker(3, 1.0), 60.0)
+    assert await ledger.reserve(
+        "a", "r1", lambda: store.reserve("a", "r1", 5, 1.0, 60.0, check_fit=False)
+    )
+    assert [r.id for r in await store.reservations("a", 1.0)] == ["r1"]
+    assert ledger.release_at_once("a", "r1")
+    assert await store.reservations("a", 1.0) == [] and ledger.held == {}
+    slow = _Slow()
+    assert not ReservationLedger(slow, CircuitBreaker(3, 1.0), 60.0).release_at_once("a", "r1")
