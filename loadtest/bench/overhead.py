@@ -236,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-redis", action="store_true", help="skip the kvroute-redis target")
     p.add_argument(
+        "--client-ab",
+        action="store_true",
+        help="add kvroute-aiohttp-client: the same gateway with upstream.client aiohttp",
+    )
+    p.add_argument(
         "--no-vllm-router", action="store_true", help="skip vllm-router even if installed"
     )
     p.add_argument(
@@ -329,6 +334,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         bench.start_backends()
         targets = [bench.direct(), bench.kvroute("kvroute", redis=False)]
+        if args.client_ab:
+            targets.append(bench.kvroute("kvroute-aiohttp-client", redis=False, client="aiohttp"))
         if not args.no_redis:
             if shutil.which("redis-server"):
                 targets.append(bench.kvroute("kvroute-redis", redis=True))
