@@ -7,8 +7,10 @@ cannot tell the two apart except by cost (docs/benchmarks.md, Issue 12: wire cos
 * a refused or unreachable address: ``UpstreamConnectError``; no connection within
   ``connect_timeout_s`` (a free pool slot included, as aiohttp counts it): ``UpstreamTimeout``
   phase "connect"; no answer head within the TTFB limit: ``UpstreamTimeout`` phase "ttfb";
-* connected, then closed or garbage before the head: ``UpstreamBroken`` ("closed the
-  connection before answering"); a header value that cannot go on the wire (CR, LF, not
+* connected, then closed before the head: ``UpstreamBroken`` ("closed the connection
+  before answering"); bytes that are not HTTP: ``UpstreamBroken`` too (aiohttp's client
+  calls those a ``ClientResponseError``, which became a connect error: a backend that
+  answers garbage is reached, so it is not reported as unreachable); a header value that cannot go on the wire (CR, LF, not
   Latin-1): ``UpstreamConnectError`` ("request refused by the client library");
 * body errors surface from the reader as ``ConnectionError`` subclasses, which the body
   helpers in ``proxy.upstream.client`` turn into ``UpstreamBroken`` as they do aiohttp's.
@@ -29,7 +31,7 @@ from multidict import CIMultiDictProxy
 
 from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamBroken, UpstreamConnectError, UpstreamTimeout
-from proxy.upstream.wire import WireConnection
+from proxy.upstream.wire import BadAnswer, WireConnection
 
 # Idle connections older than this are not reused (aiohttp's keepalive_timeout here was 30).
 KEEPALIVE_S = 30.0
@@ -227,6 +229,11 @@ async def post(
     except TimeoutError:
         _drop(pool, conn)
         raise UpstreamTimeout(f"no response within {limit:g}s", "ttfb") from None
+    except BadAnswer:
+        _drop(pool, conn)
+        raise UpstreamBroken(
+            "answered with bytes that are not an HTTP answer (BadAnswer)"
+        ) from None
     except ConnectionError as exc:
         _drop(pool, conn)
         raise UpstreamBroken(
