@@ -166,7 +166,12 @@ class Bench:
         return Target("direct", self.backends[0].url, [self.backends[0]], "backend-0 itself")
 
     def kvroute(
-        self, name: str, redis: bool, workers: int = 1, client: str | None = None
+        self,
+        name: str,
+        redis: bool,
+        workers: int = 1,
+        client: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> Target:
         port = free_port()
         cfg = self.gateway_config_path(name, redis, client)
@@ -184,7 +189,7 @@ class Bench:
             "--workers",
             str(workers),
         ]
-        p = self.start(Proc(name, argv, f"http://127.0.0.1:{port}"), env=self.env())
+        p = self.start(Proc(name, argv, f"http://127.0.0.1:{port}"), env=self.env() | (env or {}))
         wait_post_ok(p.url, proc=p)
         return Target(
             name,
@@ -193,7 +198,8 @@ class Bench:
             "kvroute serve (uvicorn httptools+uvloop, hot routes past FastAPI)"
             + (", Redis store" if redis else "")
             + (f", --workers {workers}" if workers > 1 else "")
-            + (f", upstream.client {client}" if client else ""),
+            + (f", upstream.client {client}" if client else "")
+            + (", head and body in two writes" if env else ""),
         )
 
     def variant(self, kind: str) -> Target:
