@@ -23,6 +23,7 @@ after ``KEEPALIVE_S`` or when the backend closes them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
@@ -99,6 +100,14 @@ class LeanResponse:
         if not self._done:
             self._done = True
             self._pool.put_back(self._conn)
+
+    def __del__(self) -> None:
+        # An answer dropped without close() or release() must not keep its pool slot forever.
+        if not self._done:
+            self._done = True
+            with contextlib.suppress(Exception):
+                self._conn.close()
+                self._pool.free_slot()
 
     async def read(self) -> bytes:
         return b"".join([c async for c in self.content.iter_any()])

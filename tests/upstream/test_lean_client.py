@@ -344,3 +344,19 @@ def test_the_lean_client_under_uvloop() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         assert runner.run(main()) == b'{"n": 4}'
+
+
+async def test_an_answer_dropped_without_close_frees_its_slot(backend: Backend) -> None:
+    up = make("lean", max_connections=1)
+    await up.start()
+    try:
+        url = await backend.start(ok)
+        resp = await up.post(url, b"", {})
+        assert up.pool is not None and up.pool.in_use == 1
+        del resp
+        assert up.pool.in_use == 0
+        resp = await up.post(url, b"", {})
+        assert resp.status == 200
+        resp.close()
+    finally:
+        await up.close()
