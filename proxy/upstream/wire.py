@@ -170,6 +170,10 @@ class WireConnection(asyncio.Protocol):
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
+        if self.complete:
+            # A second answer to one request: the connection is out of step; the parser's
+            # error closes it (the answer already read stays valid).
+            raise BadAnswer("more than one answer to one request")
         self._raw_headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:

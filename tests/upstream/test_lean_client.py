@@ -360,3 +360,27 @@ async def test_an_answer_dropped_without_close_frees_its_slot(backend: Backend) 
         resp.close()
     finally:
         await up.close()
+
+
+async def test_bytes_after_a_complete_answer_keep_the_connection_from_reuse() -> None:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.read(100)
+        w.write(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+        )
+        with contextlib.suppress(ConnectionError):
+            await r.read(100)
+        w.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    up = make("lean")
+    await up.start()
+    try:
+        resp = await up.post(f"http://127.0.0.1:{port}/", b"", {})
+        assert await read_body(resp, 5.0, far(), 1 << 20) == b"ok"
+        resp.release()
+        assert up.pool is not None and not any(up.pool.idle.values())
+    finally:
+        await up.close()
+        srv.close()
