@@ -6,6 +6,8 @@ raise an unexpected exception there), to show it is still a 500 in OpenAI's form
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -48,4 +50,9 @@ def test_only_post_takes_the_fast_dispatch_and_the_guard_is_the_apps_own() -> No
         assert isinstance(guard, RequestGuard)
         assert set(guard.hot) == {"/v1/chat/completions", "/v1/completions"}
         # Both requests went through that one guard (its concurrency count is the app's).
+        # The guard counts a request out just after its answer's last write, which the
+        # client may see first: wait (5 s, far above the microseconds this takes).
+        deadline = time.monotonic() + 5.0
+        while guard.inflight != 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert guard.inflight == 0
