@@ -17,7 +17,7 @@ cannot tell the two apart except by cost (docs/benchmarks.md, Issue 12: wire cos
 
 Redirects are never followed (the answer is returned as it is). The pool is bounded by
 ``upstream.max_connections`` connections in use across backends; idle ones are dropped
-after ``KEEPALIVE_S`` or when the backend closes them.
+after ``KEEPALIVE_S`` (4 s) or when the backend closes them.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamBroken, UpstreamConnectError, UpstreamTimeout
 from proxy.upstream.wire import BadAnswer, WireConnection
 
-# Idle connections older than this are not reused (aiohttp's keepalive_timeout here was 30).
-KEEPALIVE_S = 30.0
+# Idle connections older than this are not reused. Below the 5 s keep-alive of engines served
+# by uvicorn (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default, SGLang's), so the gateway never
+# sends on a connection the engine is closing at that moment (aiohttp's setting here was 30 s;
+# the race turned a request into a "broken" attempt counted against the backend).
+KEEPALIVE_S = 4.0
 
 # Fields this client writes itself; a caller's copy is dropped rather than sent twice.
 _OWN = frozenset({"host", "content-length", "transfer-encoding", "connection"})

@@ -384,3 +384,24 @@ async def test_bytes_after_a_complete_answer_keep_the_connection_from_reuse() ->
     finally:
         await up.close()
         srv.close()
+
+
+async def test_a_connection_idle_past_the_keepalive_is_not_reused(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from proxy.upstream import lean
+
+    monkeypatch.setattr(lean, "KEEPALIVE_S", 0.05)
+    up = make("lean")
+    await up.start()
+    try:
+        url = await backend.start(ok)
+        for pause in (0.0, 0.3):
+            await asyncio.sleep(pause)
+            resp = await up.post(url, b"", {})
+            await read_body(resp, 5.0, far(), 1 << 20)
+            resp.release()
+        # The backend (75 s keep-alive) kept it open: the client itself chose a new one.
+        assert len(set(backend.peers)) == 2
+    finally:
+        await up.close()
