@@ -34,6 +34,7 @@ from proxy.errors import (
     UpstreamTimeout as UpstreamTimeout,
 )
 from proxy.upstream import lean
+from proxy.upstream.wire import BodyReader
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus fields the proxy recomputes itself.
 HOP_BY_HOP = frozenset(
@@ -126,6 +127,9 @@ def _map_broken() -> Iterator[None]:
     """Translate aiohttp's and the socket's errors into UpstreamBroken (the httpx mapping habit)."""
     try:
         yield
+    except TimeoutError:
+        # An OSError subclass, but a timeout (the lean reader's own timer), not a break.
+        raise
     except _BROKEN as exc:
         raise UpstreamBroken(exc.__class__.__name__) from exc
 
@@ -249,6 +253,10 @@ async def next_chunk(resp: UpstreamAnswer, idle_s: float, deadline: float) -> by
         return ready
     phase = "idle" if idle_s < left else "total"
     try:
+        if isinstance(content, BodyReader):
+            # The lean client's reader times its own wait (one timer, no timeout scope).
+            with _map_broken():
+                return await content.readany_by(loop.time() + min(idle_s, left))
         async with asyncio.timeout(min(idle_s, left)):
             with _map_broken():
                 return await content.readany()

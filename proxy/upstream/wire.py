@@ -100,9 +100,32 @@ class BodyReader:
                 self._waiter = None
         return self.read_nowait()
 
+    async def readany_by(self, when: float) -> bytes:
+        """``readany`` that raises TimeoutError at ``when`` (loop clock) if nothing came.
+
+        One timer on the wait's own future: cheaper than an ``asyncio.timeout`` scope
+        (a task-level cancel and uncancel), and a stream waits once per event.
+        """
+        if not self._chunks and not self._eof and self._exc is None:
+            loop = self._conn.loop
+            waiter = loop.create_future()
+            self._waiter = waiter
+            timer = loop.call_at(when, _time_out, waiter)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                timer.cancel()
+        return self.read_nowait()
+
     async def iter_any(self) -> AsyncIterator[bytes]:
         while chunk := await self.readany():
             yield chunk
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class WireConnection(asyncio.Protocol):
