@@ -8,6 +8,8 @@ their type only (their bytes are the model's processor's business).
 
 Repeated messages (turn 20 of a chat resends turns 1-19; a shared document is resent with
 every question) are tokenized once: ids are kept in a bounded LRU by a digest of the text.
+Sizing counts through the same cache (``proxy.core.tokens``), so a request's texts are
+encoded once for both its count and its prefix hashes.
 
 Pure: no asyncio (``proxy.gateway.affinity`` runs big prompts in a worker thread).
 """
@@ -21,21 +23,36 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from proxy.core.prefix import block_hashes
+
 Encode = Callable[[str], list[int]]
 
 
 class IdsCache:
-    """Bounded LRU of token ids by (tokenizer id, text digest); bounded by total ids held."""
+    """Bounded LRU of token ids by (tokenizer id, text digest); bounded by total ids held.
 
-    def __init__(self, max_tokens: int = 2_000_000, min_chars: int = 256) -> None:
+    Texts under ``min_chars`` (roles, the ``<role>`` markers, short messages) are kept apart,
+    by their own value, in an LRU of ``max_small`` entries: sizing and the prefix hashes
+    then encode them once, and repeated ones not at all. That matters on the event loop:
+    every encode releases the GIL, and taking it back can wait for a worker thread that is
+    hashing a big prompt.
+    """
+
+    def __init__(
+        self, max_tokens: int = 2_000_000, min_chars: int = 256, max_small: int = 4096
+    ) -> None:
         self.max_tokens = max_tokens
         self.min_chars = min_chars
+        self.max_small = max_small
         self._lru: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._small: OrderedDict[tuple[str, str], array[int]] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
 
     def ids(self, encoder_id: str, encode: Encode, text: str) -> array[int]:
-        if len(text) < self.min_chars or self.max_tokens <= 0:
+        if len(text) < self.min_chars:
+            return self._small_ids(encoder_id, encode, text)
+        if self.max_tokens <= 0:
             return array("q", encode(text))
         h = hashlib.blake2b(encoder_id.encode(), digest_size=16)
         h.update(text.encode("utf-8", "surrogatepass"))
@@ -53,6 +70,22 @@ class IdsCache:
             while self._held > self.max_tokens and self._lru:
                 _, old = self._lru.popitem(last=False)
                 self._held -= len(old)
+        return got
+
+    def _small_ids(self, encoder_id: str, encode: Encode, text: str) -> array[int]:
+        if self.max_small <= 0:
+            return array("q", encode(text))
+        key = (encoder_id, text)
+        with self._lock:
+            hit = self._small.get(key)
+            if hit is not None:
+                self._small.move_to_end(key)
+                return hit
+        got = array("q", encode(text))
+        with self._lock:
+            self._small[key] = got
+            while len(self._small) > self.max_small:
+                self._small.popitem(last=False)
         return got
 
 
@@ -109,3 +142,17 @@ def _add_content(content: Any, add: Callable[[str], bool]) -> bool:
         if not add(str(text)):
             return False
     return True
+
+
+def prompt_hashes(
+    body: dict[str, Any],
+    encoder_id: str,
+    encode: Encode,
+    max_tokens: int,
+    block_tokens: int,
+    cache: IdsCache | None = None,
+) -> tuple[int, ...]:
+    """The chained block hashes of the prompt's leading ``max_tokens`` ids (what the index keys)."""
+    return tuple(
+        block_hashes(prompt_ids(body, encoder_id, encode, max_tokens, cache), block_tokens)
+    )
