@@ -50,8 +50,9 @@ def test_only_post_takes_the_fast_dispatch_and_the_guard_is_the_apps_own() -> No
         assert isinstance(guard, RequestGuard)
         assert set(guard.hot) == {"/v1/chat/completions", "/v1/completions"}
         # Both requests went through that one guard (its concurrency count is the app's).
-        # The count drops just after the answer is sent: the client may see it first.
-        deadline = time.monotonic() + 5
-        while guard.inflight and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # The guard counts a request out just after its answer's last write, which the
+        # client may see first: wait (5 s, far above the microseconds this takes).
+        deadline = time.monotonic() + 5.0
+        while guard.inflight != 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
         assert guard.inflight == 0

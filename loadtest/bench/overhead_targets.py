@@ -144,12 +144,14 @@ class Bench:
                     time.sleep(0.05)
         return self.redis.url
 
-    def gateway_config_path(self, name: str, redis: bool) -> Path:
+    def gateway_config_path(self, name: str, redis: bool, client: str | None = None) -> Path:
         specs = [(EngineSpec(f"b{i}"), p.url) for i, p in enumerate(self.backends)]
         overrides: dict[str, Any] = {
             "collector": {"scrape_interval_s": 1.0, "stale_after_s": 5.0},
             "routing": {"policy": self.args.policy},
         }
+        if client is not None:
+            overrides["upstream"] = {"client": client}
         if redis:
             overrides["store"] = {"redis_url": self.ensure_redis()}
         path = self.workdir / f"{name}.yaml"
@@ -163,9 +165,16 @@ class Bench:
     def direct(self) -> Target:
         return Target("direct", self.backends[0].url, [self.backends[0]], "backend-0 itself")
 
-    def kvroute(self, name: str, redis: bool, workers: int = 1) -> Target:
+    def kvroute(
+        self,
+        name: str,
+        redis: bool,
+        workers: int = 1,
+        client: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Target:
         port = free_port()
-        cfg = self.gateway_config_path(name, redis)
+        cfg = self.gateway_config_path(name, redis, client)
         argv = [
             sys.executable,
             "-m",
@@ -180,7 +189,7 @@ class Bench:
             "--workers",
             str(workers),
         ]
-        p = self.start(Proc(name, argv, f"http://127.0.0.1:{port}"), env=self.env())
+        p = self.start(Proc(name, argv, f"http://127.0.0.1:{port}"), env=self.env() | (env or {}))
         wait_post_ok(p.url, proc=p)
         return Target(
             name,
@@ -188,7 +197,9 @@ class Bench:
             [p],
             "kvroute serve (uvicorn httptools+uvloop, hot routes past FastAPI)"
             + (", Redis store" if redis else "")
-            + (f", --workers {workers}" if workers > 1 else ""),
+            + (f", --workers {workers}" if workers > 1 else "")
+            + (f", upstream.client {client}" if client else "")
+            + (", head and body in two writes" if env else ""),
         )
 
     def variant(self, kind: str) -> Target:

@@ -44,6 +44,7 @@ RESTART_ONLY = (
     "listen",
     "store",
     "upstream.max_connections",
+    "upstream.client",
     "queue.max_size",
     "discovery",
     # Enforced by the HTTP server's protocol (proxy.api.server), set up once.

@@ -14,11 +14,17 @@ the bound lives here, in a subclass of uvicorn's protocol:
   hold it open a byte at a time.
 
 The body's time and rate are the ASGI guard's business (``proxy.api.limits``).
+
+The protocol also holds each response's head (status line and headers) until its body's
+first write, so a small answer leaves in one ``send`` instead of two: uvicorn writes them
+separately, and a loopback send is the most expensive call on the hot path (docs/benchmarks.md,
+Issue 12). A head whose body does not follow at once is sent on the loop's next turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from asyncio import TimerHandle
 from typing import Any
 
@@ -47,6 +53,47 @@ def _header_refusal(limit: int) -> bytes:
     return head + bytes(body)
 
 
+class HeldHead:
+    """A transport that holds a response's first write (its head) for the next one (its body)."""
+
+    __slots__ = ("_held", "_loop", "_seen", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._seen = False
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif not self._seen:
+            self._seen = True
+            self._held = data
+            # The body usually follows within this turn; if not, the head still goes out.
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """httptools with a header-size and header-time bound (class attributes set per config)."""
 
@@ -54,6 +101,8 @@ class GuardedProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0
     refused_headers: int = 0
     timed_out_headers: int = 0
+    # Head and body of a response in one write (switchable for the benchmark's A/B).
+    coalesce: bool = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -93,6 +142,9 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_headers = False
         self._disarm_header_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        if self.coalesce and cycle is not None and cycle.transport is self.transport:
+            cycle.transport = HeldHead(self.transport, self.loop)  # type: ignore[assignment]
 
     def on_response_complete(self) -> None:
         cycle = self.cycle
@@ -121,7 +173,12 @@ def guarded_protocol(limits: LimitsConfig) -> type[GuardedProtocol]:
     return type(
         "GuardedProtocol",
         (GuardedProtocol,),
-        {"max_header_bytes": limits.max_header_bytes, "header_timeout_s": limits.header_timeout_s},
+        {
+            "max_header_bytes": limits.max_header_bytes,
+            "header_timeout_s": limits.header_timeout_s,
+            # Off only for the overhead benchmark's A/B (python -m loadtest.bench.overhead --coalesce-ab).
+            "coalesce": os.environ.get("KVROUTE_COALESCE_WRITES", "1") != "0",
+        },
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from proxy.config.base import _Strict
@@ -54,6 +56,10 @@ class UpstreamConfig(_Strict):
     idle_timeout_s: float = Field(default=60.0, gt=0)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
+    client: Literal["lean", "aiohttp"] = Field(
+        default="lean",
+        description="HTTP client for the POSTs to backends: lean (asyncio + httptools) or aiohttp",
+    )
     max_answer_bytes: int = Field(
         default=64 * 1024 * 1024,
         gt=0,

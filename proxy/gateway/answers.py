@@ -14,7 +14,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from aiohttp import ClientResponse
 from starlette.responses import Response
 
 from proxy.core.fleet import FailureCause, FleetSnapshot, classify_failure
@@ -25,6 +24,7 @@ from proxy.upstream.classify import UpstreamVerdict, Verdict, classify_response,
 from proxy.upstream.client import (
     AnswerTooLarge,
     BodyTimeout,
+    UpstreamAnswer,
     read_body,
     read_limited,
     response_headers,
@@ -43,7 +43,7 @@ def broken_answer(
     gw: Gateway,
     ctx: RequestContext,
     backend: str,
-    resp: ClientResponse,
+    resp: UpstreamAnswer,
     failure: UpstreamFailure,
     message: str,
 ) -> None:
@@ -60,7 +60,7 @@ def broken_answer(
 
 
 async def error_answer(
-    gw: Gateway, ctx: RequestContext, backend: str, resp: ClientResponse
+    gw: Gateway, ctx: RequestContext, backend: str, resp: UpstreamAnswer
 ) -> Response | None:
     """A 4xx/5xx from ``backend``: relay the client's own mistake, divert anything else."""
     try:
@@ -119,7 +119,7 @@ def _allocation_failed(
     gw: Gateway,
     ctx: RequestContext,
     backend: str,
-    resp: ClientResponse,
+    resp: UpstreamAnswer,
     body: bytes,
     verdict: UpstreamVerdict,
 ) -> Response | None:
@@ -150,7 +150,7 @@ def _failed_or_busy(
     gw: Gateway,
     ctx: RequestContext,
     backend: str,
-    resp: ClientResponse,
+    resp: UpstreamAnswer,
     body: bytes,
     verdict: UpstreamVerdict,
 ) -> None:
@@ -191,7 +191,7 @@ def cause_at_backend(
 
 
 async def whole_answer(
-    gw: Gateway, ctx: RequestContext, backend: str, resp: ClientResponse, started: float
+    gw: Gateway, ctx: RequestContext, backend: str, resp: UpstreamAnswer, started: float
 ) -> Response | None:
     """A non-streamed 2xx: read it all (nothing reached the client yet, so a failure may still divert)."""
     try:

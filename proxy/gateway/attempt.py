@@ -21,7 +21,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from aiohttp import ClientResponse
 from starlette.responses import Response
 
 from proxy.core.validation import Endpoint
@@ -31,7 +30,7 @@ from proxy.gateway.client_watch import ClientWatch
 from proxy.gateway.context import FAILURE_RESULTS, RequestContext
 from proxy.gateway.divert import divert
 from proxy.gateway.stream import start_stream
-from proxy.upstream.client import with_credential
+from proxy.upstream.client import UpstreamAnswer, with_credential
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -72,7 +71,7 @@ async def _forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response |
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
     ttfb_deadline = headers_deadline(gw, ctx, loop.time())
-    resp: ClientResponse | None = None
+    resp: UpstreamAnswer | None = None
     headers = with_credential(ctx.upstream_headers, gw.credentials.get(backend))
     try:
         try:

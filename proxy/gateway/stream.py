@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from aiohttp import ClientResponse
 from starlette.responses import Response
 
 from proxy.errors import BodyTimeout, UpstreamBroken, sse_error_event
@@ -23,7 +22,7 @@ from proxy.gateway.answers import broken_answer
 from proxy.gateway.context import RequestContext, RequestResult
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.upstream.classify import looks_like_sse
-from proxy.upstream.client import next_chunk, response_headers
+from proxy.upstream.client import UpstreamAnswer, next_chunk, response_headers
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -35,7 +34,7 @@ async def start_stream(
     gw: Gateway,
     ctx: RequestContext,
     backend: str,
-    resp: ClientResponse,
+    resp: UpstreamAnswer,
     started: float,
     ttfb_deadline: float,
 ) -> Response | None:
@@ -79,7 +78,7 @@ class StreamRelay:
         gw: Gateway,
         ctx: RequestContext,
         backend: str,
-        resp: ClientResponse,
+        resp: UpstreamAnswer,
         started: float,
     ) -> None:
         self.gw = gw

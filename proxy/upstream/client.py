@@ -1,16 +1,19 @@
 """Upstream connections and the byte relay: the gateway's hot path.
 
-aiohttp's client is used for forwarding because it measured ~12x the throughput of
-httpx.AsyncClient as a proxy client on this class of machine (see README, Benchmarks);
-httpx stays where convenience matters more (scraping, hooks, tests).
+The POSTs to backends go through the lean client (``proxy.upstream.lean``: asyncio +
+httptools, ``upstream.client: lean``) or aiohttp's (``upstream.client: aiohttp``); both
+answers have the shape of ``UpstreamAnswer`` and every library error becomes one of
+``proxy.errors``' ``UpstreamError`` here. aiohttp stays for GETs (health probes, admin):
+it measured ~12x httpx.AsyncClient's throughput as a proxy client on this class of machine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -30,6 +33,8 @@ from proxy.errors import (
 from proxy.errors import (
     UpstreamTimeout as UpstreamTimeout,
 )
+from proxy.upstream import lean
+from proxy.upstream.wire import BodyReader
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus fields the proxy recomputes itself.
 HOP_BY_HOP = frozenset(
@@ -91,6 +96,28 @@ def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+class BodyStream(Protocol):
+    """The reading surface of an answer's body (aiohttp's StreamReader has it, so does lean's)."""
+
+    def read_nowait(self) -> bytes: ...
+    def at_eof(self) -> bool: ...
+    async def readany(self) -> bytes: ...
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+class UpstreamAnswer(Protocol):
+    """An answer whose head arrived; ``close`` drops its connection, ``release`` returns it."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+    @property
+    def content(self) -> BodyStream: ...
+    def close(self) -> None: ...
+    def release(self) -> Any: ...
+
+
 # Library errors that mean "the connection broke" while a body was being read.
 _BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError)
 
@@ -100,6 +127,9 @@ def _map_broken() -> Iterator[None]:
     """Translate aiohttp's and the socket's errors into UpstreamBroken (the httpx mapping habit)."""
     try:
         yield
+    except TimeoutError:
+        # An OSError subclass, but a timeout (the lean reader's own timer), not a break.
+        raise
     except _BROKEN as exc:
         raise UpstreamBroken(exc.__class__.__name__) from exc
 
@@ -108,8 +138,11 @@ def _map_broken() -> Iterator[None]:
 class Upstream:
     cfg: UpstreamConfig
     session: aiohttp.ClientSession | None = None
+    pool: lean.Pool | None = None
 
     async def start(self) -> None:
+        if self.cfg.client == "lean":
+            self.pool = lean.Pool(self.cfg)
         connector = aiohttp.TCPConnector(
             limit=self.cfg.max_connections,
             limit_per_host=0,
@@ -133,16 +166,21 @@ class Upstream:
         )
 
     async def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
         if self.session is not None:
             await self.session.close()
             self.session = None
 
     async def post(
         self, url: str, body: bytes, headers: Mapping[str, str], ttfb_s: float | None = None
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamAnswer:
         """Send the request; return once response headers arrived (the body is still to read)."""
-        assert self.session is not None, "Upstream.start() was not called"
         limit = self.cfg.ttfb_timeout_s if ttfb_s is None else max(0.001, ttfb_s)
+        if self.pool is not None:
+            return await lean.post(self.pool, url, body, headers, limit)
+        assert self.session is not None, "Upstream.start() was not called"
         # Messages name no URL: the caller names the backend (a URL may carry credentials).
         # Redirects are never followed: a 3xx would re-send the prompt somewhere else.
         try:
@@ -183,7 +221,7 @@ class Upstream:
             return resp.status, await read_limited(resp)
 
 
-async def read_limited(resp: aiohttp.ClientResponse, limit: int = 1 << 20) -> bytes:
+async def read_limited(resp: UpstreamAnswer, limit: int = 1 << 20) -> bytes:
     """Read an error body, at most `limit` bytes (an upstream must not make us buffer gigabytes)."""
     chunks: list[bytes] = []
     size = 0
@@ -196,7 +234,7 @@ async def read_limited(resp: aiohttp.ClientResponse, limit: int = 1 << 20) -> by
     return b"".join(chunks)[:limit]
 
 
-async def next_chunk(resp: aiohttp.ClientResponse, idle_s: float, deadline: float) -> bytes:
+async def next_chunk(resp: UpstreamAnswer, idle_s: float, deadline: float) -> bytes:
     """The next piece of the body (b"" at its end) within the idle gap and the total deadline.
 
     ``deadline`` is on the loop's clock. Raises BodyTimeout, or UpstreamBroken when the
@@ -215,6 +253,10 @@ async def next_chunk(resp: aiohttp.ClientResponse, idle_s: float, deadline: floa
         return ready
     phase = "idle" if idle_s < left else "total"
     try:
+        if isinstance(content, BodyReader):
+            # The lean client's reader times its own wait (one timer, no timeout scope).
+            with _map_broken():
+                return await content.readany_by(loop.time() + min(idle_s, left))
         async with asyncio.timeout(min(idle_s, left)):
             with _map_broken():
                 return await content.readany()
@@ -224,9 +266,7 @@ async def next_chunk(resp: aiohttp.ClientResponse, idle_s: float, deadline: floa
         raise BodyTimeout("the request ran past its total time limit", "total") from None
 
 
-async def read_body(
-    resp: aiohttp.ClientResponse, idle_s: float, deadline: float, limit: int
-) -> bytes:
+async def read_body(resp: UpstreamAnswer, idle_s: float, deadline: float, limit: int) -> bytes:
     """The whole body, each read bounded by the idle gap, all of it by the deadline and ``limit`` bytes.
 
     Raises AnswerTooLarge past ``limit`` (``upstream.max_answer_bytes``): a backend must not

@@ -1,4 +1,4 @@
-"""The upstream client (proxy/upstream/client.py) against real aiohttp servers on 127.0.0.1.
+"""The upstream clients (proxy/upstream/client.py, lean.py) against real aiohttp servers on 127.0.0.1.
 
 What the gateway relies on: library errors never escape as themselves (a broken connection
 is ``UpstreamBroken``, a refused one ``UpstreamConnectError``), each timeout names its phase,
@@ -52,9 +52,10 @@ async def serve() -> AsyncIterator[Serve]:
         await runner.cleanup()
 
 
-@pytest.fixture
-async def upstream() -> AsyncIterator[Upstream]:
-    up = Upstream(UpstreamConfig(connect_timeout_s=2.0, ttfb_timeout_s=5.0))
+@pytest.fixture(params=["lean", "aiohttp"])
+async def upstream(request: pytest.FixtureRequest) -> AsyncIterator[Upstream]:
+    """Both POST clients: each test holds for the lean one and for aiohttp's."""
+    up = Upstream(UpstreamConfig(connect_timeout_s=2.0, ttfb_timeout_s=5.0, client=request.param))
     await up.start()
     yield up
     await up.close()
@@ -149,7 +150,7 @@ async def test_a_body_that_breaks_off_is_upstream_broken_not_aiohttps_error(
         await read_body(resp, 5.0, far_deadline(), 1 << 20)
     assert not isinstance(err.value, aiohttp.ClientError)
     assert err.value.failure == "broken"
-    assert isinstance(err.value.__cause__, aiohttp.ClientError)
+    assert isinstance(err.value.__cause__, aiohttp.ClientError | ConnectionError)
     assert err.value.cause == type(err.value.__cause__).__name__
 
 
