@@ -151,24 +151,38 @@ def start_gateway(cfg: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[
     raise RuntimeError("gateway did not start")
 
 
-def start_vllm_router(exe: str, policy: str, urls: list[str]) -> tuple[subprocess.Popen[str], str]:
-    """vllm-router in front of the engines; ready once a real request gets a 200 through it."""
-    port = free_port()
-    argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-    argv += ["--log-level", "warning", "--worker-urls", *urls]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-    url = f"http://127.0.0.1:{port}"
+def start_vllm_router(
+    exe: str, policy: str, urls: list[str], workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """vllm-router in front of the engines; ready once a real request gets a 200 through it.
+
+    Tried twice on fresh ports (a port taken between ``free_port`` and its bind, or a slow
+    start on a loaded machine); its log is kept in ``workdir`` and quoted on failure.
+    """
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.post(url + "/v1/chat/completions", json=body, timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"vllm-router --policy {policy} did not serve")
+    log_path = workdir / f"vllm-router-{policy}.log"
+    for _attempt in range(2):
+        port = free_port()
+        argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+        argv += ["--log-level", "warning", "--worker-urls", *urls]
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if (
+                    httpx.post(url + "/v1/chat/completions", json=body, timeout=2).status_code
+                    == 200
+                ):
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait(10)
+    tail = log_path.read_text()[-400:] if log_path.exists() else ""
+    raise RuntimeError(f"vllm-router --policy {policy} did not serve: {tail!r}")
 
 
 def counter(url: str, name: str) -> float:
@@ -250,7 +264,9 @@ def run_policy(policy: str, requests: list[Request], args: argparse.Namespace) -
             peer = policy.partition("vllm-router:")[2]
             if peer:
                 assert args.vllm_router_exe is not None
-                gw, gw_url = start_vllm_router(args.vllm_router_exe, peer, list(urls.values()))
+                gw, gw_url = start_vllm_router(
+                    args.vllm_router_exe, peer, list(urls.values()), Path(tmp)
+                )
             else:
                 gw, gw_url = start_gateway(gateway_config(policy, urls, args), Path(tmp))
             procs.append(gw)
@@ -360,7 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             long_output=(32, 256),
         )
         for policy in policies:
-            outcome = run_policy(policy, requests, args)
+            try:
+                outcome = run_policy(policy, requests, args)
+            except RuntimeError as exc:
+                if not policy.startswith("vllm-router:"):
+                    raise
+                # A peer that would not start loses its row, not the whole comparison.
+                print(f"| {run} | {policy} | skipped: {exc} |", flush=True)
+                continue
             res = outcome.summary()
             res["run"] = run
             if args.raw is not None:
