@@ -335,6 +335,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.queueing", description=__doc__)
     p.add_argument("--runs", type=int, default=1, help="repetitions of the whole comparison")
+    p.add_argument("--first-run", type=int, default=1, help="number of the first run (seed + run)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per policy")
     p.add_argument("--rate", type=float, default=11.0, help="arrivals per second")
     p.add_argument("--seed", type=int, default=7)
@@ -365,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         policies = [p for p in policies if not p.startswith("vllm-router:")]
     rows: list[dict[str, Any]] = []
-    for run in range(1, args.runs + 1):
+    for run in range(args.first_run, args.first_run + args.runs):
         requests = bimodal(
             args.rate,
             duration_s=args.duration,
