@@ -55,6 +55,25 @@ def test_vllm_data_parallel_totals_are_read_once_and_headroom_is_the_smallest_en
     assert r.started_at == 0.0  # several API servers: no process start time
 
 
+def test_vllm_prefill_counters_from_the_per_request_histograms() -> None:
+    r = parse("vllm", page("vllm_dp2.txt"))
+    # Sums over both engines: 400k prompt tokens in 40 s of prefill (10k tokens/s per engine).
+    assert (r.prefill_tokens, r.prefill_seconds) == (400_000.0, 40.0)
+    # Without the prefill histogram: time to first token less queue time (100 - 50 s).
+    text = "\n".join(
+        ln for ln in page("vllm_dp2.txt").splitlines() if "request_prefill_time" not in ln
+    )
+    r = parse("vllm", text)
+    assert (r.prefill_tokens, r.prefill_seconds) == (400_000.0, 50.0)
+    # Tokens actually computed (cache hits excluded) win over prompt tokens when exported.
+    computed = 'vllm:request_prefill_kv_computed_tokens_sum{engine="0"} 100000.0\n'
+    r = parse("vllm", page("vllm_dp2.txt") + computed)
+    assert (r.prefill_tokens, r.prefill_seconds) == (100_000.0, 40.0)
+    # Not exported at all (the one-engine page has no prefill histograms): zeros.
+    r = parse("vllm", page("vllm_one_engine.txt"))
+    assert (r.prefill_tokens, r.prefill_seconds) == (0.0, 0.0)
+
+
 def test_vllm_data_parallel_blocks_without_kv_cache_size_tokens() -> None:
     text = page("vllm_dp2.txt").replace('kv_cache_size_tokens="320000",', "")
     r = parse("vllm", text)

@@ -74,3 +74,81 @@ def test_long_pool_too_small_only_after_its_wait_stays_above_the_general_pools()
     assert sizing.observe(busy, 33.0, settings, 8_000, 1e9) == "ok"  # the window starts again
     out = sizing.to_json("ok")
     assert out["pools"]["long"]["nodes"] == 1  # type: ignore[index]
+
+
+# --- the kvroute policy on queueing nodes -----------------------------------------------------
+
+from proxy.backends.scrape import BackendStatus  # noqa: E402
+from proxy.core.fleet import FleetSnapshot  # noqa: E402
+from proxy.core.pressure import learned_slots  # noqa: E402
+from proxy.routing import KvroutePolicy, PolicySettings, RouteRequest  # noqa: E402
+
+
+def busy(
+    name: str, role: str = "general", running: int = 0, waiting: int = 0, slots: int = 8, **ov: int
+) -> NodeView:
+    report = MemoryReport(
+        24_000, 20_000, 20_000, "paged", 16, running=running, waiting=waiting,
+        max_num_seqs=slots, queueing=True, reported_at=1.0,
+    )  # fmt: skip
+    return NodeView(name, role=role, report=report, overlay=Overlay(**ov))  # type: ignore[arg-type]
+
+
+def ranked(*nodes: NodeView, demand: int = 300) -> list[str]:
+    policy = KvroutePolicy(PolicySettings(long_threshold_tokens=3_000))
+    cls = "long" if demand >= 3_000 else "short"
+    return policy.rank(FleetSnapshot(tuple(nodes)), RouteRequest(demand, cls), now=1.0)
+
+
+def test_a_free_slot_elsewhere_beats_a_full_own_pool_and_back_when_a_slot_frees() -> None:
+    full_general = busy("g", running=8)
+    long_pool = busy("L", role="long", running=3)
+    # All of g's slots are taken: the short request starts now in the long pool.
+    assert ranked(full_general, long_pool) == ["L", "g"]
+    # One of g's requests ended: its own pool again (no hysteresis).
+    assert ranked(busy("g", running=7), long_pool) == ["g", "L"]
+    # Long requests: the long pool while it has a slot, a general node with one otherwise.
+    assert ranked(busy("g", running=2), long_pool, demand=4_000) == ["L", "g"]
+    full_long = busy("L", role="long", running=8)
+    assert ranked(busy("g", running=2), full_long, demand=4_000) == ["g", "L"]
+
+
+def test_a_node_whose_slots_alone_are_full_still_takes_work_ranked_by_its_queue() -> None:
+    # Both pressured for slots (their KV has room): both ranked, the shorter queue first.
+    a = busy("a", running=8, waiting=3, pressure="slots")  # type: ignore[arg-type]
+    b = busy("b", running=8, waiting=1, pressure="slots")  # type: ignore[arg-type]
+    assert ranked(a, b) == ["b", "a"]
+    # Short of KV ("queue": waiting with the cache nearly full) stays full.
+    c = busy("c", running=4, waiting=2, pressure="queue")  # type: ignore[arg-type]
+    assert ranked(c) == []
+
+
+def test_a_burst_on_one_snapshot_spreads_by_the_gateways_own_in_flight_count() -> None:
+    # The same report for both; the gateway has sent three to "a" since (local view).
+    a, b = busy("a", running=2, inflight=5), busy("b", running=2, inflight=2)
+    assert ranked(a, b) == ["b", "a"]
+    # Per engine: a data-parallel 2 node with 6 in flight is less loaded than a single with 4.
+    dp = NodeView(
+        "dp",
+        report=MemoryReport(48_000, 40_000, 20_000, "paged", 16, running=6, queueing=True,
+                            engines=2, engine_free_tokens=(20_000, 20_000), reported_at=1.0),
+    )  # fmt: skip
+    assert ranked(busy("one", running=4, slots=0), dp) == ["dp", "one"]
+
+
+def test_the_slot_limit_is_learned_from_reports_or_configured() -> None:
+    def rep(running: int, waiting: int, free: int = 20_000, limit: int = 0) -> MemoryReport:
+        return MemoryReport(
+            24_000, free, free, "paged", 16, running=running, waiting=waiting,
+            max_num_seqs=limit, queueing=True,
+        )  # fmt: skip
+
+    assert learned_slots(0, rep(5, 0)) == 0  # nothing waits: the limit is not reached
+    assert learned_slots(0, rep(5, 2, free=1_000)) == 0  # waiting for KV, not for a slot
+    assert learned_slots(0, rep(6, 2)) == 6  # waiting with KV to spare: slots ran out
+    assert learned_slots(6, rep(8, 0)) == 8  # more ran since: the limit is at least that
+    st = BackendStatus()
+    assert st.with_slots(rep(6, 2), None).max_num_seqs == 6
+    assert st.with_slots(rep(3, 0), None).max_num_seqs == 6  # kept
+    assert st.with_slots(rep(3, 0), 16).max_num_seqs == 16  # configured wins
+    assert st.with_slots(rep(3, 0, limit=32), 16).max_num_seqs == 32  # exported wins

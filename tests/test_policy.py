@@ -322,13 +322,16 @@ def fleets(draw: st.DrawFn) -> FleetSnapshot:
     return fleet(*nodes)
 
 
-def may_take(n: NodeView, exclude: set[str], stale_after_s: float) -> bool:
+def may_take(n: NodeView, exclude: set[str], stale_after_s: float, newest: float = NOW) -> bool:
     """Oracle, from the documented rules (not policy.eligible): up, not draining, not cooling
-    down, not excluded for this retry key, and a report (if any) no older than stale_after_s."""
+    down, not excluded for this retry key, and a report (if any) no more than stale_after_s
+    behind the fleet's newest report (``newest``), or behind now once that is more than
+    3 x stale_after_s old."""
     ov = n.overlay
     if not n.up or ov.draining or ov.cooldown_until > NOW or n.name in exclude:
         return False
-    return n.report is None or NOW - n.report.reported_at <= stale_after_s
+    judged = NOW if NOW - newest > 3 * stale_after_s else min(NOW, newest)
+    return n.report is None or judged - n.report.reported_at <= stale_after_s
 
 
 def holds(n: NodeView, demand: int, margin: float) -> bool:
@@ -364,7 +367,8 @@ def test_every_ranked_node_is_eligible_and_kvroute_ranks_only_fitting_nodes(
     s = replace(S, safety_margin=margin)
     req = RouteRequest(demand, classify(demand, s.long_threshold_tokens), frozenset(exclude))
     ranked = make_policy(policy, s).rank(snap, req, NOW)
-    ok = {n.name: n for n in snap.nodes if may_take(n, exclude, s.stale_after_s)}
+    newest = max((n.report.reported_at for n in snap.nodes if n.report), default=NOW)
+    ok = {n.name: n for n in snap.nodes if may_take(n, exclude, s.stale_after_s, newest)}
     assert {n.name for n in eligible(snap, req, NOW, s)} == set(ok)
     assert len(ranked) == len(set(ranked))
     assert set(ranked) <= set(ok)
@@ -432,3 +436,22 @@ def test_the_oracle_agrees_with_hand_made_cases() -> None:
     assert not holds(capped, 20_000, 0.0) and holds(capped, 19_999, 0.0)
     expired = node("c", free=CAP, ceiling_tokens=20_000, ceiling_until=NOW - 1)
     assert holds(expired, 30_000, 0.0)
+
+
+# --- staleness under a late collector ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_reports_that_all_arrive_late_stale_no_node(policy: str) -> None:
+    # The gateway's loop ran 8 s late (CPU load): every report is 8 s old, none is behind the
+    # others. Judged by the wall clock alone all would be stale (5 s) and nothing routable.
+    late = fleet(node("a", reported_at=NOW - 8.0), node("b", reported_at=NOW - 8.2))
+    assert sorted(route(policy, late, 300)) == ["a", "b"]
+    # A node that fell behind the others (its scrapes fail, its pushes stopped) is stale.
+    behind = fleet(node("a", reported_at=NOW - 8.0), node("b", reported_at=NOW - 14.0))
+    assert route(policy, behind, 300) == ["a"]
+    # The collector itself stopped (newest report older than 3 x 5 s): all are stale.
+    stopped = fleet(node("a", reported_at=NOW - 16.0), node("b", reported_at=NOW - 16.0))
+    assert route(policy, stopped, 300) == []
+    assert nothing_fits_reason(stopped, 300, NOW, stale_after_s=5.0)[0] == "unavailable"
+    assert nothing_fits_reason(late, 300_000, NOW, stale_after_s=5.0)[0] == "capacity"

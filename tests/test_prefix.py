@@ -163,8 +163,9 @@ def rank(*nodes: NodeView, demand: int, cls: str = "long", **kw: object) -> list
 
 
 def test_the_node_holding_the_document_wins_when_the_request_fits_there() -> None:
-    # Best fit alone would pick b (the tightest block); a holds 24k of the 25k prompt.
-    a, b = paged("a", free=150_000), paged("b", free=40_000)
+    # The queue order alone would pick b (a has 3 requests in flight, b none); a holds 24k
+    # of the 25k prompt.
+    a, b = paged("a", free=150_000, inflight=3), paged("b", free=40_000)
     assert rank(a, b, demand=25_300) == ["b", "a"]
     assert rank(a, b, demand=25_300, cached={"a": 24_000}) == ["a", "b"]
 
@@ -186,7 +187,7 @@ def test_loaded_nodes_never_win_by_affinity() -> None:
 
 
 def test_a_small_saving_leaves_the_fit_order_alone() -> None:
-    a, b = paged("a", free=150_000), paged("b", free=40_000)
+    a, b = paged("a", free=150_000, inflight=3), paged("b", free=40_000)
     assert rank(a, b, demand=25_300, cached={"a": 256}) == ["b", "a"]
 
 
@@ -215,7 +216,7 @@ def test_affinity_can_be_switched_off() -> None:
     policy = KvroutePolicy(
         PolicySettings(long_threshold_tokens=8_000, affinity=AffinitySettings(enabled=False))
     )
-    snap = FleetSnapshot((paged("a", free=150_000), paged("b", free=40_000)))
+    snap = FleetSnapshot((paged("a", free=150_000, inflight=3), paged("b", free=40_000)))
     req = RouteRequest(25_300, "long", cached={"a": 24_000}, session_node="a")
     assert policy.rank(snap, req, now=1.0) == ["b", "a"]
     # And a disabled discount does not let a request into a node it does not fit.

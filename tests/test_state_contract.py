@@ -145,6 +145,8 @@ async def test_report_round_trip_queue_and_engine_fields(store: StateStore) -> N
         max_num_seqs=256,
         queueing=True,
         sleeping=True,
+        prefill_tokens=1_234_567.0,
+        prefill_seconds=98.25,
     )
     await store.put_report("dp", r, ttl_s=60)
     assert (await one(store, "dp", T0 + 1)).report == r

@@ -123,9 +123,9 @@ def test_queueing_backends_are_never_a_503_and_a_burst_spreads() -> None:
 
             with concurrent.futures.ThreadPoolExecutor(12) as pool:
                 answers = list(pool.map(call, range(12)))
-            assert [r.status_code for r in answers] == [200] * 12
+            assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers]
             placed = [r.headers["x-kvroute-backend"] for r in answers]
-            assert placed.count("v0") >= 3 and placed.count("v1") >= 3
+            assert placed.count("v0") >= 3 and placed.count("v1") >= 3, placed
             metrics = httpx.get(gw + "/metrics").text
             assert "kvroute_queued_at_backend_total{" in metrics
             pools = httpx.get(gw + "/fleet/advice").json()["pools"]
@@ -185,3 +185,38 @@ def test_tgi_out_of_memory_424_is_diverted_not_relayed() -> None:
                 assert 'result="allocation"' in httpx.get(gw + "/metrics").text
     finally:
         server.shutdown()
+
+
+def test_the_prefill_rate_is_learned_from_the_engines_own_metrics() -> None:
+    # The engine prefills 10k tokens/s (1,000 x speedup 10); the configured rate is 5x that.
+    flags = {"prefill_tokens_per_s": 1_000, "speedup": 10, "model": "m", "block_size": 16}
+    with engines(("vllm", "v0", flags)) as urls:
+        cfg = gateway_cfg(backends(urls, prefill_tokens_per_s=50_000))
+        with run_gateway(cfg) as gw:
+            wait_until(lambda: reported(gw, 1), what="reports")
+
+            def in_use() -> float | None:
+                # The rate is learned where it is used: ranking by expected wait, pool advice.
+                httpx.get(gw + "/fleet/advice", timeout=5)
+                for line in httpx.get(gw + "/metrics").text.splitlines():
+                    if line.startswith('kvroute_backend_prefill_tokens_per_second{backend="v0"}'):
+                        return float(line.rsplit(" ", 1)[1])
+                return None
+
+            def body(i: int) -> dict[str, Any]:
+                # A different prompt each time: prefix-cache hits are not prefilled (nor counted).
+                return {"model": "m", "prompt": f"{i} alpha beta gamma " * 250, "max_tokens": 2}
+
+            for i in range(2):
+                r = httpx.post(gw + "/v1/completions", json=body(i), timeout=30)
+                assert r.status_code == 200
+            wait_until(lambda: in_use() is not None, what="a rate in use")
+            # Before enough work finished (or before the report showed it): the configured one.
+            first = in_use()
+            assert first is not None
+            for i in range(2, 6):
+                r = httpx.post(gw + "/v1/completions", json=body(i), timeout=30)
+                assert r.status_code == 200
+            wait_until(lambda: (in_use() or 0) < 20_000, what="the learned rate")
+            learned = in_use()
+            assert learned is not None and 5_000 <= learned <= 12_000, learned

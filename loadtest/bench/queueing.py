@@ -11,7 +11,15 @@ deployed), then the same request list (same seed, same arrival times).
 Reported per policy: failed requests, time to first token (first streamed content) p50/p99
 for short and for long requests, preemptions (the engines' own ``vllm:num_preemptions_total``),
 requests the gateway handed to a backend's queue, and throughput (output tokens per second).
-vllm-router is not installable here (no network, no Rust toolchain): it is not in the table.
+
+vllm-router (the Rust router; PyPI ships a prebuilt wheel, ``python -m venv
+/tmp/vllm-router-venv && /tmp/vllm-router-venv/bin/pip install vllm-router``; never a
+dependency of kvroute) joins the comparison with ``round_robin``, ``power_of_two`` and
+``cache_aware`` when found on PATH or in /tmp/vllm-router-venv; otherwise those rows are
+skipped with the reason printed. It sees the four engines as four equal workers (it has no
+pools). Its ``power_of_two`` polls each worker's ``/get_load`` (SGLang's endpoint) every 5 s;
+vLLM and the simulated engines answer 404 there, so it compares its own in-flight request
+counts per worker (checked with its ``--log-level info`` selection lines).
 
     python -m loadtest.bench.queueing --runs 1 --duration 15 --rate 8 --json out/q.json \\
         --plot docs/img/queueing.png
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import subprocess
@@ -36,10 +45,12 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.local_fleet import free_port
 from loadtest.workload import Request, bimodal, chat_overhead_tokens, make_prompt
 
 POLICIES = ("kvroute", "round_robin", "least_loaded")
+PEERS = ("vllm-router:round_robin", "vllm-router:power_of_two", "vllm-router:cache_aware")
 # name, data-parallel engines, pool
 FLEET = (("e0", 1, "long"), ("e1", 1, "long"), ("e2", 2, "general"), ("e3", 2, "general"))
 
@@ -51,6 +62,7 @@ class Sample:
     ttft_s: float | None
     tokens: int
     backend: str = ""
+    sent_s: float = 0.0  # since the first arrival (for per-request diagnosis: --raw)
 
 
 @dataclass
@@ -139,6 +151,40 @@ def start_gateway(cfg: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[
     raise RuntimeError("gateway did not start")
 
 
+def start_vllm_router(
+    exe: str, policy: str, urls: list[str], workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """vllm-router in front of the engines; ready once a real request gets a 200 through it.
+
+    Tried twice on fresh ports (a port taken between ``free_port`` and its bind, or a slow
+    start on a loaded machine); its log is kept in ``workdir`` and quoted on failure.
+    """
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    log_path = workdir / f"vllm-router-{policy}.log"
+    for _attempt in range(2):
+        port = free_port()
+        argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+        argv += ["--log-level", "warning", "--worker-urls", *urls]
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if (
+                    httpx.post(url + "/v1/chat/completions", json=body, timeout=2).status_code
+                    == 200
+                ):
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait(10)
+    tail = log_path.read_text()[-400:] if log_path.exists() else ""
+    raise RuntimeError(f"vllm-router --policy {policy} did not serve: {tail!r}")
+
+
 def counter(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
     return sum(
@@ -150,6 +196,14 @@ def counter(url: str, name: str) -> float:
 
 
 async def one(
+    client: httpx.AsyncClient, url: str, req: Request, body: dict[str, Any], t0: float
+) -> Sample:
+    sample = await _one(client, url, req, body, t0)
+    sample.sent_s = req.arrival_s
+    return sample
+
+
+async def _one(
     client: httpx.AsyncClient, url: str, req: Request, body: dict[str, Any], t0: float
 ) -> Sample:
     ttft: float | None = None
@@ -207,13 +261,21 @@ def run_policy(policy: str, requests: list[Request], args: argparse.Namespace) -
             procs.append(proc)
             urls[name] = url
         with tempfile.TemporaryDirectory() as tmp:
-            gw, gw_url = start_gateway(gateway_config(policy, urls, args), Path(tmp))
+            peer = policy.partition("vllm-router:")[2]
+            if peer:
+                assert args.vllm_router_exe is not None
+                gw, gw_url = start_vllm_router(
+                    args.vllm_router_exe, peer, list(urls.values()), Path(tmp)
+                )
+            else:
+                gw, gw_url = start_gateway(gateway_config(policy, urls, args), Path(tmp))
             procs.append(gw)
             started = time.monotonic()
             samples = asyncio.run(drive(gw_url, requests, args.seed))
             run = PolicyRun(policy, samples, wall_s=time.monotonic() - started)
             run.preemptions = int(sum(counter(u, "vllm:num_preemptions") for u in urls.values()))
-            run.handed_to_queue = int(counter(gw_url, "kvroute_queued_at_backend"))
+            if not peer:
+                run.handed_to_queue = int(counter(gw_url, "kvroute_queued_at_backend"))
         return run
     finally:
         for proc in reversed(procs):
@@ -252,16 +314,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6.5))
     for ax, kind in zip(axes, ("short", "long"), strict=True):
-        for i, policy in enumerate(POLICIES):
+        for i, policy in enumerate(policies):
             mine = [r for r in rows if r["policy"] == policy]
             p99 = [r[f"{kind}_ttft_p99"] or 0.0 for r in mine]
             p50 = [r[f"{kind}_ttft_p50"] or 0.0 for r in mine]
-            xs = [i + 0.25 * j for j in range(len(mine))]
-            ax.bar(xs, p99, width=0.2, label=f"{policy} p99" if kind == "short" else None)
-            ax.scatter(xs, p50, color="black", s=12, zorder=3)
-        ax.set_xticks(range(len(POLICIES)), POLICIES)
+            xs = [i + 0.16 * j for j in range(len(mine))]
+            ax.bar(xs, p99, width=0.14)
+            ax.scatter(xs, p50, color="black", s=10, zorder=3)
+        ax.set_xticks([i + 0.32 for i in range(len(policies))], policies, fontsize=8)
         ax.set_title(f"{kind} requests: TTFT p99 (bars), p50 (dots)")
         ax.set_ylabel("seconds")
     fig.tight_layout()
@@ -272,6 +335,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.queueing", description=__doc__)
     p.add_argument("--runs", type=int, default=1, help="repetitions of the whole comparison")
+    p.add_argument("--first-run", type=int, default=1, help="number of the first run (seed + run)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per policy")
     p.add_argument("--rate", type=float, default=11.0, help="arrivals per second")
     p.add_argument("--seed", type=int, default=7)
@@ -281,16 +345,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=8, help="running requests per engine")
     p.add_argument("--long-min", type=int, default=3_000, help="long prompts: min tokens")
     p.add_argument("--long-max", type=int, default=6_000, help="long prompts: max tokens")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES + PEERS))
+    p.add_argument("--vllm-router", default=None, help="path of vllm-router (default: PATH, venv)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--raw", type=Path, default=None, help="folder for per-request samples")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    policies = args.policies.split(",")
+    args.vllm_router_exe = find_vllm_router(args.vllm_router)
+    if args.vllm_router_exe is None and any(p.startswith("vllm-router:") for p in policies):
+        print(
+            "vllm-router skipped: not installed (no `vllm-router` on PATH nor in "
+            "/tmp/vllm-router-venv; python -m venv /tmp/vllm-router-venv && "
+            "/tmp/vllm-router-venv/bin/pip install vllm-router)",
+            flush=True,
+        )
+        policies = [p for p in policies if not p.startswith("vllm-router:")]
     rows: list[dict[str, Any]] = []
-    for run in range(1, args.runs + 1):
+    for run in range(args.first_run, args.first_run + args.runs):
         requests = bimodal(
             args.rate,
             duration_s=args.duration,
@@ -300,9 +376,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             short_output=(16, 128),
             long_output=(32, 256),
         )
-        for policy in args.policies.split(","):
-            res = run_policy(policy, requests, args).summary()
+        for policy in policies:
+            try:
+                outcome = run_policy(policy, requests, args)
+            except RuntimeError as exc:
+                if not policy.startswith("vllm-router:"):
+                    raise
+                # A peer that would not start loses its row, not the whole comparison.
+                print(f"| {run} | {policy} | skipped: {exc} |", flush=True)
+                continue
+            res = outcome.summary()
             res["run"] = run
+            if args.raw is not None:
+                args.raw.mkdir(parents=True, exist_ok=True)
+                name = f"run{run}-{policy.replace(':', '-')}.json"
+                raw = [dataclasses.asdict(s) for s in outcome.samples]
+                (args.raw / name).write_text(json.dumps(raw))
             rows.append(res)
             print(table([res]).splitlines()[-1], flush=True)
     print(table(rows))

@@ -211,9 +211,11 @@ class Collector:
         cc = self._config.collector
         write = st.record(o, self._clock(), cc.fall, cc.rise)
         if write == "report" and o.report is not None:
-            put = self._store.put_report(o.name, o.report, cc.report_ttl_s)
+            backend = next((b for b in self._config.backends if b.name == o.name), None)
+            report = st.with_slots(o.report, backend.max_num_seqs if backend else None)
+            put = self._store.put_report(o.name, report, cc.report_ttl_s)
             await self._store_call("put_report", put)
-            await self._run_hooks(o.name, o.report)
+            await self._run_hooks(o.name, report)
         elif write == "down":
             down = self._store.mark_down(o.name, st.reason, cc.report_ttl_s)
             await self._store_call("mark_down", down)

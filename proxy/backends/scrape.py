@@ -9,6 +9,7 @@ bookkeeping that turns a run of outcomes into what to write (a backend is marked
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import httpx
 from proxy.backends.parse import ScrapeError, parse_report
 from proxy.config import BackendConfig, CollectorConfig
 from proxy.core.fleet import MemoryReport
+from proxy.core.pressure import learned_slots
 
 log = logging.getLogger("kvroute.collector")
 
@@ -59,6 +61,17 @@ class BackendStatus:
     consecutive_ok: int = 0
     scrapes_total: int = 0
     failures_total: int = 0
+    # Queueing servers: the running-request limit learned from reports (0: not yet).
+    slots: int = 0
+
+    def with_slots(self, report: MemoryReport, configured: int | None) -> MemoryReport:
+        """The report with ``max_num_seqs`` filled in: exported, configured, else learned."""
+        if not report.queueing or report.max_num_seqs:
+            return report
+        if configured:
+            return dataclasses.replace(report, max_num_seqs=configured)
+        self.slots = learned_slots(self.slots, report)
+        return dataclasses.replace(report, max_num_seqs=self.slots) if self.slots else report
 
     def record(self, o: ScrapeOutcome, now: float, fall: int, rise: int) -> Write:
         """Count one scrape and say what to write (a mark_down carries ``self.reason``)."""

@@ -23,6 +23,14 @@ What vLLM exports (``vllm/v1/metrics/loggers.py``, ``vllm/config/cache.py``) and
 * ``vllm:num_requests_waiting`` / ``_running`` and ``vllm:num_preemptions_total`` feed the
   queue/preemption signals; ``process_start_time_seconds`` is optional (absent with
   several API server processes).
+* Prefill rate (the expected wait's divisor): the sums of V1's per-request histograms,
+  observed together when a request finishes: ``vllm:request_prefill_time_seconds`` (first
+  scheduled to first token) against ``vllm:request_prefill_kv_computed_tokens`` (tokens
+  actually computed, cache hits excluded; newer versions) or else
+  ``vllm:request_prompt_tokens``. Without the prefill histogram, time to first token less
+  queue time (``vllm:time_to_first_token_seconds`` minus ``vllm:request_queue_time_seconds``)
+  stands in. Summed over engines: the ratio is per engine. Absent: 0, and the configured
+  rate is used.
 """
 
 from __future__ import annotations
@@ -49,6 +57,18 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 CACHE_CONFIG = "vllm:cache_config_info"
 SLEEP_STATE = "vllm:engine_sleep_state"
 START_TIME = "process_start_time_seconds"
+PREFILL_TIME_SUM = "vllm:request_prefill_time_seconds_sum"
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+QUEUE_TIME_SUM = "vllm:request_queue_time_seconds_sum"
+COMPUTED_TOKENS_SUM = "vllm:request_prefill_kv_computed_tokens_sum"
+PROMPT_TOKENS_SUM = "vllm:request_prompt_tokens_sum"
+PREFILL_SERIES = (
+    PREFILL_TIME_SUM,
+    TTFT_SUM,
+    QUEUE_TIME_SUM,
+    COMPUTED_TOKENS_SUM,
+    PROMPT_TOKENS_SUM,
+)
 
 WANTED: frozenset[str] = frozenset(
     {
@@ -60,6 +80,7 @@ WANTED: frozenset[str] = frozenset(
         CACHE_CONFIG,
         SLEEP_STATE,
         START_TIME,
+        *PREFILL_SERIES,
     }
 )
 
@@ -129,6 +150,21 @@ def _engine_free(geo: Geometry, engine_capacity: int, engines: int, usage: float
     return round((1.0 - usage) * engine_capacity)
 
 
+def prefill_counters(samples: sm.Samples) -> tuple[float, float]:
+    """(prompt tokens prefilled, seconds prefilling) so far, all engines; (0, 0) if unknown."""
+    if PREFILL_TIME_SUM in samples:
+        seconds = sm.optional_sum(samples, PREFILL_TIME_SUM)
+    elif TTFT_SUM in samples and QUEUE_TIME_SUM in samples:
+        seconds = sm.optional_sum(samples, TTFT_SUM) - sm.optional_sum(samples, QUEUE_TIME_SUM)
+    else:
+        return 0.0, 0.0
+    name = COMPUTED_TOKENS_SUM if COMPUTED_TOKENS_SUM in samples else PROMPT_TOKENS_SUM
+    tokens = sm.optional_sum(samples, name)
+    if tokens <= 0 or seconds <= 0:
+        return 0.0, 0.0
+    return tokens, seconds
+
+
 def report(samples: sm.Samples, now: float, capacity_override: int | None) -> MemoryReport:
     usage = _usage_by_engine(samples)
     engines = len(usage)
@@ -153,6 +189,7 @@ def report(samples: sm.Samples, now: float, capacity_override: int | None) -> Me
     capacity, free, largest = sm.clamped(
         engine_capacity * engines, sum(per_engine), min(per_engine), capacity_override
     )
+    prefill_tokens, prefill_seconds = prefill_counters(samples)
     return MemoryReport(
         capacity_tokens=capacity,
         free_tokens=free,
@@ -168,6 +205,8 @@ def report(samples: sm.Samples, now: float, capacity_override: int | None) -> Me
         engine_free_tokens=tuple(min(f, free) for f in per_engine),
         queueing=True,
         sleeping=bool(asleep & set(usage)),
+        prefill_tokens=prefill_tokens,
+        prefill_seconds=prefill_seconds,
     )
 
 

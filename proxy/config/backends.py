@@ -54,6 +54,12 @@ class BackendConfig(_Strict):
         gt=0,
         description="queueing backends: output tokens per second per request; none: 30",
     )
+    max_num_seqs: int | None = Field(
+        default=None,
+        gt=0,
+        description="queueing backends: requests running at once, all engines together (vLLM "
+        "--max-num-seqs x data-parallel size); none: learned from the server's queue",
+    )
 
     @model_validator(mode="after")
     def _one_key_source(self) -> BackendConfig:

@@ -49,6 +49,11 @@ class MemoryReport:
     # (vLLM, SGLang, TGI), instead of failing at admission (kvroute's contiguous engine).
     queueing: bool = False
     sleeping: bool = False  # vLLM sleep mode: near-zero usage that must not look empty
+    # Cumulative prompt tokens prefilled and seconds spent prefilling them, summed over the
+    # server's engines (vLLM's per-request histograms' sums); 0 when not exported. The rate
+    # is learned from their rise between reports (``proxy.routing.prefill_rate``).
+    prefill_tokens: float = 0.0
+    prefill_seconds: float = 0.0
 
     def whole_blocks(self, tokens: float) -> float:
         """``tokens`` rounded up to whole blocks where the allocator hands out blocks (paged)."""

@@ -56,6 +56,21 @@ def trigger(report: MemoryReport, previous_preemptions: int | None) -> Reason:
     return ""
 
 
+def learned_slots(previous: int, report: MemoryReport) -> int:
+    """The server's running-request limit (all engines), as its reports show it; 0: unknown.
+
+    vLLM does not export ``max_num_seqs``. Requests waiting while KV has room to spare means
+    the slots ran out: the running count then is the limit. Once known, no report's running
+    count can exceed the limit, so a larger one raises it (a data-parallel server may show
+    waiting on one engine while another still had slots: the first figure can be low).
+    """
+    if previous > 0:
+        return max(previous, report.running)
+    if report.waiting > 0 and report.free_fraction > SLOT_FREE_FRACTION:
+        return report.running
+    return 0
+
+
 def next_pressure(
     prev: NodePressure, report: MemoryReport, now: float, cfg: PressureConfig
 ) -> NodePressure:

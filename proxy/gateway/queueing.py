@@ -19,13 +19,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.gateway.context import RequestContext
 from proxy.routing.policy import PolicySettings, RouteRequest, eligible
 from proxy.routing.pool_sizing import PoolSizing
+from proxy.routing.prefill_rate import PrefillRates
 from proxy.routing.queueing import (
     DEFAULT_DECODE_TOKENS_PER_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -69,12 +70,39 @@ class BackendQueues:
         # Pool sizing from the pools' expected waits (``GET /fleet/advice``: ``pools``).
         self.sizing = PoolSizing()
         self.long_threshold_tokens = cfg.routing.long_threshold_tokens
+        # Prefill rates learned from each backend's own metrics; the configured ones otherwise.
+        self.prefill = PrefillRates()
+        self.rate_in_use = Gauge(
+            "kvroute_backend_prefill_tokens_per_second",
+            "Prefill rate behind a queueing backend's expected wait (learned from its metrics, "
+            "else configured), per engine",
+            ["backend"],
+            registry=registry,
+        )
+        self._shown: dict[str, float] = {}
+
+    def current(self, snap: FleetSnapshot) -> QueueingSettings:
+        """The settings with each backend's learned prefill rate where it has one."""
+        configured = self.settings.rates
+        rates = dict(configured)
+        for n in snap.nodes:
+            if n.report is None or not n.report.queueing:
+                continue
+            self.prefill.observe(n.name, n.report)
+            base = configured.get(n.name, Rates())
+            learned = self.prefill.rate(n.name)
+            rate = Rates(learned, base.decode_tokens_per_s) if learned is not None else base
+            rates[n.name] = rate
+            if self._shown.get(n.name) != rate.prefill_tokens_per_s:
+                self._shown[n.name] = rate.prefill_tokens_per_s
+                self.rate_in_use.labels(n.name).set(rate.prefill_tokens_per_s)
+        return QueueingSettings(self.settings.spill_margin_s, rates)
 
     def pool_advice(self, snap: FleetSnapshot, now: float) -> dict[str, object]:
         verdict = self.sizing.observe(
             snap,
             now,
-            self.settings,
+            self.current(snap),
             self.long_threshold_tokens,
             self.policy_settings.stale_after_s,
         )
@@ -87,7 +115,8 @@ class BackendQueues:
         req = RouteRequest(ctx.demand, ctx.cls, avoid)
         # ``snap`` carries this replica's own reservations (``Gateway.local``): a burst spreads.
         nodes = [n for n in eligible(snap, req, now, self.policy_settings) if is_queueing(n)]
-        return rank_by_wait(nodes, ctx.prompt_tokens, ctx.demand, ctx.cls, self.settings)
+        settings = self.current(snap)
+        return rank_by_wait(nodes, ctx.prompt_tokens, ctx.demand, ctx.cls, settings)
 
 
 def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: frozenset[str]) -> bool:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from proxy.core.fleet import FleetSnapshot, NodeView
 from proxy.routing.affinity import demand_on, prefer_cached
-from proxy.routing.policy import Policy, PolicySettings, RouteRequest, eligible
+from proxy.routing.policy import Policy, PolicySettings, RequestClass, RouteRequest, eligible
+from proxy.routing.queueing import queue_load, slot_turns
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,36 @@ def _fragmentation(n: NodeView) -> float:
     return n.report.fragmentation if n.report is not None else 1.0
 
 
+def _queueing(n: NodeView) -> bool:
+    return n.report is not None and n.report.queueing
+
+
+def _queue_key(n: NodeView, cls: RequestClass) -> tuple[float, bool, float, float, str]:
+    """Order of queueing (paged) nodes: a free slot first, the request's own pool first.
+
+    No blocks to keep whole there: what delays the first token is the queue. Nodes with a
+    free slot come first, the request's pool (long pool for long requests, general for
+    short) before the other; then the fewest slot turns to wait, the fewest requests per
+    engine, the least KV in use. So a pool whose slots are all taken spills to a node that
+    can start the request now, and back as soon as a slot frees (no hysteresis).
+    """
+    own = "long" if cls == "long" else "general"
+    return (slot_turns(n), n.role != own, queue_load(n), _utilisation(n), n.name)
+
+
+def _takes(n: NodeView, demand: int, now: float, margin: float) -> bool:
+    """Fit, except that a queueing node whose slots alone are full still takes work.
+
+    Its KV has room and its FIFO queue starts the request as soon as a slot frees; it ranks
+    by its queue (``queue_load``) against the others. Excluding it (for the pressure
+    hysteresis, 5 s) herded every request onto the nodes left, or short requests into the
+    long pool (measured: docs/benchmarks.md section 7).
+    """
+    if n.overlay.pressure == "slots" and _queueing(n):
+        n = replace(n, overlay=replace(n.overlay, pressure=""))
+    return n.fits(demand, now, margin)
+
+
 @dataclass
 class KvroutePolicy(Policy):
     """Length- and fragmentation-aware placement.
@@ -46,6 +77,11 @@ class KvroutePolicy(Policy):
     load, no admission queue, 3 seeds x 6 h) it failed 31% fewer requests with a long pool
     of 4 nodes (0.137% vs 0.200%) and the same with 7 (0.089%). A fresh node's one big
     block is worth more to the next long request than to this one.
+
+    Queueing, paged servers (vLLM, SGLang, TGI: ``report.queueing``) have no blocks to keep
+    whole and a waiting queue instead of failures: they are ordered by their queues
+    (``_queue_key``: a free slot first, the request's own pool first among those), and a
+    node whose slots alone are full still takes work (``_takes``).
 
     Prefix-cache and session affinity (``proxy.routing.affinity``) then move the nodes that
     fit and probably hold this prompt's prefix ahead of that order, unless they are loaded.
@@ -69,16 +105,22 @@ class KvroutePolicy(Policy):
             if r is None:
                 unknown.append(n)
             # usable block < demand can never fit (margin and block rounding only add): skip fits()
-            elif r.largest_free_block_tokens - n.overlay.pending_tokens >= demand and n.fits(
-                demand, now, margin
+            elif r.largest_free_block_tokens - n.overlay.pending_tokens >= demand and _takes(
+                n, demand, now, margin
             ):
                 fit.append(n)
 
+        queued = [n for n in fit if _queueing(n)]
+        if queued:
+            # Queueing nodes by their queues (``_queue_key``), after any that allocate at
+            # admission (a mixed fleet keeps the contiguous order for those).
+            queued.sort(key=lambda n: _queue_key(n, req.cls))
+            fit = [n for n in fit if not _queueing(n)]
         if req.cls == "long":
             # Long pool first; in each, the tightest block that holds it (the largest blocks
             # stay whole for the largest requests).
             fit.sort(key=lambda n: (n.role != "long", n.usable_block(), n.overlay.inflight, n.name))
-            ordered = fit
+            ordered = fit + queued
         else:
             long_pool = [n for n in fit if n.role == "long"]
             general = [n for n in fit if n.role != "long"]
@@ -99,7 +141,7 @@ class KvroutePolicy(Policy):
             long_pool.sort(
                 key=lambda n: (-n.usable_block(), n.name)
             )  # spill: least harm where most room
-            ordered = general + long_pool
+            ordered = general + long_pool + queued
         if cached or req.session_node is not None or req.indexed is not None:
             ordered = prefer_cached(ordered, cached, req.session_node, affinity, req.indexed)
         # Nodes with no report: nothing to fit against, so last; by length only (pool role).

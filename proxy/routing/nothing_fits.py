@@ -21,12 +21,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.core.freshness import judged_at
 
 Cause = Literal["unavailable", "fragmentation", "capacity"]
 
 
 def why_unavailable(
-    n: NodeView, now: float, stale_after_s: float, exclude: frozenset[str]
+    n: NodeView,
+    now: float,
+    stale_after_s: float,
+    exclude: frozenset[str],
+    judged: float | None = None,
 ) -> str | None:
     """Why ``n`` could not take any request now (memory aside), or None when it could."""
     if not n.up:
@@ -40,7 +45,7 @@ def why_unavailable(
     r = n.report
     if r is None:
         return "no memory report"
-    if now - r.reported_at > stale_after_s:
+    if (now if judged is None else judged) - r.reported_at > stale_after_s:
         return "stale"
     return None
 
@@ -75,7 +80,9 @@ def judge(
     keep = None if names is None else set(names)
     nodes = [n for n in snapshot.nodes if keep is None or n.name in keep]
     excluded = frozenset(exclude)
-    reasons = {n.name: why_unavailable(n, now, stale_after_s, excluded) for n in nodes}
+    # Staleness as ``eligible`` judges it (proxy.core.freshness); "down" etc. are not clocked.
+    judged = judged_at(snapshot, now, stale_after_s) if math.isfinite(stale_after_s) else now
+    reasons = {n.name: why_unavailable(n, now, stale_after_s, excluded, judged) for n in nodes}
     usable = [n for n in nodes if reasons[n.name] is None]
     reachable = sum(1 for n in nodes if n.up)
     cap = sum(n.report.capacity_tokens for n in usable if n.report is not None)

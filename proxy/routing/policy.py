@@ -20,6 +20,7 @@ from typing import Literal
 
 from proxy.config import CollectorConfig, RoutingConfig
 from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.core.freshness import judged_at
 from proxy.routing.affinity import AffinitySettings
 
 # Re-exported: the one per-node test of why nothing fits lives in its own module.
@@ -69,16 +70,19 @@ def eligible(
 
     A node whose report is stale is excluded only when it has a report: a backend with no
     report at all (e.g. a vLLM server whose metrics are not scraped) stays routable as "unknown".
+    Staleness is judged against the newest report in the fleet (``proxy.core.freshness``):
+    reports that all arrive late because this gateway's loop is late stale no node.
     """
     out: list[NodeView] = []
     exclude = req.exclude
     stale_after = settings.stale_after_s
+    judged = judged_at(snapshot, now, stale_after)
     for n in snapshot.nodes:
         ov = n.overlay
         if not n.up or ov.draining or now < ov.cooldown_until or (exclude and n.name in exclude):
             continue
         r = n.report
-        if r is not None and now - r.reported_at > stale_after:  # NodeView.stale, inlined: hot path
+        if r is not None and judged - r.reported_at > stale_after:  # NodeView.stale, inlined
             continue
         out.append(n)
     return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.core.fleet import FleetSnapshot
+from proxy.core.freshness import judged_at
 from proxy.routing.queueing import QueueingSettings, Rates, expected_wait_s, is_queueing
 
 Verdict = Literal["ok", "long_pool_too_small", "long_pool_larger_than_needed", "unknown"]
@@ -46,8 +47,11 @@ class PoolSizing:
         """The verdict after this snapshot (a typical long request as the probe)."""
         probe_prompt, probe_demand = long_threshold_tokens, long_threshold_tokens + 256
         waits: dict[str, list[float]] = {"long": [], "general": []}
+        judged = judged_at(snap, now, stale_after_s)
         for n in snap.nodes:
-            if not n.up or not is_queueing(n) or n.stale(now, stale_after_s):
+            if not n.up or n.report is None or not is_queueing(n):
+                continue
+            if judged - n.report.reported_at > stale_after_s:
                 continue
             rates = settings.rates.get(n.name, Rates())
             waits[n.role].append(expected_wait_s(n, probe_prompt, probe_demand, rates))

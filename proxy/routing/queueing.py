@@ -60,6 +60,32 @@ def is_queueing(n: NodeView) -> bool:
     return n.report is not None and n.report.queueing
 
 
+def queue_load(n: NodeView) -> float:
+    """Requests on a queueing node per engine: running and waiting, or the gateway's in flight.
+
+    Whichever is larger: the report also counts other clients' requests, while the gateway's
+    own in-flight count (updated at once, ``proxy.gateway.local_view``) covers what it sent
+    since the report; so requests ranked on one snapshot spread.
+    """
+    r = n.report
+    if r is None:
+        return float(n.overlay.inflight)
+    return max(n.overlay.inflight, r.running + r.waiting) / max(1, r.engines)
+
+
+def slot_turns(n: NodeView) -> float:
+    """How many times every slot must free before a new request starts here (0: one is free).
+
+    Needs the running-request limit (``max_num_seqs``: exported, configured or learned by the
+    collector); unknown, it is 0 and ``queue_load`` alone orders the nodes.
+    """
+    r = n.report
+    if r is None or not r.max_num_seqs:
+        return 0.0
+    occupied = max(n.overlay.inflight, r.running + r.waiting)
+    return max(0, occupied + 1 - r.max_num_seqs) / r.max_num_seqs
+
+
 def expected_wait_s(n: NodeView, prompt_tokens: int, demand: int, rates: Rates) -> float:
     """Seconds until this request's first token on ``n`` (an estimate; lower is better)."""
     ov, r = n.overlay, n.report

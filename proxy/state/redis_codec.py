@@ -37,7 +37,14 @@ RES_KEY_SLACK_MS = 60_000
 
 REPORT_INT_FIELDS = ("capacity_tokens", "free_tokens", "largest_free_block_tokens")
 # Optional, written by this version: queue, preemption and data-parallel figures.
-REPORT_EXTRA_FIELDS = ("preemptions", "engines", "engine_free", "max_num_seqs", "flags")
+REPORT_EXTRA_FIELDS = (
+    "preemptions",
+    "engines",
+    "engine_free",
+    "max_num_seqs",
+    "flags",
+    "prefill",
+)
 REPORT_FIELDS = (
     *REPORT_INT_FIELDS,
     "reported_at",
@@ -187,6 +194,12 @@ def _parse_extra(h: dict[str, str]) -> dict[str, Any] | str:
         return f"bad report: flags={flags!r}"
     out["queueing"] = "q" in flags
     out["sleeping"] = "s" in flags
+    if h.get("prefill"):
+        # "tokens,seconds": the cumulative prefill counters (absent from older writers).
+        counters = [_num(p) for p in h["prefill"].split(",")]
+        if len(counters) != 2 or any(c is None or c < 0 for c in counters):
+            return f"bad report: prefill={h['prefill']!r}"
+        out["prefill_tokens"], out["prefill_seconds"] = counters
     return out
 
 
@@ -208,6 +221,7 @@ def report_fields(report: MemoryReport) -> dict[str, str]:
         "max_num_seqs": str(int(report.max_num_seqs)),
         # One letter per true flag: q = queueing, s = sleeping.
         "flags": ("q" if report.queueing else "") + ("s" if report.sleeping else ""),
+        "prefill": f"{redis_float(report.prefill_tokens)},{redis_float(report.prefill_seconds)}",
     }
 
 

@@ -20,7 +20,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from loadtest.engine.behaviours.scheduler import TTFT_BUCKETS, PagedCore
+from loadtest.engine.behaviours.scheduler import TTFT_BUCKETS, Histogram, PagedCore
 
 ErrorAnswer = tuple[int, bytes]
 
@@ -169,7 +169,28 @@ class Vllm:
             buckets.append(("+Inf", float(st.ttft_count)))
             ttft.add_metric([s.model, e], buckets, st.ttft_sum)
         yield ttft
+        yield from self._request_histograms(s)
         yield self._cache_config(s)
+
+    def _request_histograms(self, s: ServerFacts) -> Iterable[Metric]:
+        """V1's per-request histograms the gateway learns the prefill rate from."""
+        specs = (
+            ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", "queue_time"),
+            ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", "prefill_time"),
+            ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "request_prompt_tokens"),
+            ("vllm:request_prefill_kv_computed_tokens", "Prompt tokens computed in prefill, prefix-cache hits excluded.", "computed_tokens"),
+        )  # fmt: skip
+        for name, doc, attr in specs:
+            fam = HistogramMetricFamily(name, doc, labels=["model_name", "engine"])
+            for i, c in enumerate(s.cores):
+                h: Histogram = getattr(c.stats, attr)
+                counts = h.buckets or [0] * len(h.bounds)
+                buckets = [
+                    (repr(float(b)), float(n)) for b, n in zip(h.bounds, counts, strict=True)
+                ]
+                buckets.append(("+Inf", float(h.count)))
+                fam.add_metric([s.model, str(i)], buckets, h.total)
+            yield fam
 
     def _cache_config(self, s: ServerFacts) -> GaugeMetricFamily:
         """Every cache setting as a string label; the block and token totals cover all engines."""

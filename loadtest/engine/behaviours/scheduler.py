@@ -34,6 +34,29 @@ TTFT_BUCKETS = (
 )  # fmt: skip
 
 
+# Buckets of vLLM's request prompt-token histogram.
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+@dataclass
+class Histogram:
+    """A cumulative histogram as Prometheus exports it (bucket counts are cumulative)."""
+
+    bounds: tuple[float, ...]
+    count: int = 0
+    total: float = 0.0
+    buckets: list[int] = field(default_factory=list)
+
+    def observe(self, value: float) -> None:
+        if not self.buckets:
+            self.buckets = [0] * len(self.bounds)
+        self.count += 1
+        self.total += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.buckets[i] += 1
+
+
 @dataclass(eq=False)
 class SimRequest:
     """One request's life in a core; the HTTP handler waits on ``changed``."""
@@ -45,6 +68,8 @@ class SimRequest:
     blocks: int = 0
     decode_at: float = math.inf  # when prefill ends and tokens start
     first_token_at: float | None = None
+    scheduled_at: float | None = None  # first admitted to the running batch
+    computed: int = 0  # prompt tokens prefilled at that admission (prefix-cache hits excluded)
     preempted: int = 0
     done: bool = False
     aborted: bool = False
@@ -69,6 +94,13 @@ class CoreStats:
     ttft_count: int = 0
     ttft_sum: float = 0.0
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+    # vLLM V1's per-request histograms, observed when a request finishes (as vLLM does):
+    # queue time (arrival to first scheduled), prefill time (first scheduled to first
+    # token) and prompt tokens; the gateway learns the prefill rate from their sums.
+    queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    prefill_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    request_prompt_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    computed_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
 
 
 class PagedCore:
@@ -189,7 +221,7 @@ class PagedCore:
                 req.done = True
                 self.running.remove(req)
                 self._release(req)
-                self.stats.finished += 1
+                self._observe_finished(req)
             req.changed.set()
 
     def _grow(self, req: SimRequest) -> bool:
@@ -223,6 +255,9 @@ class PagedCore:
             if need - shared > self.free_blocks:
                 return  # FIFO: the head waits, and everything behind it
             self.waiting.popleft()
+            first_admission = head.scheduled_at is None
+            if first_admission:
+                head.scheduled_at = now
             head.blocks = need
             cached = min(hits * self.block_size, head.tokens - 1)
             if self.prefix is not None:
@@ -238,6 +273,8 @@ class PagedCore:
             # (less what the prefix cache still holds).
             head.decode_at = now + (head.tokens - max(0, cached)) / self.prefill_tokens_per_s
             self.stats.prompt_tokens += head.tokens
+            if first_admission:
+                head.computed = head.prompt_tokens - max(0, cached)
             self.running.append(head)
 
     def _take(self, n: int) -> None:
@@ -254,6 +291,16 @@ class PagedCore:
         self.free_blocks += freed
         self.cached_blocks += freed
         req.blocks = 0
+
+    def _observe_finished(self, req: SimRequest) -> None:
+        s = self.stats
+        s.finished += 1
+        scheduled = req.scheduled_at if req.scheduled_at is not None else req.arrived_at
+        first = req.first_token_at if req.first_token_at is not None else scheduled
+        s.queue_time.observe(scheduled - req.arrived_at)
+        s.prefill_time.observe(first - scheduled)
+        s.request_prompt_tokens.observe(req.prompt_tokens)
+        s.computed_tokens.observe(req.computed)
 
     def _observe_ttft(self, seconds: float) -> None:
         s = self.stats
