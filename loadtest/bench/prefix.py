@@ -71,6 +71,9 @@ class Outcome:
     preemptions: int = 0
     wall_s: float = 0.0
     by_backend: dict[str, int] = field(default_factory=dict)
+    # Where the time to first token goes (see ``breakdown``).
+    breakdown: dict[str, float] = field(default_factory=dict)
+    slowest: list[dict[str, Any]] = field(default_factory=list)
 
 
 def bodies(w: SharedDocs) -> list[dict[str, Any]]:
@@ -106,9 +109,12 @@ async def drive(gw: str, w: SharedDocs, payloads: list[dict[str, Any]]) -> list[
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
         start = time.monotonic()
 
-        async def one(t: Turn, body: dict[str, Any]) -> None:
+        seen: set[int] = set()
+
+        async def one(t: Turn, body: dict[str, Any], first: bool) -> None:
             t0 = time.monotonic()
             res: dict[str, Any] = {"kind": t.kind, "status": 0, "ttft": None, "backend": ""}
+            res.update(doc=t.doc, turn=t.turn, first=first, at=round(t0 - start, 3))
             try:
                 async with client.stream("POST", gw + "/v1/chat/completions", json=body) as r:
                     res["status"] = r.status_code
@@ -125,7 +131,10 @@ async def drive(gw: str, w: SharedDocs, payloads: list[dict[str, Any]]) -> list[
             delay = start + t.arrival_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(t, body)))
+            first = t.doc is not None and t.doc not in seen
+            if t.doc is not None:
+                seen.add(t.doc)
+            tasks.append(asyncio.create_task(one(t, body, first)))
         await asyncio.gather(*tasks)
     return results
 
@@ -139,8 +148,62 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def fleet_for(run: Run, capacity: int, speedup: float) -> LocalFleet:
+def histogram(url: str, name: str) -> list[tuple[float, float]]:
+    """A histogram's cumulative buckets (upper bound, count), all label sets summed."""
+    text = httpx.get(url + "/metrics", timeout=5.0).text
+    buckets: dict[float, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name + "_bucket":
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + float(s.value)
+    return sorted(buckets.items())
+
+
+def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float:
+    """The upper bound of the bucket holding quantile ``q`` (coarse, but never flattering)."""
+    if not buckets or buckets[-1][1] <= 0:
+        return 0.0
+    want = q * buckets[-1][1]
+    return next(le for le, n in buckets if n >= want)
+
+
+def breakdown(
+    results: Sequence[dict[str, Any]], metrics: Sequence[dict[str, float]], gateway: str | None
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """TTFT by kind of request, the engines' own share, the gateway's decision time; the slowest.
+
+    ``new doc``: the first question about a document in the workload (nobody can have it
+    cached); ``known doc``: any later one. The engines' TTFT starts when the request reaches
+    their scheduler (queueing for KV + prefill); the gateway's decision time is intake to the
+    first ranking (sizing, affinity hashing, ranking).
+    """
+    ok = [r for r in results if r["status"] == 200 and r["ttft"] is not None]
+    out: dict[str, float] = {}
+    for label, pick in (
+        ("chat", lambda r: r["kind"] == "chat"),
+        ("new doc", lambda r: r["kind"] == "document" and r["first"]),
+        ("known doc", lambda r: r["kind"] == "document" and not r["first"]),
+    ):
+        v = [r["ttft"] for r in ok if pick(r)]
+        out[f"{label} n"] = len(v)
+        out[f"{label} p50 ms"] = 1000 * statistics.median(v) if v else 0.0
+        out[f"{label} max ms"] = 1000 * max(v) if v else 0.0
+    n = sum(m.get("vllm:time_to_first_token_seconds_count", 0.0) for m in metrics)
+    total = sum(m.get("vllm:time_to_first_token_seconds_sum", 0.0) for m in metrics)
+    out["engine ttft mean ms"] = 1000 * total / n if n else 0.0
+    if gateway is not None:
+        b = histogram(gateway, "kvroute_routing_decision_seconds")
+        out["gateway decision p50 ms"] = 1000 * bucket_quantile(b, 0.5)
+        out["gateway decision p99 ms"] = 1000 * bucket_quantile(b, 0.99)
+    slow = sorted(ok, key=lambda r: -r["ttft"])[:6]
+    return out, [{**r, "ttft": round(1000 * r["ttft"])} for r in slow]
+
+
+def fleet_for(run: Run, capacity: int, speedup: float, serial: bool = True) -> LocalFleet:
     extra: tuple[str, ...] = ("--behaviour", "vllm") if run.engines == "vllm" else ()
+    if extra and serial:
+        extra += ("--serial-prefill",)
     specs = [
         EngineSpec(f"e{i}", allocator="contiguous", capacity_tokens=capacity, speedup=speedup)
         for i in range(4)
@@ -186,6 +249,8 @@ def wait_serving(url: str, proc: Proc, timeout_s: float = 60.0) -> None:
 def start_vllm_router(exe: str, policy: str, fleet: LocalFleet) -> Proc:
     port = free_port()
     argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    # Its metrics listener defaults to port 29000: a second router on the box would collide.
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     argv += ["--log-level", "warning", "--worker-urls", *(p.url for p in fleet.engines)]
     proc = Proc("vllm-router", argv, f"http://127.0.0.1:{port}")
     proc.start(log_dir=fleet.workdir)
@@ -201,7 +266,7 @@ def one_run(run: Run, w: SharedDocs, payloads: list[dict[str, Any]], args: Any) 
     if peer and exe is None:
         print(f"skipped {run.label}: vllm-router not installed (see the module docstring)")
         return None
-    fleet = fleet_for(run, capacity, args.speedup)
+    fleet = fleet_for(run, capacity, args.speedup, args.prefill == "serial")
     router: Proc | None = None
     try:
         fleet.start_engines()
@@ -222,6 +287,7 @@ def one_run(run: Run, w: SharedDocs, payloads: list[dict[str, Any]], args: Any) 
         results = asyncio.run(drive(url, w, payloads))
         wall = time.monotonic() - t0
         metrics = [scrape(p.url) for p in fleet.engines]
+        split = breakdown(results, metrics, None if exe is not None else url)
     finally:
         if router is not None:
             router.stop()
@@ -246,6 +312,8 @@ def one_run(run: Run, w: SharedDocs, payloads: list[dict[str, Any]], args: Any) 
         preemptions=int(sum(m.get("vllm:num_preemptions_total", 0.0) for m in metrics)),
         wall_s=wall,
         by_backend=dict(sorted(by_backend.items())),
+        breakdown=split[0],
+        slowest=split[1],
     )
 
 
@@ -299,7 +367,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=200_000, help="KV tokens per vLLM engine")
     p.add_argument("--contiguous-capacity", type=int, default=100_000)
     p.add_argument("--speedup", type=float, default=20.0)
+    p.add_argument(
+        "--prefill",
+        choices=("serial", "parallel"),
+        default="serial",
+        help="vLLM engines: prefill one prompt after another (one GPU; default) or all at once",
+    )
     p.add_argument("--only", choices=("vllm", "contiguous"), default=None)
+    p.add_argument(
+        "--rows", default="", help="comma-separated substrings: only the rows whose label has one"
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
@@ -308,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcomes = []
     for run in RUNS:
         if args.only is not None and run.engines != args.only:
+            continue
+        if args.rows and not any(k in run.label for k in args.rows.split(",")):
             continue
         o = one_run(run, w, payloads, args)
         if o is None:
