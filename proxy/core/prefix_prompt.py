@@ -8,6 +8,8 @@ their type only (their bytes are the model's processor's business).
 
 Repeated messages (turn 20 of a chat resends turns 1-19; a shared document is resent with
 every question) are tokenized once: ids are kept in a bounded LRU by a digest of the text.
+Sizing counts through the same cache (``proxy.core.tokens``), so a request's texts are
+encoded once for both its count and its prefix hashes.
 
 Pure: no asyncio (``proxy.gateway.affinity`` runs big prompts in a worker thread).
 """
@@ -20,6 +22,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
+
+from proxy.core.prefix import block_hashes
 
 Encode = Callable[[str], list[int]]
 
@@ -109,3 +113,17 @@ def _add_content(content: Any, add: Callable[[str], bool]) -> bool:
         if not add(str(text)):
             return False
     return True
+
+
+def prompt_hashes(
+    body: dict[str, Any],
+    encoder_id: str,
+    encode: Encode,
+    max_tokens: int,
+    block_tokens: int,
+    cache: IdsCache | None = None,
+) -> tuple[int, ...]:
+    """The chained block hashes of the prompt's leading ``max_tokens`` ids (what the index keys)."""
+    return tuple(
+        block_hashes(prompt_ids(body, encoder_id, encode, max_tokens, cache), block_tokens)
+    )

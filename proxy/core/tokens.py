@@ -16,7 +16,10 @@ The rules (the README's "Sizing rules" table is the user-facing copy):
 A single field longer than ``max_field_chars`` is not tokenized: it counts its UTF-8 byte
 length, an upper bound for byte-level tokenizers (each token is at least one byte). That caps
 the work one field can cause (tiktoken spends ~1.7 s on 3.9 MB of one repeated letter).
-Texts of ``cache_min_chars`` or more go through the shared ``TokenCache``.
+Texts of ``cache_min_chars`` or more go through the shared ``TokenCache``. Given an
+``IdsCache`` (prefix affinity is on), a text is counted as the length of its token ids taken
+from that cache: the one encode that sizes the request also gives the prefix index its ids
+(``proxy.core.prefix_prompt``), instead of tokenizing every prompt twice.
 
 Pure: no asyncio. ``proxy.gateway.sizing`` decides inline vs worker thread.
 """
@@ -29,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from proxy.core.prefix_prompt import Encode, IdsCache
 from proxy.core.tokenizer import Counter, TiktokenCounter, TokenCache
 
 _MEDIA_KINDS = ("image", "audio", "video", "file")
@@ -82,10 +86,20 @@ def json_text(value: Any) -> str:
 class PromptCounter:
     """Counts one request's prompt with one model's tokenizer and rules."""
 
-    def __init__(self, counter: Counter, rules: SizingRules, cache: TokenCache | None) -> None:
+    def __init__(
+        self,
+        counter: Counter,
+        rules: SizingRules,
+        cache: TokenCache | None,
+        ids: IdsCache | None = None,
+    ) -> None:
         self.counter = counter
         self.rules = rules
         self.cache = cache
+        # Only plain texts (kind "t": contents, text parts) are what the prefix index hashes.
+        encode: Encode | None = getattr(counter, "ids", None)
+        self._ids = ids if encode is not None else None
+        self._encode = encode
 
     def text(self, text: str, kind: str = "t") -> int:
         if not text:
@@ -93,13 +107,20 @@ class PromptCounter:
         if len(text) > self.rules.max_field_chars:
             return utf8_len(text)
         if self.cache is None or len(text) < self.rules.cache_min_chars:
-            return self.counter.count(text)
+            return self._count(text, kind)
         key = self.cache.key(self.counter.id, kind, text)
         n = self.cache.get(key)
         if n is None:
-            n = self.counter.count(text)
+            n = self._count(text, kind)
             self.cache.put(key, n)
         return n
+
+    def _count(self, text: str, kind: str) -> int:
+        ids, encode = self._ids, self._encode
+        if ids is not None and encode is not None and kind == "t" and len(text) >= ids.min_chars:
+            # The ids stay cached for the prefix hashes of the same request (one encode).
+            return len(ids.ids(self.counter.id, encode, text))
+        return self.counter.count(text)
 
     def content(self, content: Any) -> int:
         if isinstance(content, str):

@@ -20,7 +20,8 @@ _ROLES = frozenset({"system", "user", "assistant", "tool", "function", "develope
 _MAX_MESSAGES = 100_000
 
 
-@dataclass(frozen=True, slots=True)
+# weakref_slot: sizing hands the prompt's prefix hashes to affinity by a weak reference.
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class ParsedRequest:
     body: dict[str, Any]
     raw: bytes

@@ -1,8 +1,9 @@
 """The gateway's side of prefix and session affinity: hash at intake, look up at placement, record.
 
 * Intake (``key_of``): the prompt's token ids (the model's tokenizer, repeated messages from
-  a cache) hashed in chained blocks (``proxy.core.prefix``); in a worker thread when the
-  prompt is big, as sizing does. The session key is the ``x-session-id`` header (configurable)
+  a cache) hashed in chained blocks (``proxy.core.prefix``). Sizing computes them from the
+  same encode as the count, in the same worker-thread hop (``proxy.gateway.sizing``); they
+  are computed here only for a request sized otherwise. The session key is the ``x-session-id`` header (configurable)
   or the OpenAI ``user`` field.
 * Placement (``route_request``): each node's expected saving from the index, the session's
   last node, into the ``RouteRequest`` the policy ranks (``proxy.routing.affinity``), and
@@ -27,10 +28,10 @@ from starlette.requests import Request
 
 from proxy.config import Config, PrefixConfig
 from proxy.core.fleet import FleetSnapshot, NodeView
-from proxy.core.prefix import PrefixIndex, PrefixIndexConfig, block_hashes
-from proxy.core.prefix_prompt import IdsCache, prompt_ids
+from proxy.core.prefix import PrefixIndex, PrefixIndexConfig
+from proxy.core.prefix_prompt import IdsCache
 from proxy.core.validation import ParsedRequest
-from proxy.gateway.sizing import sizer_for
+from proxy.gateway.sizing import hash_spec, prefix_hashes, sizer_for, take_hashes
 from proxy.routing.affinity import AffinitySettings, demand_on, utilisation
 from proxy.routing.policy import RouteRequest
 
@@ -89,21 +90,27 @@ class Affinity:
         session = self._session_of(request, parsed)
         if self.cfg.max_prompt_tokens <= 0:
             return AffinityKey((), session)
-        chars = sum(len(m) for m in _texts(parsed))
-        if chars > _THREAD_ABOVE_CHARS:
-            hashes = await asyncio.to_thread(self.hashes_of, parsed)
-        else:
-            hashes = self.hashes_of(parsed)
+        spec = hash_spec(sizer_for(self._full_cfg), parsed, self.cfg)
+        if spec is None:
+            return AffinityKey((), session)
+        hashes = take_hashes(parsed, spec)
+        if hashes is None:
+            # Sized with another config (a reload in between): hash here.
+            chars = sum(len(m) for m in _texts(parsed))
+            if chars > _THREAD_ABOVE_CHARS:
+                hashes = await asyncio.to_thread(self.hashes_of, parsed)
+            else:
+                hashes = self.hashes_of(parsed)
         return AffinityKey(hashes, session)
 
     def hashes_of(self, parsed: ParsedRequest) -> tuple[int, ...]:
-        counter = sizer_for(self._full_cfg).model(parsed.model).counter
-        encode = getattr(counter, "ids", None)
-        if encode is None:
+        """The prompt's block hashes, from the sizer's ids cache where sizing filled it."""
+        sizer = sizer_for(self._full_cfg)
+        spec = hash_spec(sizer, parsed, self.cfg)
+        if spec is None:
             return ()
-        c = self.cfg
-        ids = prompt_ids(parsed.body, counter.id, encode, c.max_prompt_tokens, self.ids_cache)
-        return tuple(block_hashes(ids, c.block_tokens))
+        # The sizer keeps no ids when its config had prefix affinity off: this one's cache.
+        return prefix_hashes(sizer, parsed, spec, sizer.ids or self.ids_cache)
 
     def _session_of(self, request: Request, parsed: ParsedRequest) -> str | None:
         key = request.headers.get(self.cfg.session_header)

@@ -7,16 +7,23 @@ at ``sizing.max_field_chars`` because a longer field is sized by its byte length
 tokenized. Deciding by ``content`` alone let a 3.9 MB ``name`` hold ``/health`` for 2.2 s.
 Both tokenizers release the GIL while encoding in a worker thread (see
 ``proxy.core.tokenizer``), so the loop keeps serving while a big prompt is counted.
+
+With prefix affinity on, the same call (inline, or the same worker-thread hop) also hashes
+the prompt's token blocks from the ids the count was taken from: one encode and one hop per
+request, not two of each. The hashes wait for ``proxy.gateway.affinity`` (``take_hashes``)
+under a weak reference to the parsed request, so an abandoned request leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import Any
 
-from proxy.config import Config
+from proxy.config import Config, PrefixConfig
 from proxy.core.demand import Demand, Sizer
+from proxy.core.prefix_prompt import IdsCache, prompt_hashes
 from proxy.core.tokenizer import TiktokenCounter, TokenCache
 from proxy.core.tokens import PromptCounter, SizingRules, work_chars
 from proxy.core.validation import ParsedRequest
@@ -56,9 +63,70 @@ async def size_request(
 ) -> Demand:
     """The request's KV demand, counted inline when small and in a worker thread otherwise."""
     sizer = _loaded(cfg) or await load_sizer(cfg)
+    prefix = cfg.routing.prefix
     if sizer.work_chars(parsed) <= cfg.routing.tokenize_in_thread_chars:
-        return sizer.size(parsed, max_model_len)
-    return await asyncio.to_thread(sizer.size, parsed, max_model_len)
+        demand, hashes = _size(sizer, parsed, prefix, max_model_len)
+    else:
+        demand, hashes = await asyncio.to_thread(_size, sizer, parsed, prefix, max_model_len)
+    if hashes is not None:
+        _keep(parsed, *hashes)
+    return demand
+
+
+#: What a prompt's block hashes depend on: the tokenizer, the ids hashed, the block size.
+HashSpec = tuple[str, int, int]
+
+
+def hash_spec(sizer: Sizer, parsed: ParsedRequest, prefix: PrefixConfig) -> HashSpec | None:
+    """The spec of ``parsed``'s prefix hashes; None when there are none to compute."""
+    counter = sizer.model(parsed.model).counter
+    if not prefix.enabled or prefix.max_prompt_tokens <= 0 or not hasattr(counter, "ids"):
+        return None
+    return counter.id, prefix.max_prompt_tokens, prefix.block_tokens
+
+
+def prefix_hashes(
+    sizer: Sizer, parsed: ParsedRequest, spec: HashSpec, cache: IdsCache | None = None
+) -> tuple[int, ...]:
+    """The prompt's block hashes; its ids come from the sizer's ids cache where counted."""
+    encode = getattr(sizer.model(parsed.model).counter, "ids", None)
+    if encode is None:
+        return ()
+    encoder, max_tokens, block_tokens = spec
+    ids = cache if cache is not None else sizer.ids
+    return prompt_hashes(parsed.body, encoder, encode, max_tokens, block_tokens, ids)
+
+
+def _size(
+    sizer: Sizer, parsed: ParsedRequest, prefix: PrefixConfig, max_model_len: int | None
+) -> tuple[Demand, tuple[HashSpec, tuple[int, ...]] | None]:
+    demand = sizer.size(parsed, max_model_len)
+    spec = hash_spec(sizer, parsed, prefix)
+    return demand, None if spec is None else (spec, prefix_hashes(sizer, parsed, spec))
+
+
+# id(parsed) -> (weak reference to it, spec, hashes), until affinity takes them or it dies.
+_hashes: dict[int, tuple[weakref.ref[ParsedRequest], HashSpec, tuple[int, ...]]] = {}
+
+
+def _keep(parsed: ParsedRequest, spec: HashSpec, hashes: tuple[int, ...]) -> None:
+    key = id(parsed)
+
+    def gone(ref: weakref.ref[ParsedRequest]) -> None:
+        # Only this request's entry: its id may be reused once it is gone.
+        hit = _hashes.get(key)
+        if hit is not None and hit[0] is ref:
+            del _hashes[key]
+
+    _hashes[key] = (weakref.ref(parsed, gone), spec, hashes)
+
+
+def take_hashes(parsed: ParsedRequest, spec: HashSpec) -> tuple[int, ...] | None:
+    """The block hashes sizing computed for ``parsed`` with ``spec``; None if it did not."""
+    hit = _hashes.pop(id(parsed), None)
+    if hit is None or hit[0]() is not parsed or hit[1] != spec:
+        return None
+    return hit[2]
 
 
 _DEFAULT_RULES = SizingRules()

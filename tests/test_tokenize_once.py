@@ -1,0 +1,157 @@
+"""One encode per request: sizing's count and the prefix hashes come from the same token ids.
+
+The expected demand comes from a sizer with prefix affinity off (no ids cache: the counting
+path as it was), the expected hashes from ``prompt_ids`` + ``block_hashes`` with a fresh
+encoder and no cache. The spy counts every text the tokenizer is asked to encode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from typing import Any
+
+import orjson
+import pytest
+from starlette.requests import Request
+
+from proxy.config import Config, parse_config
+from proxy.core.prefix import block_hashes
+from proxy.core.prefix_prompt import prompt_ids
+from proxy.core.tokenizer import TiktokenCounter
+from proxy.core.validation import ParsedRequest, parse_request
+from proxy.gateway import sizing
+from proxy.gateway.affinity import Affinity
+
+BIG = "the quick brown fox jumps over the lazy dog, again and again. " * 400  # ~25k chars
+DOC = "a shared document about caches and routing " * 20  # inline-sized, cached (>= 256)
+
+
+class Spy:
+    """TiktokenCounter that records each text it encodes (count or ids)."""
+
+    def __init__(self) -> None:
+        self.inner = TiktokenCounter()
+        self.seen: list[str] = []
+
+    @property
+    def id(self) -> str:
+        return self.inner.id
+
+    def count(self, text: str) -> int:
+        self.seen.append(text)
+        return self.inner.count(text)
+
+    def ids(self, text: str) -> list[int]:
+        self.seen.append(text)
+        return self.inner.ids(text)
+
+
+def config(**routing: Any) -> Config:
+    data = {"backends": [{"name": "b", "url": "http://127.0.0.1:1"}], "routing": routing}
+    return parse_config(data, "test", environ={})
+
+
+def spied(cfg: Config) -> Spy:
+    spy = Spy()
+    s = sizing.sizer_for(cfg)
+    s.default = replace(s.default, counter=spy)
+    return spy
+
+
+def parse(body: dict[str, Any]) -> ParsedRequest:
+    return parse_request(orjson.dumps({"model": "m", **body}), "chat", 10**6)
+
+
+def expected_hashes(body: dict[str, Any], cfg: Config) -> tuple[int, ...]:
+    p = cfg.routing.prefix
+    ids = prompt_ids(body, "x", TiktokenCounter().ids, p.max_prompt_tokens)
+    return tuple(block_hashes(ids, p.block_tokens))
+
+
+def expected_demand(body: dict[str, Any]) -> int:
+    off = config(prefix={"enabled": False})
+    assert sizing.sizer_for(off).ids is None
+    return sizing.sizer_for(off).size(parse(body)).total
+
+
+def counting_hops(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    hops: list[object] = []
+    real = asyncio.to_thread
+
+    def to_thread(fn: Callable[..., Any], /, *a: Any, **kw: Any) -> Coroutine[Any, Any, Any]:
+        hops.append(fn)
+        return real(fn, *a, **kw)
+
+    monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    return hops
+
+
+def http_request() -> Request:
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": []})
+
+
+@pytest.mark.parametrize("text", [BIG, DOC], ids=["worker-thread", "inline"])
+async def test_each_text_is_encoded_once_for_count_and_hashes_in_one_hop(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = config()
+    spy = spied(cfg)
+    affinity = Affinity(cfg)
+    body = {"messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]}
+    hops = counting_hops(monkeypatch)
+    parsed = parse(body)
+    demand = await sizing.size_request(parsed, cfg)
+    key = await affinity.key_of(http_request(), parsed)
+    assert spy.seen.count(text) == 1
+    assert len(hops) == (1 if text is BIG else 0)
+    assert demand.total == expected_demand(body)
+    assert key is not None and key.hashes == expected_hashes(body, cfg)
+    assert len(key.hashes) > 0
+
+
+async def test_turn_20_encodes_only_its_new_message_and_hashes_stay_exact() -> None:
+    cfg = config()
+    spy = spied(cfg)
+    affinity = Affinity(cfg)
+    history: list[dict[str, str]] = []
+    for i in range(20):
+        history.append({"role": "user", "content": f"question {i}: " + "tell me more " * 30})
+        history.append({"role": "assistant", "content": f"answer {i}: " + "it helps " * 40})
+    body: dict[str, Any] = {"messages": history}
+    await sizing.size_request(parse(body), cfg)
+    spy.seen.clear()
+    new = "and one more question " * 20
+    body = {"messages": [*history, {"role": "user", "content": new}]}
+    parsed = parse(body)
+    demand = await sizing.size_request(parsed, cfg)
+    key = await affinity.key_of(http_request(), parsed)
+    # Short strings (roles, the "<role>" markers) are not cached; every long one was, once.
+    assert [s for s in spy.seen if len(s) >= 256] == [new]
+    assert demand.total == expected_demand(body)
+    assert key is not None and key.hashes == expected_hashes(body, cfg)
+
+
+async def test_hashes_of_an_abandoned_request_do_not_stay_behind() -> None:
+    cfg = config()
+    parsed = parse({"messages": [{"role": "user", "content": DOC}]})
+    before = len(sizing._hashes)
+    await sizing.size_request(parsed, cfg)
+    assert len(sizing._hashes) == before + 1
+    # The request failed before affinity took its hashes: they go with it.
+    del parsed
+    gc.collect()
+    assert len(sizing._hashes) == before
+
+
+async def test_affinity_hashes_itself_when_sizing_used_another_config() -> None:
+    cfg = config()
+    affinity = Affinity(cfg)
+    body = {"messages": [{"role": "user", "content": DOC}]}
+    parsed = parse(body)
+    # Sized with different prefix settings (a reload in between): those hashes do not apply.
+    await sizing.size_request(parsed, config(prefix={"block_tokens": 32}))
+    key = await affinity.key_of(http_request(), parsed)
+    assert key is not None and key.hashes == expected_hashes(body, cfg)
