@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from starlette.requests import Request
@@ -34,6 +35,7 @@ from proxy.core.validation import ParsedRequest
 from proxy.gateway.sizing import hash_spec, prefix_hashes, sizer_for, take_hashes
 from proxy.routing.affinity import AffinitySettings, demand_on, utilisation
 from proxy.routing.policy import RouteRequest
+from proxy.state.prefix_share import PrefixShare
 
 #: Above this many characters of prompt, ids and hashes are computed in a worker thread.
 _THREAD_ABOVE_CHARS = 16_384
@@ -74,6 +76,8 @@ class Affinity:
         self.ids_cache = IdsCache()
         self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._full_cfg = cfg
+        # Set by the app when replicas share placements through Redis (routing.prefix.share).
+        self.share: PrefixShare | None = None
         self._next_expiry = 0.0
         # Each node's last reported start time: a restarted server's cache is empty.
         self._started: dict[str, float] = {}
@@ -156,11 +160,20 @@ class Affinity:
         """The request went to ``backend``: it holds the prompt's blocks, the session follows."""
         if key is None:
             return
-        if key.hashes:
-            self.index.record(backend, key.hashes, now)
-        if key.session is not None and self.cfg.max_sessions > 0:
-            self._sessions[key.session] = (backend, now)
-            self._sessions.move_to_end(key.session)
+        self.learn(backend, key.hashes, key.session, now)
+        if self.share is not None:
+            # Other replicas learn it from the shared stream (proxy.state.prefix_share).
+            self.share.publish(backend, key.hashes, key.session, now)
+
+    def learn(
+        self, backend: str, hashes: Sequence[int], session: str | None, placed_at: float
+    ) -> None:
+        """A placement, this replica's or (shared) another's: ``backend`` holds these blocks."""
+        if hashes:
+            self.index.record(backend, hashes, placed_at)
+        if session is not None and self.cfg.max_sessions > 0:
+            self._sessions[session] = (backend, placed_at)
+            self._sessions.move_to_end(session)
             while len(self._sessions) > self.cfg.max_sessions:
                 self._sessions.popitem(last=False)
 
