@@ -102,8 +102,14 @@ def pct(values: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def drive(gw: str, w: SharedDocs, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Open loop at the workload's arrival times; each result: status, ttft, backend, kind."""
+async def drive(
+    gw: str | Sequence[str], w: SharedDocs, payloads: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Open loop at the workload's arrival times; each result: status, ttft, backend, kind.
+
+    Several gateway URLs (replicas): request i goes to ``gw[i % len(gw)]`` (round robin).
+    """
+    urls = [gw] if isinstance(gw, str) else list(gw)
     results: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
@@ -111,7 +117,7 @@ async def drive(gw: str, w: SharedDocs, payloads: list[dict[str, Any]]) -> list[
 
         seen: set[int] = set()
 
-        async def one(t: Turn, body: dict[str, Any], first: bool) -> None:
+        async def one(t: Turn, body: dict[str, Any], first: bool, gw: str) -> None:
             t0 = time.monotonic()
             res: dict[str, Any] = {"kind": t.kind, "status": 0, "ttft": None, "backend": ""}
             res.update(doc=t.doc, turn=t.turn, first=first, at=round(t0 - start, 3))
@@ -134,7 +140,8 @@ async def drive(gw: str, w: SharedDocs, payloads: list[dict[str, Any]]) -> list[
             first = t.doc is not None and t.doc not in seen
             if t.doc is not None:
                 seen.add(t.doc)
-            tasks.append(asyncio.create_task(one(t, body, first)))
+            url = urls[len(tasks) % len(urls)]
+            tasks.append(asyncio.create_task(one(t, body, first, url)))
         await asyncio.gather(*tasks)
     return results
 
