@@ -70,3 +70,24 @@ def test_engine_hashes_share_leading_blocks_of_a_shared_document() -> None:
     a, b = prompt_block_hashes(q1, BS), prompt_block_hashes(q2, BS)
     common = sum(1 for x, y in zip(a, b, strict=False) if x == y)
     assert common >= 20 and a[:common] == b[:common] and a != b
+
+
+def test_serial_prefill_makes_a_request_wait_for_the_prefill_before_it() -> None:
+    # One GPU: b's prompt is prefilled after a's, and a cache hit shortens what b waits for.
+    c = PagedCore(100, BS, 64, 1.0, 1_000.0, prefix_caching=True, serial_prefill=True)
+    a = doc_req(1, 10, 5)
+    b = doc_req(2, 10, 5)
+    c.submit(a, 0.0)
+    c.submit(b, 0.0)
+    assert a.decode_at == pytest.approx(0.165)
+    assert b.decode_at == pytest.approx(0.330)
+    # A third request about a's document (cached: only its 5 own tokens are computed).
+    d = doc_req(1, 10, 5)
+    c.submit(d, 0.0)
+    assert d.decode_at == pytest.approx(0.335)
+    # Without serial prefill all three prefill at once, each at full speed.
+    p = core(100)
+    x, y = doc_req(1, 10, 5), doc_req(2, 10, 5)
+    p.submit(x, 0.0)
+    p.submit(y, 0.0)
+    assert x.decode_at == y.decode_at == pytest.approx(0.165)

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.bench.overhead_load import cpu_seconds
 from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.local_fleet import EngineSpec, LocalFleet, Proc, free_port
 from loadtest.workload import SharedDocs, Turn, conversation_messages, shared_documents
@@ -74,6 +75,11 @@ class Outcome:
     # Where the time to first token goes (see ``breakdown``).
     breakdown: dict[str, float] = field(default_factory=dict)
     slowest: list[dict[str, Any]] = field(default_factory=list)
+    # Each repeat's TTFT p99 (``--repeat``: the row's p99 is over all repeats' requests).
+    p99_each_ms: list[float] = field(default_factory=list)
+    # Raw material for pooling repeats (not written out).
+    results: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    metrics: list[dict[str, float]] = field(default_factory=list, repr=False)
 
 
 def bodies(w: SharedDocs) -> list[dict[str, Any]]:
@@ -132,7 +138,7 @@ async def drive(
                 res["status"] = -1
             results.append(res)
 
-        tasks = []
+        tasks: list[asyncio.Task[None]] = []
         for t, body in zip(w.turns, payloads, strict=True):
             delay = start + t.arrival_s - time.monotonic()
             if delay > 0:
@@ -187,12 +193,13 @@ def breakdown(
     """
     ok = [r for r in results if r["status"] == 200 and r["ttft"] is not None]
     out: dict[str, float] = {}
-    for label, pick in (
-        ("chat", lambda r: r["kind"] == "chat"),
-        ("new doc", lambda r: r["kind"] == "document" and r["first"]),
-        ("known doc", lambda r: r["kind"] == "document" and not r["first"]),
-    ):
-        v = [r["ttft"] for r in ok if pick(r)]
+    kinds = {
+        "chat": ("chat", False),
+        "new doc": ("document", True),
+        "known doc": ("document", False),
+    }
+    for label, (kind, first) in kinds.items():
+        v = [r["ttft"] for r in ok if r["kind"] == kind and (kind == "chat" or r["first"] == first)]
         out[f"{label} n"] = len(v)
         out[f"{label} p50 ms"] = 1000 * statistics.median(v) if v else 0.0
         out[f"{label} max ms"] = 1000 * max(v) if v else 0.0
@@ -290,11 +297,16 @@ def one_run(run: Run, w: SharedDocs, payloads: list[dict[str, Any]], args: Any) 
             fleet.start_gateway(run.policy)
             url = fleet.gateway_url
             wait_reported(url)
+        served_by = router if router is not None else fleet.gateway
+        pid = served_by.popen.pid if served_by is not None and served_by.popen else None
+        cpu0 = cpu_seconds([pid]) if pid else 0.0
         t0 = time.monotonic()
         results = asyncio.run(drive(url, w, payloads))
         wall = time.monotonic() - t0
+        cpu = (cpu_seconds([pid]) - cpu0) if pid else 0.0
         metrics = [scrape(p.url) for p in fleet.engines]
         split = breakdown(results, metrics, None if exe is not None else url)
+        split[0]["router cpu ms per request"] = 1000 * cpu / max(1, len(results))
     finally:
         if router is not None:
             router.stop()
@@ -321,7 +333,55 @@ def one_run(run: Run, w: SharedDocs, payloads: list[dict[str, Any]], args: Any) 
         by_backend=dict(sorted(by_backend.items())),
         breakdown=split[0],
         slowest=split[1],
+        p99_each_ms=[1000 * pct(ttfts, 0.99)],
+        results=results,
+        metrics=metrics,
     )
+
+
+def pooled(runs: Sequence[Outcome]) -> Outcome:
+    """One row from repeats of it: percentiles and hit rate over all their requests."""
+    if len(runs) == 1:
+        return runs[0]
+    results = [r for o in runs for r in o.results]
+    metrics = [m for o in runs for m in o.metrics]
+    ok = [r for r in results if r["status"] == 200 and r["ttft"] is not None]
+    ttfts = [r["ttft"] for r in ok]
+    docs = [r["ttft"] for r in ok if r["kind"] == "document"]
+    hits = sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in metrics)
+    queries = sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in metrics)
+    split, slow = breakdown(results, metrics, None)
+    for key in ("gateway decision p50 ms", "gateway decision p99 ms", "router cpu ms per request"):
+        got = [o.breakdown[key] for o in runs if key in o.breakdown]
+        if got:
+            split[key] = statistics.median(got)
+    by_backend: dict[str, int] = {}
+    for o in runs:
+        for k, v in o.by_backend.items():
+            by_backend[k] = by_backend.get(k, 0) + v
+    return Outcome(
+        label=runs[0].label,
+        engines=runs[0].engines,
+        requests=len(results),
+        failed=sum(o.failed for o in runs),
+        ttft_p50_ms=1000 * statistics.median(ttfts) if ttfts else 0.0,
+        ttft_p99_ms=1000 * pct(ttfts, 0.99),
+        doc_ttft_p50_ms=1000 * statistics.median(docs) if docs else 0.0,
+        hit_rate=hits / queries if queries else 0.0,
+        preemptions=sum(o.preemptions for o in runs),
+        wall_s=sum(o.wall_s for o in runs),
+        by_backend=dict(sorted(by_backend.items())),
+        breakdown=split,
+        slowest=slow,
+        p99_each_ms=[p for o in runs for p in o.p99_each_ms],
+    )
+
+
+def public(o: Outcome) -> dict[str, Any]:
+    """What is printed and written: everything but the raw results."""
+    out = asdict(o)
+    del out["results"], out["metrics"]
+    return out
 
 
 def table(outcomes: Sequence[Outcome]) -> str:
@@ -384,26 +444,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--rows", default="", help="comma-separated substrings: only the rows whose label has one"
     )
+    p.add_argument(
+        "--repeat", type=int, default=1, help="run every row this many times, interleaved, pooled"
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
     w = shared_documents(args.requests, args.rate, seed=args.seed)
     payloads = bodies(w)
-    outcomes = []
-    for run in RUNS:
-        if args.only is not None and run.engines != args.only:
-            continue
-        if args.rows and not any(k in run.label for k in args.rows.split(",")):
-            continue
-        o = one_run(run, w, payloads, args)
-        if o is None:
-            continue
-        print(f"{o.engines:10s} {o.label:22s} {json.dumps(asdict(o))}", flush=True)
-        outcomes.append(o)
+    rows = [
+        run
+        for run in RUNS
+        if (args.only is None or run.engines == args.only)
+        and (not args.rows or any(k in run.label for k in args.rows.split(",")))
+    ]
+    # Repeats interleave the rows (ABC ABC), so that a busy spell of a shared machine
+    # falls on every row rather than on one.
+    got: dict[Run, list[Outcome]] = {}
+    for _ in range(args.repeat):
+        for run in rows:
+            o = one_run(run, w, payloads, args)
+            if o is None:
+                continue
+            print(f"{o.engines:10s} {o.label:22s} {json.dumps(public(o))}", flush=True)
+            got.setdefault(run, []).append(o)
+    outcomes = [pooled(v) for v in got.values()]
     print(table(outcomes))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
+        args.json.write_text(json.dumps([public(o) for o in outcomes], indent=1))
     if args.plot is not None:
         plot(outcomes, args.plot)
     return 0
