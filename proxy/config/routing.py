@@ -70,10 +70,12 @@ class PrefixConfig(_Strict):
         default=0.1, gt=0, description="how often a replica sends and reads shared placements"
     )
     share_max_entries: int = Field(
-        default=2_000, gt=0, description="bound of the shared stream (placements, oldest trimmed)"
+        default=1_000, gt=0, description="bound of the shared stream (entries, oldest trimmed)"
     )
     share_max_blocks: int = Field(
-        default=4_096, gt=0, description="leading block hashes shared per placement"
+        default=8_192,
+        gt=0,
+        description="leading block hashes shared per placement, and per stream entry",
     )
 
 

@@ -6,11 +6,14 @@ store) a replica also *publishes* each placement it makes (node, the prompt's bl
 the session) and *reads* the other replicas' placements into its own index, both in one
 background loop every ``share_poll_s``:
 
-* one ``XADD`` per placement, pipelined per round, onto ``<key_prefix>:prefix:placed``;
+* one ``XADD`` per round that has placements to send, all of them in one entry, onto
+  ``<key_prefix>:prefix:placed`` (an entry holds at most ``share_max_blocks`` hashes; a
+  busier round makes more entries), then one ``XREAD``: a few Redis commands per round
+  whatever the request rate;
 * the stream is bounded: ``MAXLEN ~ share_max_entries`` (Redis trims whole entries, the
-  oldest first), each entry holds at most ``share_max_blocks`` hashes (8 bytes each,
-  base64), and the key expires ``ttl_s`` after the last write (an idle fleet leaves
-  nothing behind). Worst case in Redis: entries × blocks × ~11 bytes;
+  oldest first), a placement shares at most ``share_max_blocks`` leading hashes (8 bytes
+  each, base64), and the key expires ``ttl_s`` after the last write (an idle fleet leaves
+  nothing behind). Worst case in Redis: entries × ``share_max_blocks`` × ~11 bytes;
 * a replica that starts (or comes back) reads what was placed in the last ``ttl_s``, as far
   as the stream still holds it, then follows the stream;
 * an entry older than ``ttl_s`` on the store's clock is skipped: the server has probably
@@ -22,7 +25,7 @@ write, and reads are batched. The index stays a hint: a lost or late entry costs
 prefill, never a failure (fit is checked in the shared store).
 
 Redis being away never fails a request: a failed round is logged and retried next round
-(placements queued meanwhile are kept up to ``share_max_entries``, then the oldest dropped).
+(placements queued meanwhile are kept, up to ``_OUTBOX``, then the oldest dropped).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
+
 from proxy.config import Config
 from proxy.state.redis_connect import RedisClient, connect
 from proxy.tasks import PeriodicTask
@@ -43,7 +48,9 @@ from proxy.tasks import PeriodicTask
 log = logging.getLogger("kvroute.prefix_share")
 
 #: Entries read per XREAD (a round reads until it has caught up, at most this × 10).
-_READ_BATCH = 500
+_READ_BATCH = 100
+#: Placements kept for sending while Redis is away (then the oldest are dropped).
+_OUTBOX = 10_000
 
 
 class Learner(Protocol):
@@ -103,7 +110,7 @@ class PrefixShare:
         self.replica = secrets.token_hex(6)
         self._learner = learner
         self._clock = clock
-        self._outbox: deque[Placement] = deque(maxlen=max(1, p.share_max_entries))
+        self._outbox: deque[Placement] = deque(maxlen=_OUTBOX)
         self._last_id: str | None = None
         self.published = 0
         self.learned = 0
@@ -165,18 +172,23 @@ class PrefixShare:
 
     async def _xadd(self, batch: list[Placement]) -> None:
         pipe = self.client.client.pipeline(transaction=False)
-        for p in batch:
-            fields: dict[str, Any] = {
-                "r": self.replica,
-                "n": p.node,
-                "t": repr(p.placed_at),
-                "h": encode_hashes(p.hashes),
-            }
-            if p.session is not None:
-                fields["s"] = p.session
+        for chunk in self._entries(batch):
+            fields = {"r": self.replica, "p": orjson.dumps(chunk).decode()}
             pipe.xadd(self.key, fields, maxlen=self.max_entries, approximate=True)
         pipe.pexpire(self.key, int(self.ttl_s * 1000))
         await pipe.execute()
+
+    def _entries(self, batch: list[Placement]) -> list[list[list[Any]]]:
+        """The round's placements in entries of at most ``max_blocks`` hashes each."""
+        entries: list[list[list[Any]]] = [[]]
+        held = 0
+        for p in batch:
+            if entries[-1] and held + len(p.hashes) > self.max_blocks:
+                entries.append([])
+                held = 0
+            entries[-1].append([p.node, p.placed_at, encode_hashes(p.hashes), p.session])
+            held += len(p.hashes)
+        return entries
 
     async def _read(self) -> None:
         if self._last_id is None:
@@ -188,19 +200,27 @@ class PrefixShare:
             entries = reply[0][1] if reply else []
             for entry_id, fields in entries:
                 self._last_id = entry_id
-                self._take(learner, fields)
+                if fields.get("r") != self.replica:
+                    self._take(learner, fields.get("p", ""))
             if len(entries) < _READ_BATCH:
                 return
 
-    def _take(self, learner: Learner, fields: dict[str, str]) -> None:
-        if fields.get("r") == self.replica:
-            return
-        node = fields.get("n")
+    def _take(self, learner: Learner, packed: str) -> None:
         try:
-            placed_at = float(fields.get("t", ""))
-        except ValueError:
+            placements = orjson.loads(packed)
+        except orjson.JSONDecodeError:
             return
-        if not node or self._clock() - placed_at > self.ttl_s:
-            return
-        learner.learn(node, decode_hashes(fields.get("h", "")), fields.get("s"), placed_at)
-        self.learned += 1
+        now = self._clock()
+        for item in placements if isinstance(placements, list) else []:
+            try:
+                node, placed_at, hashes, session = item
+                placed_at = float(placed_at)
+            except (TypeError, ValueError):
+                # Another version's entry: skipped, it is only a hint.
+                continue
+            if not isinstance(node, str) or not node or now - placed_at > self.ttl_s:
+                continue
+            session = session if isinstance(session, str) else None
+            text = hashes if isinstance(hashes, str) else ""
+            learner.learn(node, decode_hashes(text), session, placed_at)
+            self.learned += 1

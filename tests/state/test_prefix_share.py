@@ -11,6 +11,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 import redis
 
 from proxy.config import Config
@@ -143,7 +144,9 @@ def test_the_stream_is_bounded_and_expires(redis_server: str) -> None:
     # MAXLEN ~ 50: Redis trims whole nodes of entries, so a little over 50, far under 400.
     assert 50 <= r.xlen(key) < 200
     _, fields = r.xrevrange(key, count=1)[0]
-    assert len(decode_hashes(fields[b"h"].decode())) == 8
+    # One placement per entry here (8 hashes each, the cap per placement and per entry).
+    (placement,) = orjson.loads(fields[b"p"])
+    assert len(decode_hashes(placement[2])) == 8
     assert 0 < r.pttl(key) <= 30_000
 
 
@@ -185,3 +188,31 @@ def test_connect_is_the_stores_client() -> None:
     assert (
         client.client.connection_pool.connection_kwargs["socket_timeout"] == cfg.store.op_timeout_s
     )
+
+
+def test_a_round_sends_its_placements_in_one_entry_within_the_block_cap(redis_server: str) -> None:
+    prefix = "t-" + secrets.token_hex(4)
+    cfg = config(redis_server, prefix, share_max_blocks=100)
+    clock = Clock()
+
+    async def go() -> None:
+        a, _ = replica(cfg, clock)
+        b, learned = replica(cfg, clock)
+        try:
+            for i in range(9):
+                a.publish(f"v{i % 2}", list(range(i, i + 10)), None, clock.now)
+            await a.round()
+            # 90 hashes: one entry (one XADD) for the whole round, whatever the request rate.
+            assert redis.Redis.from_url(redis_server).xlen(f"{prefix}:prefix:placed") == 1
+            for i in range(30):
+                a.publish("v0", list(range(i, i + 10)), None, clock.now)
+            await a.round()
+            # 300 hashes, at most 100 per entry: three more entries.
+            assert redis.Redis.from_url(redis_server).xlen(f"{prefix}:prefix:placed") == 4
+            await b.round()
+            assert len(learned.got) == 39
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
