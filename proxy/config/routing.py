@@ -63,7 +63,7 @@ class PrefixConfig(_Strict):
     session_ttl_s: float = Field(default=1800.0, gt=0)
     max_sessions: int = Field(default=100_000, ge=0)
     share: bool = Field(
-        default=False,
+        default=True,
         description="with a Redis store: replicas share placements (a bounded Redis stream)",
     )
     share_poll_s: float = Field(
