@@ -50,7 +50,7 @@ APP_IMPORTERS = frozenset(
         "proxy.cli",
         "loadtest.bench.overhead",
         "loadtest.bench.overhead_variants",
-        "loadtest.bench.overhead_extras",
+        "loadtest.bench.overhead_decision",
     }
 )
 

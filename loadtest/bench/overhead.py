@@ -37,7 +37,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench.overhead_extras import decision_and_lag, store_round_trips
+from loadtest.bench.overhead_decision import decision_and_lag
+from loadtest.bench.overhead_extras import store_round_trips
 from loadtest.bench.overhead_load import (
     CHAT_PATH,
     cpu_seconds,

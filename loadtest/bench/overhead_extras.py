@@ -1,31 +1,23 @@
-"""The overhead benchmark's other figures: store round trips per request, 1 vs 2 workers,
-and the routing decision for 30k-token prompts with the event loop's lag under a long mix.
+"""The overhead benchmark's other figures: store round trips per request and 1 vs 2 workers
+(the routing decision and the loop's lag: ``loadtest.bench.overhead_decision``).
 
 - Round trips: Redis's ``total_reads_processed`` (one per batch the server reads off a client
   socket: a pipeline or a script call counts once, the commands a script runs inside count
   nothing) over N requests, less what the gateway's background work (scrapes, snapshot
   reads) costs over the same time idle.
 - Workers: ``kvroute serve --workers 1`` and ``--workers 2`` on one Redis, same load, side by side.
-- Decision and lag: the real app in this process (no HTTP server: the loop measured is the
-  gateway's), trivial backends over the network; the ``kvroute_routing_decision_seconds``
-  observations are collected raw, and a probe task measures how late a 1 ms sleep wakes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import random
-import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
-from loadtest.bench.overhead_load import CHAT_PATH, MODEL, request_body
-from loadtest.workload import make_prompt
+from loadtest.bench.overhead_load import CHAT_PATH, request_body
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -133,112 +125,3 @@ def store_round_trips(
             "commands": dict(by_command.most_common(6)),
         }
     return out
-
-
-# ------------------------------------------------------------------ decision time and loop lag
-
-
-def _long_body(tokens: int, rng: random.Random) -> bytes:
-    return orjson.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": make_prompt(tokens, rng)}],
-            "max_tokens": 16,
-        }
-    )
-
-
-async def _decision_and_lag(
-    cfg_path: Path, long_tokens: int, n_long: int, mix_n: int, long_share: float
-) -> dict[str, Any]:
-    from proxy.api.app import create_app
-    from proxy.config import load_config
-
-    app = create_app(load_config(cfg_path))
-    rng = random.Random(7)
-    transport = __import__("httpx").ASGITransport(app=app)
-    import httpx
-
-    async with app.router.lifespan_context(app):
-        rt = app.state.rt
-        seen: list[float] = []
-        observe = rt.metrics.decision.observe
-
-        # Collected raw as well as into the histogram (the gateway's own measurement).
-        def observe_both(v: float) -> None:
-            seen.append(v)
-            observe(v)
-
-        rt.metrics.decision.observe = observe_both
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=60) as c:
-
-            async def send(body: bytes) -> None:
-                r = await c.post(
-                    CHAT_PATH, content=body, headers={"content-type": "application/json"}
-                )
-                if r.status_code != 200:
-                    raise RuntimeError(f"decision run: HTTP {r.status_code}: {r.text[:200]}")
-
-            await send(request_body(False))
-            # Each prompt is new text: no cached count helps.
-            bodies = [_long_body(long_tokens, rng) for _ in range(n_long)]
-            seen.clear()
-            for b in bodies:
-                await send(b)
-            alone = list(seen)
-            # The mix: long_share of the requests long, at concurrency 8, a lag probe running.
-            mix = [
-                _long_body(long_tokens, rng) if rng.random() < long_share else request_body(False)
-                for _ in range(mix_n)
-            ]
-            lags: list[float] = []
-            stop = asyncio.Event()
-
-            async def probe() -> None:
-                loop = asyncio.get_running_loop()
-                while not stop.is_set():
-                    t = loop.time()
-                    await asyncio.sleep(0.001)
-                    lags.append(loop.time() - t - 0.001)
-
-            sem = asyncio.Semaphore(8)
-
-            async def guarded(b: bytes) -> None:
-                async with sem:
-                    await send(b)
-
-            # The same probe with no requests: what this shared machine alone adds.
-            task = asyncio.ensure_future(probe())
-            await asyncio.sleep(1.0)
-            stop.set()
-            await task
-            idle_lags, lags = list(lags), []
-            stop.clear()
-            seen.clear()
-            task = asyncio.ensure_future(probe())
-            await asyncio.gather(*(guarded(b) for b in mix))
-            stop.set()
-            await task
-            in_mix = list(seen)
-    return {
-        "long_tokens": long_tokens,
-        "decision_ms_p50_alone": round(statistics.median(alone) * 1e3, 2),
-        "decision_ms_p99_alone": round(_pct(alone, 0.99) * 1e3, 2),
-        "mix_requests": mix_n,
-        "mix_long_share": long_share,
-        "decision_ms_p50_mix": round(statistics.median(in_mix) * 1e3, 2),
-        "decision_ms_p99_mix": round(_pct(in_mix, 0.99) * 1e3, 2),
-        "idle_loop_lag_ms_p99": round(_pct(idle_lags, 0.99) * 1e3, 2),
-        "loop_lag_ms_p50": round(statistics.median(lags) * 1e3, 2),
-        "loop_lag_ms_p99": round(_pct(lags, 0.99) * 1e3, 2),
-    }
-
-
-def decision_and_lag(
-    cfg_path: Path,
-    long_tokens: int = 30_000,
-    n_long: int = 10,
-    mix_n: int = 60,
-    long_share: float = 0.3,
-) -> dict[str, Any]:
-    return asyncio.run(_decision_and_lag(cfg_path, long_tokens, n_long, mix_n, long_share))

@@ -5,8 +5,11 @@ by one at 200 / 2,000 / 30,000 prompt tokens (chat bodies built by
 ``loadtest.workload.make_prompt``, so the token counts are exact):
 
 - parse: ``orjson.loads`` of the raw body (``json.loads`` beside it, for the record);
-- tokenize: ``proxy.gateway.sizing.count_prompt`` inline, and ``count_prompt_async`` as the gateway
-  calls it (a worker thread above ``tokenize_in_thread_chars``);
+- tokenize: ``proxy.gateway.sizing.count_prompt`` inline, and ``count_prompt_async`` (a worker
+  thread above ``tokenize_in_thread_chars``), each on fresh text (no cached count helps);
+- size as the gateway: ``proxy.gateway.sizing.size_request`` with the default config (prefix
+  affinity on): the count and the prompt's block hashes from one encode, in one worker-thread
+  hop for big prompts, on fresh text; this is the decision's sizing step;
 - rank: every policy of ``proxy.routing.policy`` on a 16-node snapshot (4 long-pool nodes, 12
   general, various fragmentation).
 
@@ -35,13 +38,15 @@ from typing import Any
 import orjson
 
 from loadtest.workload import chat_overhead_tokens, make_prompt
+from proxy.config import Config, RoutingConfig, parse_config
 from proxy.core import tokens
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
+from proxy.core.validation import ParsedRequest, parse_request
 from proxy.gateway import sizing
 from proxy.routing import POLICIES, PolicySettings, RouteRequest, classify, make_policy
 
 SIZES = (200, 2_000, 30_000)
-DEFAULT_THREAD_CHARS = 4_096  # proxy.config RoutingConfig.tokenize_in_thread_chars default
+DEFAULT_THREAD_CHARS: int = RoutingConfig.model_fields["tokenize_in_thread_chars"].default
 LONG_THRESHOLD = 8_000
 
 
@@ -138,6 +143,61 @@ def cold_tokenizer_load_ms() -> float | None:
     return (time.perf_counter() - t0) * 1000
 
 
+_seed = 1000
+
+
+def fresh_bodies(size: int, n: int) -> list[dict[str, Any]]:
+    """``n`` chat bodies of ``size`` prompt tokens, each of text never used before (no cache hit)."""
+    global _seed
+    _seed += n
+    return [chat_body(size, seed=_seed - n + i) for i in range(n)]
+
+
+def gateway_config(thread_above_chars: int = DEFAULT_THREAD_CHARS) -> Config:
+    """The default config (prefix affinity on) with this worker-thread threshold."""
+    data = {
+        "backends": [{"name": "b", "url": "http://127.0.0.1:1"}],
+        "routing": {"tokenize_in_thread_chars": thread_above_chars},
+    }
+    cfg = parse_config(data, "bench", {})
+    sizing.sizer_for(cfg)
+    return cfg
+
+
+def parsed_bodies(size: int, n: int) -> list[ParsedRequest]:
+    return [parse_request(orjson.dumps(b), "chat", 10**7) for b in fresh_bodies(size, n)]
+
+
+def fresh_us(fn: Callable[[dict[str, Any]], object], bodies: list[dict[str, Any]]) -> float:
+    """Median time of ``fn`` over bodies it has not seen (each called once)."""
+    out = []
+    for b in bodies:
+        t0 = time.perf_counter()
+        fn(b)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out) * 1e6
+
+
+def afresh_us(fn: Callable[[Any], Awaitable[object]], items: list[Any]) -> float:
+    async def go() -> float:
+        out = []
+        for x in items:
+            t0 = time.perf_counter()
+            await fn(x)
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out) * 1e6
+
+    return asyncio.run(go())
+
+
+def gateway_sizing_us(size: int, n: int) -> float:
+    """``size_request`` as intake calls it, default config (prefix affinity on), fresh text."""
+    cfg = parse_config({"backends": [{"name": "b", "url": "http://127.0.0.1:1"}]}, "bench", {})
+    sizing.sizer_for(cfg)
+    parsed = [parse_request(orjson.dumps(b), "chat", 10**7) for b in fresh_bodies(size, n + 1)]
+    return afresh_us(lambda p: sizing.size_request(p, cfg), parsed[1:])
+
+
 def decision_costs(min_time_s: float) -> list[dict[str, Any]]:
     now = time.time()
     snap = fleet_snapshot(now)
@@ -145,6 +205,8 @@ def decision_costs(min_time_s: float) -> list[dict[str, Any]]:
     policies = {name: make_policy(name, settings) for name in POLICIES}
     rows = []
     for size in SIZES:
+        # Enough fresh texts for a stable median, bounded in time (30k tokens: ~10 ms each).
+        n_fresh = max(5, min(200, int(min_time_s * 1e6 / (size * 0.25))))
         body = chat_body(size)
         raw = orjson.dumps(body)
         counted = sizing.count_prompt(body)
@@ -158,23 +220,25 @@ def decision_costs(min_time_s: float) -> list[dict[str, Any]]:
             "class": cls,
             "parse_orjson_us": time_us(partial(orjson.loads, raw), min_time_s),
             "parse_json_us": time_us(partial(json.loads, raw), min_time_s),
-            "tokenize_inline_us": time_us(partial(sizing.count_prompt, body), min_time_s),
-            "tokenize_async_us": atime_us(
-                partial(sizing.count_prompt_async, body, DEFAULT_THREAD_CHARS), min_time_s
+            "tokenize_inline_us": fresh_us(sizing.count_prompt, fresh_bodies(size, n_fresh)),
+            "tokenize_async_us": afresh_us(
+                partial(sizing.count_prompt_async, thread_above_chars=DEFAULT_THREAD_CHARS),
+                fresh_bodies(size, n_fresh),
             ),
+            "size_gateway_us": gateway_sizing_us(size, n_fresh),
             "off_loop": len(body["messages"][0]["content"]) > DEFAULT_THREAD_CHARS,
         }
         for name, pol in policies.items():
             row[f"rank_{name}_us"] = time_us(partial(pol.rank, snap, req, now), min_time_s)
         row["decision_us"] = (
-            row["parse_orjson_us"] + row["tokenize_async_us"] + row["rank_kvroute_us"]
+            row["parse_orjson_us"] + row["size_gateway_us"] + row["rank_kvroute_us"]
         )
         rows.append(row)
     base = rows[0]["decision_us"]
     for row in rows:
         row["decision_x_200"] = row["decision_us"] / base if base > 0 else None
         row["tokenize_share"] = (
-            row["tokenize_async_us"] / row["decision_us"] if row["decision_us"] > 0 else None
+            row["size_gateway_us"] / row["decision_us"] if row["decision_us"] > 0 else None
         )
     return rows
 
@@ -183,15 +247,14 @@ async def _lag_during(
     work: Callable[[], Awaitable[None]] | None, duration_s: float, tick_s: float = 0.001
 ) -> dict[str, Any]:
     """Run a 1 ms ticker beside `work` (or alone for `duration_s`) and report how late it woke."""
-    loop = asyncio.get_running_loop()
     lags: list[float] = []
     stop = False
 
     async def ticker() -> None:
         while not stop:
-            t0 = loop.time()
+            t0 = time.perf_counter()
             await asyncio.sleep(tick_s)
-            lags.append(max(0.0, loop.time() - t0 - tick_s))
+            lags.append(max(0.0, time.perf_counter() - t0 - tick_s))
 
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0)
@@ -215,25 +278,30 @@ async def _lag_during(
 
 
 def loop_lag(prompts: int, concurrency: int) -> dict[str, Any]:
-    body = chat_body(30_000, seed=1)
+    """Sized as the gateway sizes (count + prefix hashes), each prompt fresh text."""
 
     def tokenize_work(thread_above_chars: int) -> Callable[[], Awaitable[None]]:
+        cfg = gateway_config(thread_above_chars)
+        bodies = parsed_bodies(30_000, prompts)
+
         async def work() -> None:
             sem = asyncio.Semaphore(concurrency)
 
-            async def one() -> None:
+            async def one(p: ParsedRequest) -> None:
                 async with sem:
-                    await sizing.count_prompt_async(body, thread_above_chars)
+                    await sizing.size_request(p, cfg)
                     await asyncio.sleep(0)
 
-            await asyncio.gather(*(one() for _ in range(prompts)))
+            await asyncio.gather(*(one(p) for p in bodies))
 
         return work
 
     async def go() -> dict[str, Any]:
-        await sizing.count_prompt_async(body, 0)  # warm the thread pool and the encoder
-        inline = await _lag_during(tokenize_work(10**12), 0)
-        off = await _lag_during(tokenize_work(DEFAULT_THREAD_CHARS), 0)
+        inline_work, off_work = tokenize_work(10**12), tokenize_work(DEFAULT_THREAD_CHARS)
+        # Warm the thread pool and the encoder.
+        await sizing.size_request(parsed_bodies(2_000, 1)[0], gateway_config(0))
+        inline = await _lag_during(inline_work, 0)
+        off = await _lag_during(off_work, 0)
         idle = await _lag_during(None, max(0.5, min(2.0, off["elapsed_s"])))
         return {"idle": idle, "inline": inline, "off_loop": off}
 
@@ -263,14 +331,14 @@ def print_report(res: dict[str, Any]) -> None:
     print("\n== routing decision cost (microseconds, median) ==")
     pols = [k[5:-3] for k in res["decisions"][0] if k.startswith("rank_")]
     head = (
-        f"{'tokens':>7} {'bytes':>8} {'class':>6} {'orjson':>8} {'json':>8} {'tok inline':>10} {'tok async':>10} "
+        f"{'tokens':>7} {'bytes':>8} {'class':>6} {'orjson':>8} {'json':>8} {'tok inline':>10} {'tok async':>10} {'size gw':>9} "
         + " ".join(f"{'rank ' + p:>17}" for p in pols)
     )
     print(head + f" {'decision':>9} {'x 200 tok':>9} {'tok share':>9}")
     for r in res["decisions"]:
         line = (
             f"{r['prompt_tokens']:>7} {r['body_bytes']:>8} {r['class']:>6} {r['parse_orjson_us']:>8.1f} {r['parse_json_us']:>8.1f} "
-            f"{r['tokenize_inline_us']:>10.1f} {r['tokenize_async_us']:>10.1f} "
+            f"{r['tokenize_inline_us']:>10.1f} {r['tokenize_async_us']:>10.1f} {r['size_gateway_us']:>9.1f} "
             + " ".join(f"{r[f'rank_{p}_us']:>17.1f}" for p in pols)
         )
         print(

@@ -157,7 +157,8 @@ class PromptCounter:
             args = fn.get("arguments")
             args_text = args if isinstance(args, str) else "" if args is None else json_text(args)
             total += self.rules.tokens_per_tool_call + self.text(str(fn.get("name") or ""))
-            total += self.text(args_text)
+            # Kind "args": arguments are counted, never prefix-hashed (no ids kept for them).
+            total += self.text(args_text, "args")
         return total
 
     def message(self, m: dict[str, Any]) -> int:
