@@ -9,8 +9,18 @@ client's time to first token (p50, p99), the engines' preemptions, failed reques
 same on contiguous (fragmenting, allocate-at-admission) engines, kvroute with and without
 affinity: failed requests, since there a cached prefix saves nothing in memory.
 
-    python -m loadtest.bench.prefix                      # both fleets, ~1.5 min on 2 cores
-    python -m loadtest.bench.prefix --only vllm --json out/prefix.json --plot docs/img/prefix.png
+The vLLM engines prefill one prompt after another (``--serial-prefill``, one GPU's compute,
+as the offline simulator models it; ``--prefill parallel``: every prompt at full speed at
+once, the engine's older model, where a cache hit cannot shorten anyone else's wait). Each
+row also says where the time to first token goes (``breakdown``): chats, the first question
+about each document (nobody can have it cached), later ones, the engines' own TTFT, the
+gateway's decision time and the router process's CPU per request. ``--repeat N`` runs the
+rows N times interleaved and pools them (one busy spell of a shared machine then falls on
+every row): the p99 of 240 requests is the third-slowest one.
+
+    python -m loadtest.bench.prefix                      # both fleets, ~2.5 min on 2 cores
+    python -m loadtest.bench.prefix --only vllm --repeat 2 --json out/prefix.json --plot docs/img/prefix.png
+    python -m loadtest.bench.prefix --only vllm --rows "consistent,+ affinity"   # some rows
 
 Peers, where installed: vllm-router (the Rust router; PyPI ships it as a prebuilt wheel,
 ``python -m venv /tmp/vllm-router-venv && /tmp/vllm-router-venv/bin/pip install vllm-router``)
