@@ -62,16 +62,23 @@ def test_hashes_round_trip_and_garbage_decodes_to_nothing() -> None:
     assert decode_hashes("AAAA") == ()  # 3 bytes: not whole hashes
 
 
-def test_sharing_is_off_by_default_and_needs_a_redis_store(redis_server: str) -> None:
+def test_sharing_is_on_by_default_with_redis_and_needs_a_redis_store(redis_server: str) -> None:
     learner = Learner()
-    plain = gateway_cfg(
-        [{"name": "a", "url": "http://127.0.0.1:9"}], store={"redis_url": redis_server}
+    backends = [{"name": "a", "url": "http://127.0.0.1:9"}]
+    plain = gateway_cfg(backends, store={"redis_url": redis_server})
+    share = PrefixShare.from_config(plain, lambda: learner, Clock())
+    assert share is not None
+    asyncio.run(share.close())
+    off = gateway_cfg(
+        backends, store={"redis_url": redis_server}, routing={"prefix": {"share": False}}
     )
-    assert PrefixShare.from_config(plain, lambda: learner, Clock()) is None
-    embedded = gateway_cfg(
-        [{"name": "a", "url": "http://127.0.0.1:9"}], routing={"prefix": {"share": True}}
+    assert PrefixShare.from_config(off, lambda: learner, Clock()) is None
+    no_affinity = gateway_cfg(
+        backends, store={"redis_url": redis_server}, routing={"prefix": {"enabled": False}}
     )
-    assert PrefixShare.from_config(embedded, lambda: learner, Clock()) is None
+    assert PrefixShare.from_config(no_affinity, lambda: learner, Clock()) is None
+    # The embedded store is one process: nothing to share with.
+    assert PrefixShare.from_config(gateway_cfg(backends), lambda: learner, Clock()) is None
 
 
 def test_a_replica_learns_what_another_placed_and_not_its_own(redis_server: str) -> None:
