@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any
@@ -155,3 +157,34 @@ async def test_affinity_hashes_itself_when_sizing_used_another_config() -> None:
     await sizing.size_request(parsed, config(prefix={"block_tokens": 32}))
     key = await affinity.key_of(http_request(), parsed)
     assert key is not None and key.hashes == expected_hashes(body, cfg)
+
+
+def test_loading_the_sizer_starts_the_worker_threads_before_the_first_request() -> None:
+    async def go() -> set[threading.Thread]:
+        before = set(threading.enumerate())
+        await sizing.load_sizer(config())
+        return set(threading.enumerate()) - before
+
+    # A fresh loop has its own default executor: all its threads run once the sizer is loaded.
+    started = asyncio.run(go())
+    assert len([t for t in started if t.name.startswith("asyncio_")]) == min(
+        32, (os.cpu_count() or 1) + 4
+    )
+
+
+async def test_short_texts_are_encoded_once_and_repeated_ones_not_at_all() -> None:
+    cfg = config()
+    spy = spied(cfg)
+    affinity = Affinity(cfg)
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    parsed = parse(body)
+    await sizing.size_request(parsed, cfg)
+    key = await affinity.key_of(http_request(), parsed)
+    # Role, content and the "<user>" marker the prefix ids start with: each once.
+    assert sorted(spy.seen) == sorted(["user", "Say hi.", "<user>"])
+    assert key is not None and key.hashes == expected_hashes(body, cfg) == ()
+    spy.seen.clear()
+    again = parse(body)
+    demand = await sizing.size_request(again, cfg)
+    assert spy.seen == []
+    assert demand.total == expected_demand(body)

@@ -29,17 +29,30 @@ Encode = Callable[[str], list[int]]
 
 
 class IdsCache:
-    """Bounded LRU of token ids by (tokenizer id, text digest); bounded by total ids held."""
+    """Bounded LRU of token ids by (tokenizer id, text digest); bounded by total ids held.
 
-    def __init__(self, max_tokens: int = 2_000_000, min_chars: int = 256) -> None:
+    Texts under ``min_chars`` (roles, the ``<role>`` markers, short messages) are kept apart,
+    by their own value, in an LRU of ``max_small`` entries: sizing and the prefix hashes
+    then encode them once, and repeated ones not at all. That matters on the event loop:
+    every encode releases the GIL, and taking it back can wait for a worker thread that is
+    hashing a big prompt.
+    """
+
+    def __init__(
+        self, max_tokens: int = 2_000_000, min_chars: int = 256, max_small: int = 4096
+    ) -> None:
         self.max_tokens = max_tokens
         self.min_chars = min_chars
+        self.max_small = max_small
         self._lru: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._small: OrderedDict[tuple[str, str], array[int]] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
 
     def ids(self, encoder_id: str, encode: Encode, text: str) -> array[int]:
-        if len(text) < self.min_chars or self.max_tokens <= 0:
+        if len(text) < self.min_chars:
+            return self._small_ids(encoder_id, encode, text)
+        if self.max_tokens <= 0:
             return array("q", encode(text))
         h = hashlib.blake2b(encoder_id.encode(), digest_size=16)
         h.update(text.encode("utf-8", "surrogatepass"))
@@ -57,6 +70,22 @@ class IdsCache:
             while self._held > self.max_tokens and self._lru:
                 _, old = self._lru.popitem(last=False)
                 self._held -= len(old)
+        return got
+
+    def _small_ids(self, encoder_id: str, encode: Encode, text: str) -> array[int]:
+        if self.max_small <= 0:
+            return array("q", encode(text))
+        key = (encoder_id, text)
+        with self._lock:
+            hit = self._small.get(key)
+            if hit is not None:
+                self._small.move_to_end(key)
+                return hit
+        got = array("q", encode(text))
+        with self._lock:
+            self._small[key] = got
+            while len(self._small) > self.max_small:
+                self._small.popitem(last=False)
         return got
 
 

@@ -117,7 +117,7 @@ class PromptCounter:
 
     def _count(self, text: str, kind: str) -> int:
         ids, encode = self._ids, self._encode
-        if ids is not None and encode is not None and kind == "t" and len(text) >= ids.min_chars:
+        if ids is not None and encode is not None and kind == "t":
             # The ids stay cached for the prefix hashes of the same request (one encode).
             return len(ids.ids(self.counter.id, encode, text))
         return self.counter.count(text)
