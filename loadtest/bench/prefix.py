@@ -216,6 +216,10 @@ def breakdown(
     n = sum(m.get("vllm:time_to_first_token_seconds_count", 0.0) for m in metrics)
     total = sum(m.get("vllm:time_to_first_token_seconds_sum", 0.0) for m in metrics)
     out["engine ttft mean ms"] = 1000 * total / n if n else 0.0
+    # Long prompts only: waiting at the engine before their prefill starts (placement).
+    n = sum(m.get("sim:long_prefills_total", 0.0) for m in metrics)
+    total = sum(m.get("sim:long_prefill_wait_seconds_total", 0.0) for m in metrics)
+    out["engine long-prompt wait mean ms"] = 1000 * total / n if n else 0.0
     if gateway is not None:
         b = histogram(gateway, "kvroute_routing_decision_seconds")
         out["gateway decision p50 ms"] = 1000 * bucket_quantile(b, 0.5)

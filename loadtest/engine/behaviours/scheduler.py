@@ -40,6 +40,10 @@ TTFT_BUCKETS = (
 )  # fmt: skip
 
 
+#: A prompt this long counts in the long-prompt wait figures (``CoreStats.long_wait_s``).
+LONG_PROMPT = 8_000
+
+
 @dataclass(eq=False)
 class SimRequest:
     """One request's life in a core; the HTTP handler waits on ``changed``."""
@@ -72,6 +76,10 @@ class CoreStats:
     prefix_hits: int = 0  # of which found cached
     generation_tokens: int = 0
     finished: int = 0
+    # Long prompts (>= LONG_PROMPT tokens): time from arrival to the start of their prefill
+    # (the FIFO queue for KV, then the prefill queue when serial), to tell placement apart.
+    long_waits: int = 0
+    long_wait_s: float = 0.0
     ttft_count: int = 0
     ttft_sum: float = 0.0
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
@@ -249,6 +257,9 @@ class PagedCore:
             work = (head.tokens - max(0, cached)) / self.prefill_tokens_per_s
             start = max(now, self.prefill_free_at) if self.serial_prefill else now
             head.decode_at = start + work
+            if head.prompt_tokens >= LONG_PROMPT and not head.preempted:
+                self.stats.long_waits += 1
+                self.stats.long_wait_s += start - head.arrived_at
             if self.serial_prefill:
                 self.prefill_free_at = head.decode_at
             self.stats.prompt_tokens += head.tokens
