@@ -14,11 +14,15 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
-from tests.support.gateway import gateway_cfg, run_gateway, wait_until
+from proxy.api.app import create_app
+from proxy.config import load_config
+from tests.support.gateway import gateway_cfg, run_gateway, serve_app, wait_until
 from tests.test_prefix_e2e import (
     Background,
     chat,
@@ -81,3 +85,39 @@ def test_two_replicas_on_redis_agree_where_the_document_is_when_sharing_is_on(
         assert post(b, question(2)) == ("v1" if share else "v0")
         if share:
             assert hits(engines[1]) - before > 5_000
+
+
+def test_a_reload_with_new_prefix_settings_keeps_sharing(
+    tmp_path: Path, engines: list[str], redis_server: str
+) -> None:
+    path = tmp_path / "kvroute.yaml"
+
+    def write(min_saving: int) -> None:
+        data = {
+            "backends": [
+                {"name": f"v{i}", "url": u, "kind": "vllm"} for i, u in enumerate(engines)
+            ],
+            "routing": {"prefix": {"share_poll_s": POLL_S, "min_saving_tokens": min_saving}},
+            "store": {"redis_url": redis_server, "key_prefix": "reload-" + secrets.token_hex(4)},
+            "collector": {"scrape_interval_s": 0.1, "stale_after_s": 2.0},
+            "admin": {"api_key": "adm-key"},
+        }
+        path.write_text(yaml.safe_dump(data))
+
+    write(512)
+    cfg = load_config(path, environ={})
+    app = create_app(cfg, config_path=str(path))
+    with serve_app(app, cfg) as gw:
+        wait_until(lambda: reported(gw), what="both engines reported")
+        share = app.state.prefix_share
+        assert share is not None
+        before = app.state.rt.gateway.affinity
+        write(1024)
+        r = httpx.post(gw + "/admin/reload", headers={"Authorization": "Bearer adm-key"})
+        assert r.status_code == 200, r.text
+        after = app.state.rt.gateway.affinity
+        # A fresh index for the new settings, still publishing to the same stream.
+        assert after is not before and after.share is share
+        sent = share.published
+        post(gw, question(7))
+        wait_until(lambda: share.published > sent, what="the placement shared after the reload")
