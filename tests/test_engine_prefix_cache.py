@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.engine.behaviours.prefix_cache import PrefixCache, prompt_block_hashes
-from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
+from loadtest.engine.behaviours.scheduler import LONG_PROMPT, PagedCore, SimRequest
 
 BS = 16
 
@@ -70,3 +70,37 @@ def test_engine_hashes_share_leading_blocks_of_a_shared_document() -> None:
     a, b = prompt_block_hashes(q1, BS), prompt_block_hashes(q2, BS)
     common = sum(1 for x, y in zip(a, b, strict=False) if x == y)
     assert common >= 20 and a[:common] == b[:common] and a != b
+
+
+def test_serial_prefill_makes_a_request_wait_for_the_prefill_before_it() -> None:
+    # One GPU: b's prompt is prefilled after a's, and a cache hit shortens what b waits for.
+    c = PagedCore(100, BS, 64, 1.0, 1_000.0, prefix_caching=True, serial_prefill=True)
+    a = doc_req(1, 10, 5)
+    b = doc_req(2, 10, 5)
+    c.submit(a, 0.0)
+    c.submit(b, 0.0)
+    assert a.decode_at == pytest.approx(0.165)
+    assert b.decode_at == pytest.approx(0.330)
+    # A third request about a's document (cached: only its 5 own tokens are computed).
+    d = doc_req(1, 10, 5)
+    c.submit(d, 0.0)
+    assert d.decode_at == pytest.approx(0.335)
+    # Without serial prefill all three prefill at once, each at full speed.
+    p = core(100)
+    x, y = doc_req(1, 10, 5), doc_req(2, 10, 5)
+    p.submit(x, 0.0)
+    p.submit(y, 0.0)
+    assert x.decode_at == y.decode_at == pytest.approx(0.165)
+
+
+def test_long_prompts_wait_for_the_prefill_before_them_and_it_is_counted() -> None:
+    c = PagedCore(2_000, BS, 64, 1.0, 10_000.0, prefix_caching=True, serial_prefill=True)
+    a = doc_req(1, LONG_PROMPT // BS, 0)
+    b = doc_req(2, LONG_PROMPT // BS, 0)
+    chat = doc_req(3, 2, 0)
+    c.submit(a, 0.0)
+    c.submit(b, 0.0)
+    c.submit(chat, 0.0)
+    # b waited for a's prefill (0.8 s); the short chat is not counted among long prompts.
+    assert c.stats.long_waits == 2
+    assert c.stats.long_wait_s == pytest.approx(LONG_PROMPT / 10_000.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import replace
 
 from hypothesis import given
@@ -24,6 +25,15 @@ def test_only_full_blocks_are_hashed() -> None:
     assert len(block_hashes(list(range(48)), BS)) == 3
     assert block_hashes(list(range(15)), BS) == []
     assert len(block_hashes(list(range(1000)), BS, max_blocks=5)) == 5
+
+
+@given(st.lists(st.integers(0, 2**40), max_size=5 * BS), st.integers(0, 6))
+def test_the_gateways_ids_array_hashes_as_any_sequence_of_the_same_ids(
+    ids: list[int], max_blocks: int
+) -> None:
+    # The 64-bit array prompt_ids returns is hashed in place, without a copy: same hashes.
+    assert block_hashes(array("q", ids), BS, max_blocks) == block_hashes(ids, BS, max_blocks)
+    assert block_hashes(tuple(ids), BS, max_blocks) == block_hashes(ids, BS, max_blocks)
 
 
 @given(

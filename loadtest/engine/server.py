@@ -747,6 +747,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="vllm: turn off the automatic prefix cache (cached prompt blocks skip prefill)",
     )
+    parser.add_argument(
+        "--serial-prefill",
+        action="store_true",
+        help="vllm/sglang/tgi: prefill prompts one after another (one GPU's compute) "
+        "instead of all at full speed at once",
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -808,6 +814,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         speedup=args.speedup,
         seed=args.seed,
         prefix_caching=not getattr(args, "no_prefix_caching", False),
+        serial_prefill=getattr(args, "serial_prefill", False),
     )
 
 

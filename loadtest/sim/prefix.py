@@ -187,12 +187,20 @@ def pct(xs: Sequence[float], q: float) -> float:
 
 
 def simulate(
-    w: SharedDocs, policy_name: str, affinity: AffinitySettings, cfg: SimCfg, label: str = ""
+    w: SharedDocs,
+    policy_name: str,
+    affinity: AffinitySettings,
+    cfg: SimCfg,
+    label: str = "",
+    index_block: int = BLOCK,
 ) -> SimOutcome:
+    """``index_block``: the gateway index's block (a multiple of the servers' ``BLOCK``): every
+    k-th hash of a chain over ``BLOCK``-token blocks is a chain over k × ``BLOCK`` tokens."""
     nodes = [SimNode(f"n{i}", cfg) for i in range(cfg.nodes)]
     settings = PolicySettings(long_threshold_tokens=8_000, affinity=affinity)
     policy = make_policy(policy_name, settings)
-    index = PrefixIndex(PrefixIndexConfig(block_tokens=BLOCK))
+    index = PrefixIndex(PrefixIndexConfig(block_tokens=index_block))
+    k = max(1, index_block // BLOCK)
     history: dict[int, list[Turn]] = {}
     hits = prompts = 0
     ttfts: list[float] = []
@@ -202,6 +210,7 @@ def simulate(
         now = t.arrival_s
         past = history.setdefault(t.conversation, [])
         hashes, prompt = turn_hashes(w, t, past)
+        keys = hashes[k - 1 :: k]
         past.append(t)
         for n in nodes:
             n.finish_until(now)
@@ -209,18 +218,18 @@ def simulate(
         cached = {}
         if affinity.enabled:
             for n in nodes:
-                m = index.match(n.name, hashes, now)
+                m = index.match(n.name, keys, now)
                 if m:
-                    cached[n.name] = m * BLOCK
+                    cached[n.name] = m * index_block
         demand = prompt + t.output_tokens
         indexed = None
-        if affinity.enabled and len(hashes) * BLOCK >= affinity.min_saving_tokens:
-            indexed = {n.name: index.size(n.name) * BLOCK for n in nodes}
+        if affinity.enabled and len(keys) * index_block >= affinity.min_saving_tokens:
+            indexed = {n.name: index.size(n.name) * index_block for n in nodes}
         req = RouteRequest(demand, classify(demand, 8_000), cached=cached, indexed=indexed)
         ranked = policy.rank(snap, req, now) or [min(nodes, key=lambda n: n.prefill_free_at).name]
         i = int(ranked[0][1:])
         ttft, hit = nodes[i].admit(now, hashes, prompt, t.output_tokens)
-        index.record(nodes[i].name, hashes, now)
+        index.record(nodes[i].name, keys, now)
         counts[i] += 1
         hits += hit
         prompts += prompt
@@ -253,12 +262,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=4.0)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument(
+        "--index-blocks",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also run affinity with the gateway index hashing blocks of these many tokens "
+        f"(multiples of {BLOCK})",
+    )
     args = p.parse_args(argv)
     cfg = SimCfg()
     loads = [shared_documents(args.requests, args.rate, seed=s) for s in range(args.seeds)]
 
-    def run(policy: str, aff: AffinitySettings, label: str) -> SimOutcome:
-        outs = [simulate(w, policy, aff, cfg, label) for w in loads]
+    def run(policy: str, aff: AffinitySettings, label: str, block: int = BLOCK) -> SimOutcome:
+        outs = [simulate(w, policy, aff, cfg, label, block) for w in loads]
         k = len(outs)
         return SimOutcome(
             label,
@@ -276,6 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(row(run("kvroute", AffinitySettings(), "kvroute + affinity (defaults)")), flush=True)
     no_spread = AffinitySettings(spread_new=False)
     print(row(run("kvroute", no_spread, "kvroute + affinity, no spread")), flush=True)
+    for block in args.index_blocks:
+        label = f"kvroute + affinity, index block {block}"
+        print(row(run("kvroute", AffinitySettings(), label, block)), flush=True)
     if args.sweep:
         for min_saving, load_w, max_util in itertools.product(
             (0, 512, 4_096), (0.0, 1.0), (0.8, 0.9, 1.0)

@@ -48,6 +48,7 @@ from proxy.ops.metrics import OpsCollector
 from proxy.state import open_store, with_local_fallback
 from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache
+from proxy.state.prefix_share import PrefixShare
 from proxy.upstream.client import Upstream
 
 log = logging.getLogger("kvroute.app")
@@ -160,6 +161,12 @@ def create_app(
         gateway = Gateway(cfg, st, fleet, policy_for(cfg), upstream, metrics, st.now)
         gateway.kind_errors = kind_errors  # each backend kind's adapter reads its errors
         await gateway.start()  # active health checks (proxy.upstream.health)
+        # Replicas share prefix placements through Redis when configured (read at start only).
+        share = PrefixShare.from_config(cfg, lambda: gateway.affinity, st.now)
+        if share is not None:
+            gateway.affinity.share = share
+            share.start()
+        app.state.prefix_share = share
         collector = Collector(cfg, st, owner) if run_collector else None
         metrics.attach_fleet(lambda: fleet.latest, st.now)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
@@ -211,6 +218,8 @@ def create_app(
             if collector is not None:
                 await collector.stop()
             await gateway.close()  # stops health checks, releases every reservation still held
+            if share is not None:
+                await share.close()
             await upstream.close()
             if store is None:
                 await st.close()

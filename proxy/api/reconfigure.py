@@ -45,7 +45,10 @@ def reconfigure_gateway(gateway: Gateway, old: Config, new: Config) -> None:
         gateway.policy = policy_for(new)
     if old.routing.prefix != new.routing.prefix:
         # New index settings: start a fresh index (it is a hint; a miss costs one prefill).
-        gateway.affinity = Affinity(new)
+        fresh = Affinity(new)
+        # The shared stream (routing.prefix.share) is the app's: it stays, feeding the new index.
+        fresh.share = gateway.affinity.share
+        gateway.affinity = fresh
     gateway.health.cfg = new.health
     if gateway.checker is not None:
         gateway.checker.interval_s = new.health.active.interval_s

@@ -62,6 +62,21 @@ class PrefixConfig(_Strict):
     )
     session_ttl_s: float = Field(default=1800.0, gt=0)
     max_sessions: int = Field(default=100_000, ge=0)
+    share: bool = Field(
+        default=True,
+        description="with a Redis store: replicas share placements (a bounded Redis stream)",
+    )
+    share_poll_s: float = Field(
+        default=0.1, gt=0, description="how often a replica sends and reads shared placements"
+    )
+    share_max_entries: int = Field(
+        default=1_000, gt=0, description="bound of the shared stream (entries, oldest trimmed)"
+    )
+    share_max_blocks: int = Field(
+        default=8_192,
+        gt=0,
+        description="leading block hashes shared per placement, and per stream entry",
+    )
 
 
 class RoutingConfig(_Strict):

@@ -48,19 +48,26 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, max_blocks: int = 
     n = len(token_ids) // block_tokens
     if max_blocks > 0:
         n = min(n, max_blocks)
-    try:
-        raw = memoryview(array("q", token_ids[: n * block_tokens]).tobytes())
-    except (OverflowError, TypeError):
-        # Not token ids after all (a client's odd completions prompt): nothing to match on.
-        return []
+    step = block_tokens * 8
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        # The gateway's ids (proxy.core.prefix_prompt) already are 64-bit: no copy.
+        raw = memoryview(token_ids).cast("B")
+    else:
+        try:
+            raw = memoryview(array("q", token_ids[: n * block_tokens]).tobytes())
+        except (OverflowError, TypeError):
+            # Not token ids after all (a client's odd completions prompt): nothing to match on.
+            return []
+    # One keyed BLAKE2b call per block, the parent's digest as the key: the chain costs
+    # ~1 µs a block (a 30k-token prompt: ~1,900 blocks, the gateway's work per request).
+    b2 = hashlib.blake2b
+    to_int = int.from_bytes
     parent = _ROOT
     out: list[int] = []
-    step = block_tokens * 8
-    for i in range(n):
-        h = hashlib.blake2b(parent, digest_size=8)
-        h.update(raw[i * step : (i + 1) * step])
-        parent = h.digest()
-        out.append(int.from_bytes(parent, "little"))
+    add = out.append
+    for start in range(0, n * step, step):
+        parent = b2(raw[start : start + step], digest_size=8, key=parent).digest()
+        add(to_int(parent, "little"))
     return out
 
 

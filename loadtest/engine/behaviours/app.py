@@ -59,6 +59,7 @@ class BehaviourConfig:
     speedup: float = 1.0
     seed: int = 0
     prefix_caching: bool = True  # vLLM's automatic prefix caching (on by default in V1)
+    serial_prefill: bool = False  # prefill one prompt after another (see scheduler.py)
 
     def __post_init__(self) -> None:
         if self.behaviour not in DIALECTS:
@@ -106,6 +107,7 @@ class Front:
                 config.prefill_tokens_per_s * config.speedup,
                 reserve_full=config.behaviour == "tgi",
                 prefix_caching=config.behaviour == "vllm" and config.prefix_caching,
+                serial_prefill=config.serial_prefill,
             )
             for _ in range(config.data_parallel)
         ]

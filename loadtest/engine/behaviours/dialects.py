@@ -155,6 +155,13 @@ class Vllm:
             "Number of generation tokens processed.",
             lambda c: c.stats.generation_tokens,
         )
+        # Not vLLM's: the simulator's own figures, for benchmarks (the adapters ignore them).
+        yield counter(
+            "sim:long_prefill_wait_seconds",
+            "Long prompts: seconds from arrival to the start of their prefill, summed.",
+            lambda c: c.stats.long_wait_s,
+        )
+        yield counter("sim:long_prefills", "Long prompts admitted.", lambda c: c.stats.long_waits)
         ttft = HistogramMetricFamily(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",

@@ -13,7 +13,13 @@ KV is paged in blocks of ``block_size`` tokens:
 * freed blocks keep their content as prefix cache but are free (reclaimed on demand), so
   they never count as used; with ``prefix_caching`` (vLLM) a request's leading prompt
   blocks found in that cache (``prefix_cache.PrefixCache``) are shared or reused and skip
-  prefill: only the blocks not found are allocated and computed.
+  prefill: only the blocks not found are allocated and computed;
+* with ``serial_prefill`` prefill is one GPU's compute, as in vLLM's scheduler (one token
+  budget per step, running prefills first): prompts are prefilled one after another at
+  ``prefill_tokens_per_s``, so a request waits for the prefill admitted before it, and a
+  prefix-cache hit shortens the wait of everyone behind it. Without it every admitted
+  prompt prefills at full speed at once (no contention: the older, simpler model). The
+  offline simulator (``loadtest.sim.prefix``) models prefill the serial way.
 
 A request that can never fit one engine is refused before it gets here (``max_model_len``).
 """
@@ -57,6 +63,10 @@ class Histogram:
                 self.buckets[i] += 1
 
 
+#: A prompt this long counts in the long-prompt wait figures (``CoreStats.long_wait_s``).
+LONG_PROMPT = 8_000
+
+
 @dataclass(eq=False)
 class SimRequest:
     """One request's life in a core; the HTTP handler waits on ``changed``."""
@@ -91,6 +101,10 @@ class CoreStats:
     prefix_hits: int = 0  # of which found cached
     generation_tokens: int = 0
     finished: int = 0
+    # Long prompts (>= LONG_PROMPT tokens): time from arrival to the start of their prefill
+    # (the FIFO queue for KV, then the prefill queue when serial), to tell placement apart.
+    long_waits: int = 0
+    long_wait_s: float = 0.0
     ttft_count: int = 0
     ttft_sum: float = 0.0
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
@@ -115,6 +129,7 @@ class PagedCore:
         prefill_tokens_per_s: float,
         reserve_full: bool = False,
         prefix_caching: bool = False,
+        serial_prefill: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -129,6 +144,9 @@ class PagedCore:
         self.sleeping = False
         self.stats = CoreStats()
         self.prefix = PrefixCache() if prefix_caching else None
+        self.serial_prefill = serial_prefill
+        # With serial prefill: when the prefill admitted last ends (loop time).
+        self.prefill_free_at = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -271,7 +289,14 @@ class PagedCore:
             self._take(need - shared)
             # Recompute after a preemption: prompt and generated tokens are prefilled again
             # (less what the prefix cache still holds).
-            head.decode_at = now + (head.tokens - max(0, cached)) / self.prefill_tokens_per_s
+            work = (head.tokens - max(0, cached)) / self.prefill_tokens_per_s
+            start = max(now, self.prefill_free_at) if self.serial_prefill else now
+            head.decode_at = start + work
+            if head.prompt_tokens >= LONG_PROMPT and not head.preempted:
+                self.stats.long_waits += 1
+                self.stats.long_wait_s += start - head.arrived_at
+            if self.serial_prefill:
+                self.prefill_free_at = head.decode_at
             self.stats.prompt_tokens += head.tokens
             if first_admission:
                 head.computed = head.prompt_tokens - max(0, cached)
