@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
@@ -188,3 +189,26 @@ async def test_short_texts_are_encoded_once_and_repeated_ones_not_at_all() -> No
     demand = await sizing.size_request(again, cfg)
     assert spy.seen == []
     assert demand.total == expected_demand(body)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
+async def test_big_requests_are_sized_in_a_lowered_thread_the_loops_stays_as_it_was() -> None:
+    cfg = config()
+    seen: list[tuple[int, int]] = []
+    real = sizing._size
+
+    def spy(*a: Any) -> Any:
+        tid = threading.get_native_id()
+        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+        return real(*a)
+
+    loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    sizing._size = spy
+    try:
+        await sizing.size_request(parse({"messages": [{"role": "user", "content": BIG}]}), cfg)
+        await sizing.size_request(parse({"messages": [{"role": "user", "content": "hi"}]}), cfg)
+    finally:
+        sizing._size = real
+    (worker, worker_nice), (inline, inline_nice) = seen
+    assert worker != threading.get_native_id() and worker_nice >= sizing.WORKER_NICE
+    assert inline == threading.get_native_id() and inline_nice == loop_nice < sizing.WORKER_NICE
