@@ -57,8 +57,10 @@ def test_plots_module_names_the_extra() -> None:
 def test_gateway_install_has_no_plotting_stack() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"]).lower()
-    for heavy in ("matplotlib", "pillow", "numpy", "locust"):
+    for heavy in ("matplotlib", "pillow", "locust"):
         assert heavy not in core
+    # numpy is the gateway's own since its prefix block hashes are vectorized (issue 12).
+    assert "numpy" in core
     extras = project["optional-dependencies"]
     assert any("matplotlib" in d for d in extras["sim"])
     assert any("locust" in d for d in extras["loadtest"])
