@@ -1,0 +1,70 @@
+"""The request path's two Redis commands (reserve's EVALSHA, release's HDEL), sent lean.
+
+Profiled under load (issue 12): redis-py 8's ``execute_command`` wraps every command in a
+retry object, observability hooks, the blocking pool's condition variable and timeout, a
+``can_read`` check of the socket on every checkout and the ``Script`` wrapper; that was
+most of the Redis store's CPU per request. This lane keeps its own small set of idle
+connections (made by the client's own pool, so the same address, Sentinel master lookup,
+auth and timeouts apply) and only packs, writes and reads.
+
+What must stay true (the store's fault guarantees rest on it):
+
+* A connection is reused only after a command on it completed cleanly; any failure or
+  cancellation (the store's deadline) while a command is in flight closes it, so a late
+  reply can never be read as the answer to a later command.
+* Connections in use are bounded (``max_connections``); a burst waits for a free one, and
+  that wait is under the caller's deadline like everything else.
+* Errors are redis-py's own (ConnectionError, TimeoutError, ResponseError), so
+  ``RedisStore._call`` classifies them exactly as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import hiredis
+from redis.exceptions import NoScriptError
+
+
+class RedisLane:
+    """Lean EVALSHA/HDEL over connections made by ``pool`` (redis-py single or Sentinel pool)."""
+
+    def __init__(self, pool: Any, max_connections: int) -> None:
+        self._pool = pool
+        self._idle: list[Any] = []
+        self._slots = asyncio.Semaphore(max_connections)
+
+    async def command(self, *args: str | bytes) -> Any:
+        """One command, one round trip on a connection of our own; its decoded reply."""
+        packed = hiredis.pack_command(args)
+        async with self._slots:
+            conn = self._idle.pop() if self._idle else self._pool.make_connection()
+            clean = False
+            try:
+                await conn.send_packed_command(packed, check_health=False)
+                reply = await conn.read_response()
+                clean = True
+                return reply
+            finally:
+                if clean and not conn.should_reconnect():
+                    self._idle.append(conn)
+                else:
+                    # In flight when it failed or was cancelled: its reply may still come.
+                    with contextlib.suppress(Exception):
+                        await conn.disconnect(nowait=True)
+
+    async def evalsha(self, sha: str, script: str, keys: list[str], args: list[str]) -> Any:
+        """EVALSHA; after a Redis restart (NOSCRIPT) the script is loaded and run once more."""
+        try:
+            return await self.command("EVALSHA", sha, str(len(keys)), *keys, *args)
+        except NoScriptError:
+            await self.command("SCRIPT", "LOAD", script)
+            return await self.command("EVALSHA", sha, str(len(keys)), *keys, *args)
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            with contextlib.suppress(Exception):
+                await conn.disconnect()
