@@ -25,7 +25,9 @@ import contextlib
 from typing import Any
 
 import hiredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 class RedisLane:
@@ -38,22 +40,46 @@ class RedisLane:
 
     async def command(self, *args: str | bytes) -> Any:
         """One command, one round trip on a connection of our own; its decoded reply."""
-        packed = hiredis.pack_command(args)
+        # hiredis types its argument as a 1-tuple; any length is packed.
+        packed = hiredis.pack_command(args)  # type: ignore[arg-type]
         async with self._slots:
             conn = self._idle.pop() if self._idle else self._pool.make_connection()
             clean = False
             try:
+                if not conn.is_connected:
+                    # The connection's own connect(): a Sentinel connection asks for the
+                    # master here (send_packed_command's implicit connect would not).
+                    await conn.connect()
                 await conn.send_packed_command(packed, check_health=False)
                 reply = await conn.read_response()
                 clean = True
                 return reply
+            except ResponseError:
+                # A reply was read in full (NOSCRIPT, WRONGTYPE...): the connection is in step.
+                clean = True
+                raise
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                # The server died or was demoted: the idle connections are likely to the same
+                # server, and the store's one retry must get a fresh one. (Not on a mere
+                # cancellation: a client hanging up says nothing about Redis.)
+                await self._drop(self._take_idle())
+                raise
             finally:
                 if clean and not conn.should_reconnect():
                     self._idle.append(conn)
                 else:
                     # In flight when it failed or was cancelled: its reply may still come.
-                    with contextlib.suppress(Exception):
-                        await conn.disconnect(nowait=True)
+                    await self._drop([conn])
+
+    def _take_idle(self) -> list[Any]:
+        idle, self._idle = self._idle, []
+        return idle
+
+    @staticmethod
+    async def _drop(conns: list[Any]) -> None:
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await conn.disconnect(nowait=True)
 
     async def evalsha(self, sha: str, script: str, keys: list[str], args: list[str]) -> Any:
         """EVALSHA; after a Redis restart (NOSCRIPT) the script is loaded and run once more."""
@@ -64,7 +90,4 @@ class RedisLane:
             return await self.command("EVALSHA", sha, str(len(keys)), *keys, *args)
 
     async def close(self) -> None:
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            with contextlib.suppress(Exception):
-                await conn.disconnect()
+        await self._drop(self._take_idle())

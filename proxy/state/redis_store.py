@@ -85,9 +85,7 @@ class RedisStore(StateStore):
         self._forget = self._r.register_script(LUA_FORGET)
         # The per-request reserve and release skip redis-py's command machinery (see
         # redis_lane.py); a Cluster keeps redis-py's slot routing.
-        self._lane = (
-            None if self._cluster else RedisLane(self._r.connection_pool, max_connections)
-        )
+        self._lane = None if self._cluster else RedisLane(self._r.connection_pool, max_connections)
 
     # --- the deadline ---
     async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
@@ -230,9 +228,7 @@ class RedisStore(StateStore):
         lane = self._lane
         if lane is not None:
             sha = self._reserve.sha
-            result = await self._call(
-                "reserve", lambda: lane.evalsha(sha, LUA_RESERVE, keys, args)
-            )
+            result = await self._call("reserve", lambda: lane.evalsha(sha, LUA_RESERVE, keys, args))
         else:
             result = await self._call("reserve", lambda: self._reserve(keys=keys, args=args))
         return int(result) == 1
