@@ -204,7 +204,7 @@ class Bench:
 
     def variant(self, kind: str) -> Target:
         port = free_port()
-        redis = kind in ("workers2-redis", "redis-bg-release")
+        redis = kind in ("workers2-redis", "redis-bg-release", "redis-stock-client")
         cfg = self.gateway_config_path(kind, redis)
         backends = ",".join(p.url for p in self.backends)
         argv = [
