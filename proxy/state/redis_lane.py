@@ -4,8 +4,10 @@ Profiled under load (issue 12): redis-py 8's ``execute_command`` wraps every com
 retry object, observability hooks, the blocking pool's condition variable and timeout, a
 ``can_read`` check of the socket on every checkout and the ``Script`` wrapper; that was
 most of the Redis store's CPU per request. This lane keeps its own small set of idle
-connections (made by the client's own pool, so the same address, Sentinel master lookup,
-auth and timeouts apply) and only packs, writes and reads.
+connections (made with the client pool's own connection class and settings, so the same
+address, Sentinel master lookup and auth apply) and only packs, writes and reads. Its
+callers' deadline (``RedisStore._call``) is the only timeout: the connections have no
+socket timeout of their own.
 
 What must stay true (the store's fault guarantees rest on it):
 
@@ -35,6 +37,10 @@ class RedisLane:
 
     def __init__(self, pool: Any, max_connections: int) -> None:
         self._pool = pool
+        # No socket timeout of the connection's own: redis-py enforces it with a wait_for
+        # (a task) per write and a timeout context per read. Every lane call runs under
+        # RedisStore._call's deadline, which bounds the whole call instead.
+        self._kwargs = {**pool.connection_kwargs, "socket_timeout": None}
         self._idle: list[Any] = []
         self._slots = asyncio.Semaphore(max_connections)
 
@@ -43,7 +49,7 @@ class RedisLane:
         # hiredis types its argument as a 1-tuple; any length is packed.
         packed = hiredis.pack_command(args)  # type: ignore[arg-type]
         async with self._slots:
-            conn = self._idle.pop() if self._idle else self._pool.make_connection()
+            conn = self._idle.pop() if self._idle else self._pool.connection_class(**self._kwargs)
             clean = False
             try:
                 if not conn.is_connected:
