@@ -79,6 +79,8 @@ class ReservationLedger:
             keep_going=self._still_pending,
         )
         self._bg: set[asyncio.Task[object]] = set()
+        # Releases queued for the next batch (release_at_once on a shared store).
+        self._batch: list[Key] = []
         # The embedded store's calls never suspend nor fail (no I/O): its release is done
         # before returning, no task per request (release_at_once). Exactly that class: a
         # subclass may wait inside its calls.
@@ -224,6 +226,10 @@ class ReservationLedger:
         forget = self._settle(key, unsure)
         if forget is None:
             return  # the reserve never reached the store: nothing there to release
+        await self._release_settled(key, forget)
+
+    async def _release_settled(self, key: Key, forget: bool) -> None:
+        reservation_id, backend = key
         try:
             await self.breaker.call(lambda: self._drop(backend, reservation_id, forget), "release")
         except StoreUnavailable:
@@ -233,10 +239,20 @@ class ReservationLedger:
             self._retries.start()
 
     def release_at_once(self, backend: str, reservation_id: str) -> bool:
-        """``release()`` done before returning, when the store is the embedded one (its
-        calls never suspend nor fail): no task per request. False: use ``release()``."""
+        """``release()`` without a task per request: done before returning on the embedded
+        store (its calls never suspend nor fail); on a shared store, queued with the other
+        releases of this loop turn, which one task sends in one round trip (a failed batch
+        is queued and retried like a failed release). False: use ``release()``."""
         if not self._calls_never_suspend:
-            return False
+            key = (reservation_id, backend)
+            forget = self._settle(key, False)
+            if forget:
+                self._spawn(self._release_settled(key, True))
+            elif forget is not None:
+                self._batch.append(key)
+                if len(self._batch) == 1:
+                    self._spawn(self._send_batch())
+            return True
         assert isinstance(self.store, InProcessStore)
         forget = self._settle((reservation_id, backend), False)
         if forget:
@@ -244,6 +260,21 @@ class ReservationLedger:
         elif forget is not None:
             self.store.release_now(backend, reservation_id)
         return True
+
+    async def _send_batch(self) -> None:
+        """The releases queued until this task runs, in one store call."""
+        batch, self._batch = self._batch, []
+        try:
+            await self.breaker.call(
+                lambda: self.store.release_many([(b, rid) for rid, b in batch]), "release"
+            )
+        except StoreUnavailable:
+            self.on_error("release")
+            self.mark_unsure()
+            give_up = self.clock() + self.ttl_s
+            for key in batch:
+                self.pending[key] = give_up
+            self._retries.start()
 
     def _settle(self, key: Key, unsure: bool) -> bool | None:
         """Stop holding ``key``; whether its release must be a forget (None: nothing to release)."""

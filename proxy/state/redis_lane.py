@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import hiredis
@@ -47,7 +48,14 @@ class RedisLane:
     async def command(self, *args: str | bytes) -> Any:
         """One command, one round trip on a connection of our own; its decoded reply."""
         # hiredis types its argument as a 1-tuple; any length is packed.
-        packed = hiredis.pack_command(args)  # type: ignore[arg-type]
+        return (await self._send(hiredis.pack_command(args), 1))[0]  # type: ignore[arg-type]
+
+    async def pipeline(self, commands: Sequence[tuple[str, ...]]) -> list[Any]:
+        """Several commands in one write and one round trip; their replies in order."""
+        packed = b"".join(hiredis.pack_command(c) for c in commands)  # type: ignore[arg-type]
+        return await self._send(packed, len(commands))
+
+    async def _send(self, packed: bytes, replies: int) -> list[Any]:
         async with self._slots:
             conn = self._idle.pop() if self._idle else self._pool.connection_class(**self._kwargs)
             clean = False
@@ -57,9 +65,9 @@ class RedisLane:
                     # master here (send_packed_command's implicit connect would not).
                     await conn.connect()
                 await conn.send_packed_command(packed, check_health=False)
-                reply = await conn.read_response()
+                out = [await conn.read_response() for _ in range(replies)]
                 clean = True
-                return reply
+                return out
             except ResponseError:
                 # A reply was read in full (NOSCRIPT, WRONGTYPE...): the connection is in step.
                 clean = True
