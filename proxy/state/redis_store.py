@@ -3,7 +3,8 @@
 The StateStore implementation over Redis: the key names and value encoding live in
 redis_codec.py (the schema outside writers follow, docs/redis-schema.md), the atomic
 read-modify-write operations in redis_scripts.py, the connection (single server, Sentinel or
-Cluster) in redis_connect.py. This module only issues the calls. The request-path read() is
+Cluster) in redis_connect.py, the lean path of the per-request reserve and release in
+redis_lane.py (single server and Sentinel). This module only issues the calls. The request-path read() is
 one read-only script returning every backend's three hashes in one reply (one round trip,
 one consistent snapshot). On a Cluster it is one script call per slot, pipelined per node:
 each backend's hashes are still read together.
