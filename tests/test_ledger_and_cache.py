@@ -111,6 +111,45 @@ async def test_cancelled_while_reserving_leaves_no_reservation() -> None:
     await ledger.close()
 
 
+class LandsThenWaits(InProcessStore):
+    """A reserve that lands at once but whose answer waits for ``gate``: Redis ran the
+    script, the reply is still on its way when the caller is cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def reserve(self, name: str, reservation_id: str, *args: object, **kw: object) -> bool:
+        ok = await super().reserve(name, reservation_id, *args, **kw)  # type: ignore[arg-type]
+        await self.gate.wait()
+        return ok
+
+
+async def test_cancelled_after_the_reserve_landed_leaves_no_reservation() -> None:
+    store = LandsThenWaits()
+    ledger = ReservationLedger(store, CircuitBreaker(3, 1.0), ttl_s=TTL)
+    now = time.time()
+    request = asyncio.create_task(
+        ledger.reserve("a", "r1", lambda: store.reserve("a", "r1", 100, now, TTL))
+    )
+    for _ in range(100):
+        if await InProcessStore.reservations(store, "a", now):
+            break
+        await asyncio.sleep(0.001)
+    assert [r.id for r in await store.reservations("a", now)] == ["r1"]
+    request.cancel()  # the client went away with the reply still on its way
+    for _ in range(100):
+        if not await store.reservations("a", now) and not ledger.held:
+            break
+        await asyncio.sleep(0.01)
+    assert await store.reservations("a", now) == []
+    assert request.cancelled()
+    # Forgotten, not just released: the same id arriving late is refused.
+    store.gate.set()
+    assert not await store.reserve("a", "r1", 100, now, TTL)
+    await ledger.close()
+
+
 async def test_a_frozen_snapshot_is_not_used_once_its_reports_are_stale() -> None:
     """degraded_mode: snapshot. Past collector.stale_after_s every node of the frozen snapshot
     would count as stale (a request that fits gets 503): route by length only instead."""

@@ -518,6 +518,51 @@ async def test_frozen_redis_raises_store_unavailable_then_recovers(instance: Red
         await s.close()
 
 
+async def test_a_late_reply_is_never_read_as_a_later_calls_answer(instance: RedisInstance) -> None:
+    """The request path's lean lane (redis_lane.py) drops a connection whose command timed
+    out: once Redis resumes it runs the frozen reserve and sends its "1", and a reused
+    connection would hand that to the next reserve, which must be refused."""
+    s = RedisStore(StoreConfig(redis_url=instance.url, op_timeout_s=FAULT_TIMEOUT_S))
+    try:
+        async with asyncio.timeout(BOUND_S):
+            await s.put_report("n1", rep(1_000), ttl_s=60)
+            assert await s.reserve("n1", "warm", 1, T0, 60)  # a lane connection exists
+            await s.release("n1", "warm")
+            instance.pause()
+            try:
+                with pytest.raises(StoreUnavailable):
+                    await s.reserve("n1", "frozen", 10, T0, 60)
+            finally:
+                instance.resume()
+            await eventually_ok(s)
+            await asyncio.sleep(0.05)  # the frozen calls' replies are on their way by now
+            assert not await s.reserve("n1", "too-big", 5_000, T0, 60)
+            assert await s.reserve("n1", "fits", 10, T0, 60)
+            assert await s.release_many([("n1", "frozen"), ("n1", "fits")]) is None
+            assert [r.id for r in await s.reservations("n1", T0)] == []
+    finally:
+        await s.close()
+
+
+async def test_release_many_releases_every_pair_and_keeps_the_lane_in_step(
+    admin: aioredis.Redis, redis_server: str
+) -> None:
+    s = store_for(redis_server)
+    try:
+        pairs = [(f"n{i % 3}", f"r{i}") for i in range(10)]
+        for name, rid in pairs:
+            assert await s.reserve(name, rid, 1, T0, 60, check_fit=False)
+        await s.release_many(pairs[:7])
+        left = {r.id for n in ("n0", "n1", "n2") for r in await s.reservations(n, T0)}
+        assert left == {"r7", "r8", "r9"}
+        # Ten replies were read for ten commands: the next answers are the next calls'.
+        await s.put_report("n0", rep(100), ttl_s=60)
+        assert not await s.reserve("n0", "big", 1_000, T0, 60)
+        assert await s.reserve("n0", "small", 1, T0, 60)
+    finally:
+        await s.close()
+
+
 async def test_unreachable_url_raises_store_unavailable() -> None:
     from tests.support.redis_server import free_port
 

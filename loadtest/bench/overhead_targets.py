@@ -204,7 +204,12 @@ class Bench:
 
     def variant(self, kind: str) -> Target:
         port = free_port()
-        redis = kind in ("workers2-redis", "redis-bg-release")
+        redis = kind in (
+            "workers2-redis",
+            "redis-bg-release",
+            "redis-stock-client",
+            "redis-no-batch",
+        )
         cfg = self.gateway_config_path(kind, redis)
         backends = ",".join(p.url for p in self.backends)
         argv = [

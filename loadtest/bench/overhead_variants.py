@@ -16,6 +16,8 @@ import aiohttp
 
 VARIANTS = (
     "redis-bg-release",
+    "redis-stock-client",
+    "redis-no-batch",
     "starlette",
     "h11",
     "asyncio-loop",
@@ -32,6 +34,8 @@ VARIANT_NOTES = {
     "asyncio-loop": "same gateway, asyncio's default loop instead of uvloop",
     "workers2-redis": "same gateway, 2 uvicorn workers sharing the Redis store",
     "redis-bg-release": "same gateway on Redis, reservation release run in the background, not awaited before answering",
+    "redis-stock-client": "same gateway on Redis, reserve and release through redis-py's execute_command (no lean lane), one release task per request (no batching)",
+    "redis-no-batch": "same gateway on Redis, lean lane, but one release task and round trip per request (no batching)",
     "passthrough-starlette": "do-nothing relay: Starlette on uvicorn + aiohttp client (no routing)",
     "passthrough-aiohttp": "do-nothing relay: aiohttp.web server + aiohttp client (no routing)",
     "granian": "same gateway app on granian (Rust HTTP server, ASGI, uvloop) instead of uvicorn",
@@ -177,6 +181,34 @@ def _release_in_background() -> None:
     ReservationLedger.release = release  # type: ignore[assignment,method-assign]
 
 
+def _release_per_request() -> None:
+    """A/B of the batched releases: a task and a store call per request, as before."""
+    from proxy.gateway.ledger import ReservationLedger
+
+    original = ReservationLedger.release_at_once
+
+    def release_at_once(self: ReservationLedger, backend: str, reservation_id: str) -> bool:
+        if not self._calls_never_suspend:
+            return False
+        return original(self, backend, reservation_id)
+
+    ReservationLedger.release_at_once = release_at_once  # type: ignore[method-assign]
+
+
+def _stock_redis_client() -> None:
+    """A/B of the lean lane (proxy.state.redis_lane): every command through redis-py's client."""
+    from proxy.state.redis_store import RedisStore
+
+    _release_per_request()
+    original = RedisStore.__init__
+
+    def init(self: RedisStore, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self._lane = None
+
+    RedisStore.__init__ = init  # type: ignore[method-assign]
+
+
 def variant_app_factory() -> Any:
     """uvicorn factory for multi-worker variants (each worker builds its own app)."""
     from proxy.api.app import create_app
@@ -243,6 +275,10 @@ def serve_variant(argv: Sequence[str]) -> int:
         return 0
     if a.kind == "redis-bg-release":
         _release_in_background()
+    if a.kind == "redis-stock-client":
+        _stock_redis_client()
+    if a.kind == "redis-no-batch":
+        _release_per_request()
     if a.kind == "workers2-redis":
         os.environ["KVBENCH_CONFIG"] = a.config
         uvicorn.run(

@@ -249,6 +249,12 @@ class StateStore(abc.ABC):
     async def release(self, name: str, reservation_id: str) -> None:
         """Remove a reservation; releasing an unknown id is a no-op."""
 
+    async def release_many(self, items: list[tuple[str, str]]) -> None:
+        """Release several (backend, reservation id) pairs; a shared store sends them in one
+        round trip. This default releases them one by one."""
+        for name, reservation_id in items:
+            await self.release(name, reservation_id)
+
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
         """Release, and refuse this id until ``until`` (store clock); idempotent.
 

@@ -221,6 +221,10 @@ class DegradedStore(StateStore):
         """Never raises: a release Redis must see but cannot take now is sent once it answers."""
         await self._replay.drop(name, reservation_id, None)
 
+    async def release_many(self, items: list[tuple[str, str]]) -> None:
+        """Never raises, like ``release``; the plain releases reach Redis in one call."""
+        await self._replay.drop_many(items)
+
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
         await self._replay.drop(name, reservation_id, until)
 

@@ -132,6 +132,44 @@ class LocalReplay:
     async def drop(self, name: str, reservation_id: str, until: float | None) -> None:
         """Release (``until`` None) or forget, locally at once and in Redis when it answers."""
         key = (name, reservation_id)
+        send, until = await self._drop_here(key, until)
+        if send:
+            await self._send_one(key, until)
+
+    async def _send_one(self, key: Key, until: float | None) -> None:
+        name, reservation_id = key
+        try:
+            if until is None:
+                await self._call("release", lambda: self.shared.release(name, reservation_id))
+            else:
+                await self._call("forget", lambda: self.shared.forget(name, reservation_id, until))
+        except StoreUnavailable:
+            self._releases[key] = time.monotonic() + self.reservation_ttl_s
+
+    async def drop_many(self, items: list[Key]) -> None:
+        """``drop`` (release) of several: the plain releases go to Redis in one call."""
+        batch: list[Key] = []
+        for name, reservation_id in items:
+            key = (name, reservation_id)
+            send, until = await self._drop_here(key, None)
+            if not send:
+                continue
+            if until is not None:
+                await self._send_one(key, until)  # now a forget: sent on its own
+            else:
+                batch.append(key)
+        if not batch:
+            return
+        try:
+            await self._call("release", lambda: self.shared.release_many(batch))
+        except StoreUnavailable:
+            give_up = time.monotonic() + self.reservation_ttl_s
+            for key in batch:
+                self._releases[key] = give_up
+
+    async def _drop_here(self, key: Key, until: float | None) -> tuple[bool, float | None]:
+        """The local half of ``drop``: whether Redis must be told, and ``until`` for a forget."""
+        name, reservation_id = key
         if until is None:
             await self.local.release(name, reservation_id)
         else:
@@ -143,19 +181,13 @@ class LocalReplay:
         state = self._unsynced.get(key)
         if state == "local":
             del self._unsynced[key]
-            return
+            return False, until
         if state in ("syncing", "released"):
             # The re-registration in flight releases it when it is done (in that order).
             self._unsynced[key] = "released"
-            return
+            return False, until
         self._unsynced.pop(key, None)
-        try:
-            if until is None:
-                await self._call("release", lambda: self.shared.release(name, reservation_id))
-            else:
-                await self._call("forget", lambda: self.shared.forget(name, reservation_id, until))
-        except StoreUnavailable:
-            self._releases[key] = time.monotonic() + self.reservation_ttl_s
+        return True, until
 
     # --- the replay ---
     async def resync_all(self) -> None:

@@ -3,7 +3,8 @@
 The StateStore implementation over Redis: the key names and value encoding live in
 redis_codec.py (the schema outside writers follow, docs/redis-schema.md), the atomic
 read-modify-write operations in redis_scripts.py, the connection (single server, Sentinel or
-Cluster) in redis_connect.py. This module only issues the calls. The request-path read() is
+Cluster) in redis_connect.py, the lean path of the per-request reserve and release in
+redis_lane.py (single server and Sentinel). This module only issues the calls. The request-path read() is
 one read-only script returning every backend's three hashes in one reply (one round trip,
 one consistent snapshot). On a Cluster it is one script call per slot, pipelined per node:
 each backend's hashes are still read together.
@@ -51,6 +52,7 @@ from proxy.state.redis_codec import (
     ttl_ms,
 )
 from proxy.state.redis_connect import connect
+from proxy.state.redis_lane import RedisLane
 from proxy.state.redis_scripts import (
     LUA_FORGET,
     LUA_READ,
@@ -82,6 +84,9 @@ class RedisStore(StateStore):
         self._unlock = self._r.register_script(LUA_UNLOCK)
         self._read = self._r.register_script(LUA_READ)
         self._forget = self._r.register_script(LUA_FORGET)
+        # The per-request reserve and release skip redis-py's command machinery (see
+        # redis_lane.py); a Cluster keeps redis-py's slot routing.
+        self._lane = None if self._cluster else RedisLane(self._r.connection_pool, max_connections)
 
     # --- the deadline ---
     async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
@@ -221,11 +226,32 @@ class RedisStore(StateStore):
             redis_float(grace_s),
             str(ttl_ms(ttl_s) + RES_KEY_SLACK_MS),
         ]
-        result = await self._call("reserve", lambda: self._reserve(keys=keys, args=args))
+        lane = self._lane
+        if lane is not None:
+            sha = self._reserve.sha
+            result = await self._call("reserve", lambda: lane.evalsha(sha, LUA_RESERVE, keys, args))
+        else:
+            result = await self._call("reserve", lambda: self._reserve(keys=keys, args=args))
         return int(result) == 1
 
     async def release(self, name: str, reservation_id: str) -> None:
-        await self._call("release", lambda: self._r.hdel(self._keys.res(name), reservation_id))
+        key = self._keys.res(name)
+        lane = self._lane
+        if lane is not None:
+            await self._call("release", lambda: lane.command("HDEL", key, reservation_id))
+        else:
+            await self._call("release", lambda: self._r.hdel(key, reservation_id))
+
+    async def release_many(self, items: list[tuple[str, str]]) -> None:
+        """Every HDEL in one write and one round trip (the gateway batches the releases of
+        requests that end in the same loop turn)."""
+        lane = self._lane
+        if lane is None or len(items) == 1:
+            for name, reservation_id in items:
+                await self.release(name, reservation_id)
+            return
+        commands = [("HDEL", self._keys.res(name), rid) for name, rid in items]
+        await self._call("release", lambda: lane.pipeline(commands))
 
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
         check_finite(until=until)
@@ -345,4 +371,6 @@ class RedisStore(StateStore):
             return False
 
     async def close(self) -> None:
+        if self._lane is not None:
+            await self._lane.close()
         await self._conn.close()

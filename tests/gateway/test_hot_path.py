@@ -135,7 +135,7 @@ class _Slow(InProcessStore):
         await super().release(name, reservation_id)
 
 
-async def test_the_embedded_store_releases_at_once_and_only_that_class() -> None:
+async def test_the_embedded_store_releases_at_once_and_others_in_one_batch() -> None:
     store = InProcessStore()
     ledger = ReservationLedger(store, CircuitBreaker(3, 1.0), 60.0)
     assert await ledger.reserve(
@@ -144,5 +144,24 @@ async def test_the_embedded_store_releases_at_once_and_only_that_class() -> None
     assert [r.id for r in await store.reservations("a", 1.0)] == ["r1"]
     assert ledger.release_at_once("a", "r1")
     assert await store.reservations("a", 1.0) == [] and ledger.held == {}
+    # Any other store: queued, and the releases of one loop turn go out in one batch.
     slow = _Slow()
-    assert not ReservationLedger(slow, CircuitBreaker(3, 1.0), 60.0).release_at_once("a", "r1")
+    calls: list[list[tuple[str, str]]] = []
+    original = slow.release_many
+
+    async def release_many(items: list[tuple[str, str]]) -> None:
+        calls.append(list(items))
+        await original(items)
+
+    slow.release_many = release_many  # type: ignore[method-assign]
+    slow_ledger = ReservationLedger(slow, CircuitBreaker(3, 1.0), 60.0)
+    for rid, backend in (("r1", "a"), ("r2", "a"), ("r3", "b")):
+        assert await slow.reserve(backend, rid, 5, 1.0, 60.0, check_fit=False)
+        slow_ledger.hold(backend, rid)
+    assert all(
+        slow_ledger.release_at_once(b, rid) for rid, b in (("r1", "a"), ("r2", "a"), ("r3", "b"))
+    )
+    assert len(await slow.reservations("a", 1.0)) == 2  # not before this task yields
+    await slow_ledger.close()
+    assert calls == [[("a", "r1"), ("a", "r2"), ("b", "r3")]]
+    assert await slow.reservations("a", 1.0) == [] and await slow.reservations("b", 1.0) == []
