@@ -86,12 +86,12 @@ def niced_size(*args: Any) -> Any:
 
 def use(variant: tuple[Any, Any, Any, int, float]) -> None:
     # The gateway runs in this process: its hashing and its tokenizer are these.
-    prefix_prompt.block_hashes = variant[0]
+    prefix_prompt.block_hashes = variant[0]  # type: ignore[attr-defined]
     TiktokenCounter.ids = variant[1]  # type: ignore[method-assign]
     TiktokenCounter.count = variant[2]  # type: ignore[method-assign]
     _nice[0] = variant[3]
     sys.setswitchinterval(variant[4])
-    sizing._size = niced_size
+    sizing._size = niced_size  # type: ignore[assignment]
 
 
 def main(argv: list[str] | None = None) -> int:
