@@ -178,7 +178,13 @@ def test_an_allocation_failure_is_listed_until_a_newer_report_shows_room(
         failed = chat(url, prompt_tokens=20_000, headers={"idempotency-key": "k-alloc"})
         assert failed.status_code != 200, failed.text
         # Retry keys are namespaced by client (its address here: auth is off) and model.
+        # The gateway lists the node in the background, just after answering: wait for it
+        # (5 s, far above the microseconds this takes; an empty list after that is the bug).
+        deadline = time.monotonic() + 5.0
         listed = asyncio.run(store.failed_on("addr:127.0.0.1|sim-model|k-alloc"))
+        while not listed and time.monotonic() < deadline:
+            time.sleep(0.01)
+            listed = asyncio.run(store.failed_on("addr:127.0.0.1|sim-model|k-alloc"))
         same = chat(url, prompt_tokens=20_000, headers={"idempotency-key": "k-alloc"})
         e.release(held)
         time.sleep(0.01)
