@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,6 +21,7 @@ import yaml
 
 from proxy.api.app import create_app
 from proxy.config import load_config
+from tests import test_prefix_e2e
 from tests.support.gateway import gateway_cfg, run_gateway, serve_app, wait_until
 from tests.test_prefix_e2e import (
     Background,
@@ -31,21 +31,13 @@ from tests.test_prefix_e2e import (
     inflight,
     post,
     question,
-    start_engine,
 )
 
 POLL_S = 0.05
 
 
-@pytest.fixture
-def engines() -> Iterator[list[str]]:
-    procs = [start_engine(f"v{i}") for i in range(2)]
-    try:
-        yield [url for _, url in procs]
-    finally:
-        for proc, _ in procs:
-            proc.terminate()
-            proc.wait(timeout=10)
+# The same two vLLM-mode engines as the single-gateway prefix e2e tests.
+engines = test_prefix_e2e.engines
 
 
 def reported(gw: str) -> bool:

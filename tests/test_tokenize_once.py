@@ -27,25 +27,14 @@ from proxy.core.tokenizer import TiktokenCounter
 from proxy.core.validation import ParsedRequest, parse_request
 from proxy.gateway import sizing
 from proxy.gateway.affinity import Affinity
+from tests.test_sizing import Spy as CountSpy
 
 BIG = "the quick brown fox jumps over the lazy dog, again and again. " * 400  # ~25k chars
 DOC = "a shared document about caches and routing " * 20  # inline-sized, cached (>= 256)
 
 
-class Spy:
-    """TiktokenCounter that records each text it encodes (count or ids)."""
-
-    def __init__(self) -> None:
-        self.inner = TiktokenCounter()
-        self.seen: list[str] = []
-
-    @property
-    def id(self) -> str:
-        return self.inner.id
-
-    def count(self, text: str) -> int:
-        self.seen.append(text)
-        return self.inner.count(text)
+class Spy(CountSpy):
+    """test_sizing's recording counter, recording the texts it encodes to ids as well."""
 
     def ids(self, text: str) -> Sequence[int]:
         self.seen.append(text)
