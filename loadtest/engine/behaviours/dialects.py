@@ -20,7 +20,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from loadtest.engine.behaviours.scheduler import TTFT_BUCKETS, Histogram, PagedCore
+from loadtest.engine.behaviours.scheduler import Histogram, PagedCore
 
 ErrorAnswer = tuple[int, bytes]
 
@@ -168,13 +168,7 @@ class Vllm:
             labels=labels,
         )
         for e, c in per:
-            st = c.stats
-            buckets = [
-                (repr(float(b)), float(n))
-                for b, n in zip(TTFT_BUCKETS, st.ttft_buckets, strict=True)
-            ]
-            buckets.append(("+Inf", float(st.ttft_count)))
-            ttft.add_metric([s.model, e], buckets, st.ttft_sum)
+            ttft.add_metric([s.model, e], c.stats.ttft.exported(), c.stats.ttft.total)
         yield ttft
         yield from self._request_histograms(s)
         yield self._cache_config(s)
@@ -191,12 +185,7 @@ class Vllm:
             fam = HistogramMetricFamily(name, doc, labels=["model_name", "engine"])
             for i, c in enumerate(s.cores):
                 h: Histogram = getattr(c.stats, attr)
-                counts = h.buckets or [0] * len(h.bounds)
-                buckets = [
-                    (repr(float(b)), float(n)) for b, n in zip(h.bounds, counts, strict=True)
-                ]
-                buckets.append(("+Inf", float(h.count)))
-                fam.add_metric([s.model, str(i)], buckets, h.total)
+                fam.add_metric([s.model, str(i)], h.exported(), h.total)
             yield fam
 
     def _cache_config(self, s: ServerFacts) -> GaugeMetricFamily:

@@ -53,14 +53,22 @@ class Histogram:
     total: float = 0.0
     buckets: list[int] = field(default_factory=list)
 
-    def observe(self, value: float) -> None:
+    def __post_init__(self) -> None:
         if not self.buckets:
             self.buckets = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
         self.count += 1
         self.total += value
         for i, bound in enumerate(self.bounds):
             if value <= bound:
                 self.buckets[i] += 1
+
+    def exported(self) -> list[tuple[str, float]]:
+        """Buckets as prometheus_client's HistogramMetricFamily takes them, ``+Inf`` last."""
+        out = [(repr(float(b)), float(n)) for b, n in zip(self.bounds, self.buckets, strict=True)]
+        out.append(("+Inf", float(self.count)))
+        return out
 
 
 #: A prompt this long counts in the long-prompt wait figures (``CoreStats.long_wait_s``).
@@ -105,9 +113,7 @@ class CoreStats:
     # (the FIFO queue for KV, then the prefill queue when serial), to tell placement apart.
     long_waits: int = 0
     long_wait_s: float = 0.0
-    ttft_count: int = 0
-    ttft_sum: float = 0.0
-    ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     # vLLM V1's per-request histograms, observed when a request finishes (as vLLM does):
     # queue time (arrival to first scheduled), prefill time (first scheduled to first
     # token) and prompt tokens; the gateway learns the prefill rate from their sums.
@@ -234,7 +240,7 @@ class PagedCore:
             self.stats.generation_tokens += 1
             if req.first_token_at is None:
                 req.first_token_at = now
-                self._observe_ttft(now - req.arrived_at)
+                self.stats.ttft.observe(now - req.arrived_at)
             if req.generated >= req.max_tokens:
                 req.done = True
                 self.running.remove(req)
@@ -326,14 +332,6 @@ class PagedCore:
         s.prefill_time.observe(first - scheduled)
         s.request_prompt_tokens.observe(req.prompt_tokens)
         s.computed_tokens.observe(req.computed)
-
-    def _observe_ttft(self, seconds: float) -> None:
-        s = self.stats
-        s.ttft_count += 1
-        s.ttft_sum += seconds
-        for i, bound in enumerate(TTFT_BUCKETS):
-            if seconds <= bound:
-                s.ttft_buckets[i] += 1
 
     def state(self) -> dict[str, int | bool]:
         """The ground truth the tests compare /metrics against."""
