@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from proxy.api.access_log import AccessLog
 from proxy.api.limits import RequestGuard
 from proxy.errors import ApiError
 
@@ -31,18 +32,22 @@ log = logging.getLogger("kvroute.app")
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+async def answer_of(handler: Handler, request: Request) -> Response:
+    """The handler's answer; an unexpected error is the same 500 the full stack answers."""
+    try:
+        return await handler(request)
+    except Exception:
+        log.exception("unexpected error on %s", request.scope.get("path"))
+        return ApiError(
+            500, "internal gateway error", type="server_error", code="internal_error"
+        ).response()
+
+
 def plain_route(handler: Handler) -> ASGIApp:
-    """``handler`` as an ASGI app; an unexpected error is the same 500 the full stack answers."""
+    """``handler`` as an ASGI app (``answer_of``, then the response's own ASGI call)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        try:
-            response = await handler(request)
-        except Exception:
-            log.exception("unexpected error on %s", scope.get("path"))
-            response = ApiError(
-                500, "internal gateway error", type="server_error", code="internal_error"
-            ).response()
+        response = await answer_of(handler, Request(scope, receive))
         await response(scope, receive, send)
 
     return app
@@ -63,6 +68,11 @@ def find_guard(stack: Any) -> RequestGuard | None:
     return next((n for n in layers(stack) if isinstance(n, RequestGuard)), None)
 
 
+def find_access_log(stack: Any) -> AccessLog | None:
+    """The AccessLog inside a built middleware stack."""
+    return next((n for n in layers(stack) if isinstance(n, AccessLog)), None)
+
+
 class GatewayApp(FastAPI):
     """FastAPI, with a ``POST`` on an inference route handed straight to the app's own middleware.
 
@@ -78,6 +88,9 @@ class GatewayApp(FastAPI):
         self.hot_routes: dict[str, Handler] = {}
         self._guard: RequestGuard | None = None
         self._entry: ASGIApp | None = None
+        # The server's lean path (proxy.api.lean) serves these routes past the same guard,
+        # and leaves them to this stack while the access log is on.
+        self.access_log: AccessLog | None = None
 
     def build_middleware_stack(self) -> ASGIApp:
         stack: ASGIApp = super().build_middleware_stack()
@@ -89,6 +102,7 @@ class GatewayApp(FastAPI):
         if guard is not None and entry is not None:
             guard.hot = {path: plain_route(h) for path, h in self.hot_routes.items()}
             self._guard, self._entry = guard, entry
+            self.access_log = find_access_log(stack)
         return stack
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

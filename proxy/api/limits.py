@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,6 +31,11 @@ from proxy.errors import ApiError
 from proxy.gateway.intake import READ_BODY
 
 API_PREFIX = "/v1/"
+
+Refusal = Literal[
+    "headers", "auth", "concurrency", "body_timeout", "body_size", "body_budget", "body_aborted"
+]
+_BODY_REFUSALS: dict[int, Refusal] = {413: "body_size", 408: "body_timeout", 429: "body_budget"}
 
 
 def header_bytes(headers: list[tuple[bytes, bytes]]) -> int:
@@ -96,7 +102,7 @@ class RequestGuard:
         # Plain handlers of the inference routes (proxy.api.hot): past the guard's checks a
         # POST on one of these paths goes straight to it instead of the framework's stack.
         self.hot: dict[str, ASGIApp] = {}
-        self.refused: dict[str, int] = {
+        self.refused: dict[Refusal, int] = {
             "headers": 0,
             "auth": 0,
             "concurrency": 0,
@@ -122,85 +128,109 @@ class RequestGuard:
         self.retry_after = str(lim.retry_after_s)
         self.keys = [k.encode() for k in cfg.auth.api_keys]
 
-    async def _refuse(
-        self, err: ApiError, why: str, scope: Scope, receive: Receive, send: Send
-    ) -> None:
-        self.refused[why] += 1
-        await err.response()(scope, receive, send)
+    def header_refusal(
+        self, headers: list[tuple[bytes, bytes]], path: str
+    ) -> tuple[ApiError, Refusal] | None:
+        """What is wrong with a request's headers (size, Authorization, API key), if anything.
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+        The key is checked only under ``/v1/``; the rest on every path.
+        """
         if header_bytes(headers) > self.max_header_bytes:
             err = ApiError(
                 431,
                 f"request headers are larger than {self.max_header_bytes} bytes",
                 code="request_header_fields_too_large",
             )
-            await self._refuse(err, "headers", scope, receive, send)
-            return
+            return err, "headers"
         if authorization_count(headers) > 1:
             # The key checked and the key forwarded must be the same one: allow only one.
             err = ApiError(
                 400, "send at most one Authorization header", code="duplicate_authorization"
             )
-            await self._refuse(err, "auth", scope, receive, send)
+            return err, "auth"
+        if self.keys and path.startswith(API_PREFIX):
+            if not key_allowed(bearer_key(headers), self.keys):
+                err = ApiError(
+                    401,
+                    "a valid API key is required: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"www-authenticate": "Bearer"},
+                )
+                return err, "auth"
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
+        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         path: str = scope.get("path", "")
+
+        async def refuse(err: ApiError) -> None:
+            await err.response()(scope, receive, send)
+
+        refusal = self.header_refusal(headers, path)
+        if refusal is not None:
+            self.refused[refusal[1]] += 1
+            await refuse(refusal[0])
+            return
         if not path.startswith(API_PREFIX):
             await self.app(scope, receive, send)
             return
-        if self.keys and not key_allowed(bearer_key(headers), self.keys):
-            err = ApiError(
-                401,
-                "a valid API key is required: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-                headers={"www-authenticate": "Bearer"},
-            )
-            await self._refuse(err, "auth", scope, receive, send)
-            return
-        await self._with_body(scope, receive, send)
 
-    async def _with_body(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Read the whole body (bounded in size, time and memory), then take a slot and run."""
+        async def run(body: bytes) -> None:
+            app = self.app
+            if self.hot and scope["method"] == "POST":
+                app = self.hot.get(scope["path"], app)
+            # The walk takes the body from the scope (no second read through receive).
+            scope[READ_BODY] = body
+            await app(scope, replay(body, receive), send)
+
+        await self.with_body(lambda: self.read_body(headers, receive), run, refuse)
+
+    async def with_body(
+        self,
+        read: Callable[[], Awaitable[tuple[bytes, int]]],
+        run: Callable[[bytes], Awaitable[None]],
+        refuse: Callable[[ApiError], Awaitable[None]],
+    ) -> None:
+        """Read the whole body (bounded in size, time and memory), then take a slot and run.
+
+        ``read`` gives the body and the budget it holds (``read_body``, or the lean path's
+        ``whole_body``); ``refuse`` answers a refusal. The ASGI guard and the server's lean
+        path (proxy.api.lean) both go through here: one place for the slot and the budget.
+        """
         held = 0
         try:
             try:
-                body, held = await self._read_body(scope, receive)
+                body, held = await read()
             except ApiError as err:
-                why = {413: "body_size", 408: "body_timeout", 429: "body_budget"}.get(
-                    err.status, "body_aborted"
-                )
-                await self._refuse(err, why, scope, receive, send)
+                self.refused[_BODY_REFUSALS.get(err.status, "body_aborted")] += 1
+                await refuse(err)
                 return
             if self.inflight >= self.max_concurrent:
-                busy = ApiError(
-                    429,
-                    f"the gateway is handling its limit of {self.max_concurrent} concurrent requests; retry shortly",
-                    type="rate_limit_error",
-                    code="too_many_concurrent_requests",
-                    headers={"retry-after": self.retry_after},
-                )
-                await self._refuse(busy, "concurrency", scope, receive, send)
+                self.refused["concurrency"] += 1
+                await refuse(self.busy())
                 return
             self.inflight += 1
             try:
-                app = self.app
-                if self.hot and scope["method"] == "POST":
-                    app = self.hot.get(scope["path"], app)
-                # The walk takes the body from the scope (no second read through receive).
-                scope[READ_BODY] = body
-                await app(scope, replay(body, receive), send)
+                await run(body)
             finally:
                 self.inflight -= 1
         finally:
             self.budget.give(held)
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, int]:
-        """The body and the budget it holds; ApiError (413, 408, 429) when refused."""
-        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    def busy(self) -> ApiError:
+        return ApiError(
+            429,
+            f"the gateway is handling its limit of {self.max_concurrent} concurrent requests; retry shortly",
+            type="rate_limit_error",
+            code="too_many_concurrent_requests",
+            headers={"retry-after": self.retry_after},
+        )
+
+    def check_declared(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """413 before reading when the declared Content-Length is over the limit."""
         declared = declared_length(headers)
         if declared is not None and declared > self.max_body:
             raise ApiError(
@@ -208,6 +238,36 @@ class RequestGuard:
                 f"request body is {declared} bytes, above the limit of {self.max_body}",
                 code="request_too_large",
             )
+
+    def take(self, size: int, chunk: bytes) -> None:
+        """Admit ``chunk`` (``size``: the body's bytes so far, ``chunk`` included) to the budget."""
+        if size > self.max_body:
+            raise ApiError(
+                413,
+                f"request body is above the limit of {self.max_body} bytes",
+                code="request_too_large",
+                headers={"connection": "close"},
+            )
+        if not self.budget.take(len(chunk)):
+            raise ApiError(
+                429,
+                "the gateway holds too many request bodies at once; retry shortly",
+                type="rate_limit_error",
+                code="too_many_request_bodies",
+                headers={"retry-after": self.retry_after, "connection": "close"},
+            )
+
+    def whole_body(self, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[bytes, int]:
+        """A body the server already holds in full: the same size and budget checks, no wait."""
+        self.check_declared(headers)
+        self.take(len(body), body)
+        return body, len(body)
+
+    async def read_body(
+        self, headers: list[tuple[bytes, bytes]], receive: Receive
+    ) -> tuple[bytes, int]:
+        """The body and the budget it holds; ApiError (413, 408, 429) when refused."""
+        self.check_declared(headers)
         chunks: list[bytes] = []
         size = held = 0
         loop = asyncio.get_running_loop()
@@ -223,21 +283,7 @@ class RequestGuard:
                     raise ApiError(400, "the client went away", code="client_disconnect")
                 chunk: bytes = message.get("body", b"")
                 size += len(chunk)
-                if size > self.max_body:
-                    raise ApiError(
-                        413,
-                        f"request body is above the limit of {self.max_body} bytes",
-                        code="request_too_large",
-                        headers={"connection": "close"},
-                    )
-                if not self.budget.take(len(chunk)):
-                    raise ApiError(
-                        429,
-                        "the gateway holds too many request bodies at once; retry shortly",
-                        type="rate_limit_error",
-                        code="too_many_request_bodies",
-                        headers={"retry-after": self.retry_after, "connection": "close"},
-                    )
+                self.take(size, chunk)
                 held += len(chunk)
                 chunks.append(chunk)
                 if not message.get("more_body", False):

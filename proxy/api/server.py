@@ -13,7 +13,11 @@ the bound lives here, in a subclass of uvicorn's protocol:
   that never reads the body): the connection closes, so the rest of an unread body cannot
   hold it open a byte at a time.
 
-The body's time and rate are the ASGI guard's business (``proxy.api.limits``).
+The body's time and rate are the guard's business (``proxy.api.limits``).
+
+A ``POST`` to an inference route skips the ASGI cycle: the protocol hands it to the lean
+path (``proxy.api.lean``: the same guard and handler, the answer written straight to the
+socket). ``KVROUTE_LEAN=0`` sends it through the ASGI stack like every other request.
 
 The protocol also holds each response's head (status line and headers) until its body's
 first write, so a small answer leaves in one ``send`` instead of two: uvicorn writes them
@@ -29,8 +33,9 @@ from asyncio import TimerHandle
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from proxy.api.lean import LeanPath, find_app
 from proxy.config import Config, LimitsConfig
 from proxy.errors import ApiError
 
@@ -103,6 +108,12 @@ class GuardedProtocol(HttpToolsProtocol):
     timed_out_headers: int = 0
     # Head and body of a response in one write (switchable for the benchmark's A/B).
     coalesce: bool = True
+    # The inference routes past the ASGI cycle (proxy.api.lean; switchable for the A/B).
+    lean: bool = True
+    # Found from uvicorn's loaded app on the first request: None when no GatewayApp is
+    # reachable through proxy-header layers only.
+    _lean_app: Any = None
+    _lean_path_found: LeanPath | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -146,6 +157,27 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.coalesce and cycle is not None and cycle.transport is self.transport:
             cycle.transport = HeldHead(self.transport, self.loop)  # type: ignore[assignment]
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        lean = self._lean_path(app)
+        handler = lean.handler(cycle.scope) if lean is not None else None  # type: ignore[arg-type]
+        if lean is None or handler is None:
+            super()._start_asgi_task(cycle, app)
+            return
+        task = self.loop.create_task(lean.run(cycle, self.transport, handler))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    def _lean_path(self, app: Any) -> LeanPath | None:
+        # Not for uvicorn's own 503 app (its limit_concurrency), nor with the lean path off.
+        if not self.lean or app is not self.app:
+            return None
+        cls = type(self)
+        if cls._lean_app is not app:
+            found = find_app(app)
+            cls._lean_path_found = LeanPath(*found) if found is not None else None
+            cls._lean_app = app
+        return cls._lean_path_found
+
     def on_response_complete(self) -> None:
         cycle = self.cycle
         if cycle is not None and cycle.more_body and not self.transport.is_closing():
@@ -178,6 +210,7 @@ def guarded_protocol(limits: LimitsConfig) -> type[GuardedProtocol]:
             "header_timeout_s": limits.header_timeout_s,
             # Off only for the overhead benchmark's A/B (python -m loadtest.bench.overhead --coalesce-ab).
             "coalesce": os.environ.get("KVROUTE_COALESCE_WRITES", "1") != "0",
+            "lean": os.environ.get("KVROUTE_LEAN", "1") != "0",
         },
     )
 

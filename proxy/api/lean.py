@@ -1,0 +1,189 @@
+"""The lean path: a POST to an inference route served by the server protocol itself.
+
+Under wrk, about a third of the gateway's CPU per tiny request went to layers between the
+socket and ``Gateway.handle`` (docs/benchmarks.md, Issue 12): uvicorn's proxy-header
+middleware, the app's ``__call__``, the access log and the guard as ASGI middleware (each
+wrapping ``receive``/``send`` in closures), the body read through ASGI messages under a
+timeout, Starlette's ``Response.__call__`` with its two ``send`` messages, and uvicorn's
+``send``, which checks every header with two regular expressions and writes the head
+apart from the body. Here, for a ``POST`` to ``/v1/chat/completions`` or
+``/v1/completions``, the protocol (``proxy.api.server``) runs one coroutine instead:
+
+* the same proxy-header rewrite (uvicorn's own middleware, run on the scope);
+* the same guard (``RequestGuard.header_refusal`` and ``with_body``: header size, one
+  Authorization header, API key in constant time, body size, time and rate, the buffered
+  body budget, the concurrency slot); a body that is already in full is taken without a
+  wait (``whole_body``), otherwise it is read through the cycle's ``receive`` with the
+  guard's own deadlines (``read_body``);
+* the same handler (``GatewayApp.hot_routes``) with the same 500 for a bug in it;
+* a whole answer (any non-streaming response) written in one ``transport.write``, head and
+  body together; a stream goes through uvicorn's ``send`` as before (its flow control and
+  backpressure), and the client's disconnect reaches ``ClientWatch`` through the cycle's
+  ``receive``, as before.
+
+Everything else (other paths and methods, the access log when it is on, a server under
+uvicorn's own ``limit_concurrency``) takes the ASGI stack unchanged. ``KVROUTE_LEAN=0``
+turns the lean path off (the overhead benchmark's A/B).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+
+from proxy.api.hot import GatewayApp, Handler, answer_of
+from proxy.errors import ApiError
+from proxy.gateway.intake import READ_BODY
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+log = logging.getLogger("kvroute.app")
+
+
+async def _nothing(scope: Scope, receive: Receive, send: Send) -> None:
+    return None
+
+
+def find_app(app: Any) -> tuple[GatewayApp, list[ProxyHeadersMiddleware]] | None:
+    """The GatewayApp under uvicorn's wrappers, and the proxy-header layers above it.
+
+    None when any other layer sits in between (a logger, an adapter): then the lean path
+    would skip it, so it stays off.
+    """
+    proxies: list[ProxyHeadersMiddleware] = []
+    node = app
+    for _ in range(8):
+        if isinstance(node, GatewayApp):
+            return node, proxies
+        if not isinstance(node, ProxyHeadersMiddleware):
+            return None
+        # The same trusted hosts, around nothing: it only rewrites the scope.
+        lone = copy.copy(node)
+        lone.app = _nothing  # type: ignore[assignment]
+        proxies.append(lone)
+        node = node.app
+    return None
+
+
+class LeanPath:
+    """The lean path for one server (one per app, found from uvicorn's loaded app)."""
+
+    def __init__(self, app: GatewayApp, proxies: list[ProxyHeadersMiddleware]) -> None:
+        self.app = app
+        self.proxies = proxies
+
+    def handler(self, scope: Scope) -> Handler | None:
+        """The handler serving this request on the lean path; None: the ASGI stack serves it."""
+        if scope["method"] != "POST":
+            return None
+        handler = self.app.hot_routes.get(scope["path"])
+        if handler is None or self.app._guard is None:
+            return None
+        access = self.app.access_log
+        if access is not None and access.enabled:
+            return None
+        return handler
+
+    async def run(
+        self, cycle: RequestResponseCycle, transport: asyncio.Transport, handler: Handler
+    ) -> None:
+        """Serve one request: the guard, the handler, the answer; like ``cycle.run_asgi``."""
+        try:
+            await self._serve(cycle, transport, handler)
+        except BaseException as exc:
+            log.error("Exception in the lean path", exc_info=exc)
+            if not cycle.response_started:
+                await cycle.send_500_response()
+            else:
+                transport.close()
+        else:
+            if not cycle.response_complete and not cycle.disconnected:
+                # A stream cut short (its deadline): closing the connection ends it for the client.
+                transport.close()
+        finally:
+            cycle.on_response = lambda: None
+
+    async def _serve(
+        self, cycle: RequestResponseCycle, transport: asyncio.Transport, handler: Handler
+    ) -> None:
+        scope: Scope = cycle.scope  # type: ignore[assignment]
+        for proxy in self.proxies:
+            await proxy(scope, cycle.receive, cycle.send)  # type: ignore[arg-type]
+        scope["app"] = self.app
+        guard = self.app._guard
+        assert guard is not None
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+
+        async def refuse(err: ApiError) -> None:
+            await self.answer(cycle, transport, err.response())
+
+        refusal = guard.header_refusal(headers, scope["path"])
+        if refusal is not None:
+            guard.refused[refusal[1]] += 1
+            await refuse(refusal[0])
+            return
+
+        async def read() -> tuple[bytes, int]:
+            if not cycle.more_body and not cycle.waiting_for_100_continue:
+                # The whole body came with the headers (a small request): take it as is.
+                body = bytes(cycle.body)
+                cycle.body = bytearray()
+                cycle.message_event.clear()
+                cycle.flow.resume_reading()
+                return guard.whole_body(headers, body)
+            return await guard.read_body(headers, cycle.receive)  # type: ignore[arg-type]
+
+        async def run(body: bytes) -> None:
+            scope[READ_BODY] = body
+            request = Request(scope, cycle.receive)  # type: ignore[arg-type]
+            await self.answer(cycle, transport, await answer_of(handler, request))
+
+        await guard.with_body(read, run, refuse)
+
+    async def answer(
+        self, cycle: RequestResponseCycle, transport: asyncio.Transport, response: Response
+    ) -> None:
+        """A whole answer in one write; a stream through uvicorn's ``send`` (flow control)."""
+        if isinstance(response, StreamingResponse) or cycle.disconnected:
+            await response(cycle.scope, cycle.receive, cycle.send)  # type: ignore[arg-type]
+            return
+        transport.write(head_of(cycle, response) + response.body)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            transport.close()
+        cycle.on_response()
+        if response.background is not None:
+            await response.background()
+
+
+def head_of(cycle: RequestResponseCycle, response: Response) -> bytes:
+    """Status line and headers of a whole answer, as uvicorn's ``send`` writes them."""
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    parts = [STATUS_LINE[response.status_code]]
+    closing = False
+    for name, value in cycle.default_headers + response.raw_headers:
+        if HEADER_RE.search(name):
+            raise RuntimeError("Invalid HTTP header name.")
+        if HEADER_VALUE_RE.search(value):
+            raise RuntimeError("Invalid HTTP header value.")
+        name = name.lower()
+        if name == b"connection" and b"close" in [t.strip() for t in value.lower().split(b",")]:
+            cycle.keep_alive = False
+            closing = True
+        parts += (name, b": ", value, b"\r\n")
+    if not cycle.keep_alive and not closing:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
