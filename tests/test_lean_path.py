@@ -299,3 +299,26 @@ def test_the_concurrency_limit_holds_on_the_lean_path(
                 break
             time.sleep(0.05)
         assert r.status_code == 200, r.text
+
+
+def test_a_whole_stream_arrives_in_order(engine: Any, lean_runs: list[str]) -> None:
+    body = {**CHAT, "max_tokens": 40, "stream": True}
+    with run_gateway(_cfg(engine.url), run_collector=False) as url, httpx.Client() as client:
+        with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["transfer-encoding"] == "chunked"
+            assert r.headers["x-kvroute-backend"] == "a"
+            text = b"".join(r.iter_bytes()).decode()
+        # A second request on the same connection: the stream ended cleanly.
+        assert client.post(url + "/v1/chat/completions", json=CHAT).status_code == 200
+        wait_until(lambda: _settled(url), what="reservation released")
+    events = [e for e in text.split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]"
+    words = "".join(
+        c["delta"].get("content") or ""
+        for e in events[:-1]
+        for c in orjson.loads(e.removeprefix("data: "))["choices"]
+    )
+    assert words, text[:200]
+    assert lean_runs == ["/v1/chat/completions", "/v1/chat/completions"]

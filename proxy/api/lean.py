@@ -17,9 +17,11 @@ apart from the body. Here, for a ``POST`` to ``/v1/chat/completions`` or
   guard's own deadlines (``read_body``);
 * the same handler (``GatewayApp.hot_routes``) with the same 500 for a bug in it;
 * a whole answer (any non-streaming response) written in one ``transport.write``, head and
-  body together; a stream goes through uvicorn's ``send`` as before (its flow control and
-  backpressure), and the client's disconnect reaches ``ClientWatch`` through the cycle's
-  ``receive``, as before.
+  body together; a relayed stream written chunk by chunk (``relay``: chunked encoding, the
+  head with the first chunk, uvicorn's flow control before each write so a client that
+  stops reading pauses the relay), under the same deadline and the same ``ClientWatch`` on
+  the cycle's ``receive`` (``RelayResponse.relay_to``), so a client that leaves still ends
+  the stream, its upstream connection and its reservation.
 
 Everything else (other paths and methods, the access log when it is on, a server under
 uvicorn's own ``limit_concurrency``) takes the ASGI stack unchanged. ``KVROUTE_LEAN=0``
@@ -41,6 +43,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, ST
 from proxy.api.hot import GatewayApp, Handler, answer_of
 from proxy.errors import ApiError
 from proxy.gateway.intake import READ_BODY
+from proxy.gateway.relay import RelayResponse
 
 if TYPE_CHECKING:
     import asyncio
@@ -153,22 +156,61 @@ class LeanPath:
     async def answer(
         self, cycle: RequestResponseCycle, transport: asyncio.Transport, response: Response
     ) -> None:
-        """A whole answer in one write; a stream through uvicorn's ``send`` (flow control)."""
-        if isinstance(response, StreamingResponse) or cycle.disconnected:
+        """A whole answer in one write; a relayed stream straight to the socket; anything else
+        (another streaming response) through uvicorn's ``send``."""
+        if cycle.disconnected:
+            return
+        if isinstance(response, RelayResponse):
+            await relay(cycle, transport, response)
+            return
+        if isinstance(response, StreamingResponse):
             await response(cycle.scope, cycle.receive, cycle.send)  # type: ignore[arg-type]
             return
         transport.write(head_of(cycle, response) + response.body)
-        cycle.response_complete = True
-        cycle.message_event.set()
-        if not cycle.keep_alive:
-            transport.close()
-        cycle.on_response()
+        _complete(cycle, transport)
         if response.background is not None:
             await response.background()
 
 
-def head_of(cycle: RequestResponseCycle, response: Response) -> bytes:
-    """Status line and headers of a whole answer, as uvicorn's ``send`` writes them."""
+async def relay(
+    cycle: RequestResponseCycle, transport: asyncio.Transport, response: RelayResponse
+) -> None:
+    """A stream in chunked encoding, written as uvicorn's ``send`` would write it.
+
+    The head leaves with the first chunk (one write); before each write the flow control is
+    honoured (a client that stops reading pauses the relay, as uvicorn's ``send`` does) and a
+    gone client stops it (``ClientWatch`` inside ``relay_to`` cancels the relay too).
+    """
+    head: bytes | None = head_of(cycle, response, chunked=True)
+    flow = cycle.flow
+
+    async def write(chunk: bytes) -> None:
+        nonlocal head
+        if flow.write_paused and not cycle.disconnected:
+            await flow.drain()
+        if cycle.disconnected:
+            return
+        framed = b"%x\r\n%b\r\n" % (len(chunk), chunk)
+        if head is not None:
+            framed, head = head + framed, None
+        transport.write(framed)
+
+    if await response.relay_to(cycle.receive, write) and not cycle.disconnected:  # type: ignore[arg-type]
+        transport.write(b"0\r\n\r\n" if head is None else head + b"0\r\n\r\n")
+        _complete(cycle, transport)
+
+
+def _complete(cycle: RequestResponseCycle, transport: asyncio.Transport) -> None:
+    """The response's last byte is written: what uvicorn's ``send`` does at that point."""
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        transport.close()
+    cycle.on_response()
+
+
+def head_of(cycle: RequestResponseCycle, response: Response, chunked: bool = False) -> bytes:
+    """Status line and headers, as uvicorn's ``send`` writes them (its header checks too)."""
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
     parts = [STATUS_LINE[response.status_code]]
@@ -185,5 +227,7 @@ def head_of(cycle: RequestResponseCycle, response: Response) -> bytes:
         parts += (name, b": ", value, b"\r\n")
     if not cycle.keep_alive and not closing:
         parts.append(b"connection: close\r\n")
+    if chunked:
+        parts.append(b"transfer-encoding: chunked\r\n")
     parts.append(b"\r\n")
     return b"".join(parts)

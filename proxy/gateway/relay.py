@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -18,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from proxy.gateway.client_watch import ClientWatch
 
 log = logging.getLogger("kvroute.gateway")
+T = TypeVar("T")
 
 # Seconds past the request's deadline that a blocked write to the client may still take.
 WRITE_GRACE_S = 2.0
@@ -60,17 +62,40 @@ class RelayResponse(StreamingResponse):
         self.deadline = deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._bounded(self._stream(scope, receive, send))
+
+    async def relay_to(self, receive: Receive, write: Callable[[bytes], Awaitable[None]]) -> bool:
+        """The stream's chunks to ``write``, not through ASGI (the server's lean path).
+
+        The same bounds as ``__call__``: the deadline (writes included), a ``ClientWatch``
+        on ``receive`` that stops the relay when the client leaves, ``on_close`` once.
+        True when the stream ran to its end (the caller then ends the response).
+        """
+        return await self._bounded(self._pump(receive, write)) is True
+
+    async def _pump(self, receive: Receive, write: Callable[[bytes], Awaitable[None]]) -> bool:
+        async with ClientWatch(receive) as watch:
+            async for chunk in self.body_iterator:
+                if chunk:
+                    await write(
+                        chunk.encode(self.charset) if isinstance(chunk, str) else bytes(chunk)
+                    )
+        return not watch.gone
+
+    async def _bounded(self, work: Coroutine[Any, Any, T]) -> T | None:
+        """``work`` cut ``WRITE_GRACE_S`` past the deadline; ``on_close`` whatever happens."""
         try:
             if self.deadline is None:
-                await self._stream(scope, receive, send)
-                return
+                return await work
             try:
                 async with asyncio.timeout_at(self.deadline + WRITE_GRACE_S):
-                    await self._stream(scope, receive, send)
+                    return await work
             except TimeoutError:
                 # Returning unfinished makes the server close the client's connection.
                 log.warning("stream cut: the client stopped reading past the total time limit")
+                return None
         finally:
+            work.close()
             await self.on_close()
 
     async def _stream(self, scope: Scope, receive: Receive, send: Send) -> None:
