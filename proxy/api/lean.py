@@ -30,6 +30,7 @@ turns the lean path off (the overhead benchmark's A/B).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from typing import TYPE_CHECKING, Any
@@ -46,8 +47,6 @@ from proxy.gateway.intake import READ_BODY
 from proxy.gateway.relay import RelayResponse
 
 if TYPE_CHECKING:
-    import asyncio
-
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 log = logging.getLogger("kvroute.app")
@@ -177,27 +176,45 @@ async def relay(
 ) -> None:
     """A stream in chunked encoding, written as uvicorn's ``send`` would write it.
 
-    The head leaves with the first chunk (one write); before each write the flow control is
-    honoured (a client that stops reading pauses the relay, as uvicorn's ``send`` does) and a
-    gone client stops it (``ClientWatch`` inside ``relay_to`` cancels the relay too).
+    What is written within one turn of the loop leaves in one write at the turn's end: the
+    head with the first chunk, and usually the last chunk with the end of the stream (a
+    loopback send is the most expensive call of a relay). Before each chunk the flow
+    control is honoured (a client that stops reading pauses the relay, as uvicorn's
+    ``send`` does); a gone client stops it (``ClientWatch`` inside ``relay_to`` cancels it).
     """
-    head: bytes | None = head_of(cycle, response, chunked=True)
     flow = cycle.flow
+    pending = [head_of(cycle, response, chunked=True)]
+    scheduled = False
+    loop = asyncio.get_running_loop()
+
+    def flush() -> None:
+        nonlocal scheduled
+        scheduled = False
+        if pending:
+            if not transport.is_closing():
+                transport.write(b"".join(pending))
+            pending.clear()
 
     async def write(chunk: bytes) -> None:
-        nonlocal head
+        nonlocal scheduled
         if flow.write_paused and not cycle.disconnected:
+            flush()
             await flow.drain()
         if cycle.disconnected:
             return
-        framed = b"%x\r\n%b\r\n" % (len(chunk), chunk)
-        if head is not None:
-            framed, head = head + framed, None
-        transport.write(framed)
+        pending.append(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        if not scheduled:
+            scheduled = True
+            loop.call_soon(flush)
 
-    if await response.relay_to(cycle.receive, write) and not cycle.disconnected:  # type: ignore[arg-type]
-        transport.write(b"0\r\n\r\n" if head is None else head + b"0\r\n\r\n")
+    ended = await response.relay_to(cycle.receive, write)  # type: ignore[arg-type]
+    if ended and not cycle.disconnected:
+        pending.append(b"0\r\n\r\n")
+        flush()
         _complete(cycle, transport)
+    else:
+        # Cut (its deadline) or left: what was relayed still goes out before the close.
+        flush()
 
 
 def _complete(cycle: RequestResponseCycle, transport: asyncio.Transport) -> None:
