@@ -87,15 +87,39 @@ def test_lean_off_serves_through_the_asgi_stack(
     assert lean_runs == []
 
 
-def test_the_access_log_keeps_its_line(
-    engine: Any, lean_runs: list[str], caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_access_log_line_is_the_same_on_both_paths(
+    engine: Any,
+    stream: bool,
+    lean_runs: list[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level("INFO", logger="kvroute.access")
-    with run_gateway(_cfg(engine.url, log={"access_log": True}), run_collector=False) as url:
-        r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "r1"})
-        assert r.status_code == 200
-    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvroute.access"]
-    assert any("id=r1" in line and "status=200" in line for line in lines), lines
+    cfg = _cfg(engine.url, log={"access_log": True})
+    body = {**CHAT, "stream": stream}
+    lines = []
+    for lean in ("1", "0"):
+        monkeypatch.setenv("KVROUTE_LEAN", lean)
+        caplog.clear()
+        with run_gateway(cfg, run_collector=False) as url:
+            r = httpx.post(url + "/v1/chat/completions", json=body, headers={"x-request-id": "r1"})
+            assert r.status_code == 200
+            bad = httpx.post(
+                url + "/v1/chat/completions", content=b"{", headers={"x-request-id": "r2"}
+            )
+            assert bad.status_code == 400
+            # The line is written once the answer has gone out: wait for it.
+            wait_until(lambda: len(caplog.records) >= 2, what="two access lines")
+        got = [rec.__dict__["access"] for rec in caplog.records if rec.name == "kvroute.access"]
+        lines.append([{k: v for k, v in a.items() if k != "duration_ms"} for a in got])
+    assert lean_runs == ["/v1/chat/completions"] * 2
+    assert lines[0] == lines[1]
+    ok, refused = lines[0]
+    assert (
+        ok["id"] == "r1" and ok["model"] == "m" and ok["backend"] == "a" and ok["status"] == "200"
+    )
+    assert refused["id"] == "r2" and refused["status"] == "400"
 
 
 def bad_requests() -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -33,12 +33,22 @@ _HEADERS = {
     b"x-kvroute-attempts": "attempts",
 }
 # The model is usually the first key; look no further than this into the body.
-_PEEK_BYTES = 4096
+PEEK_BYTES = 4096
 
 
 def clean(value: str, limit: int = 128) -> str:
     """Printable ASCII without spaces, at most ``limit`` characters: one token per field."""
     return _UNSAFE.sub("?", value[:limit]) or "-"
+
+
+def fields_of(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The line's fields the gateway's own response headers carry (id, class, backend...)."""
+    fields: dict[str, str] = {}
+    for name, value in headers:
+        key = _HEADERS.get(name.lower())
+        if key is not None:
+            fields[key] = value.decode("latin-1")
+    return fields
 
 
 class AccessLog:
@@ -69,28 +79,27 @@ class AccessLog:
 
         async def tap_receive() -> Message:
             message = await receive()
-            if message["type"] == "http.request" and len(head) < _PEEK_BYTES:
-                head.extend(message.get("body", b"")[: _PEEK_BYTES - len(head)])
+            if message["type"] == "http.request" and len(head) < PEEK_BYTES:
+                head.extend(message.get("body", b"")[: PEEK_BYTES - len(head)])
             return message
 
         async def tap_send(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                for name, value in message.get("headers", []):
-                    key = _HEADERS.get(name.lower())
-                    if key is not None:
-                        fields[key] = value.decode("latin-1")
+                fields.update(fields_of(message.get("headers", [])))
             await send(message)
 
         try:
             await self.app(scope, tap_receive, tap_send)
         finally:
-            self._write(scope, bytes(head), fields, status, time.perf_counter() - started)
+            self.write(scope["path"], bytes(head), fields, status, time.perf_counter() - started)
 
-    def _write(
-        self, scope: Scope, head: bytes, fields: dict[str, str], status: int, seconds: float
+    def write(
+        self, path: str, head: bytes, fields: dict[str, str], status: int, seconds: float
     ) -> None:
+        """One line. ``head``: the body's first bytes (``PEEK_BYTES``, for the model);
+        ``fields``: from the response's headers (``fields_of``); status 0: no response."""
         m = _MODEL.search(head)
         model = m.group(1).decode("utf-8", "replace") if m else "-"
         values = {
@@ -106,7 +115,7 @@ class AccessLog:
         }
         log.info(
             "%s %s",
-            scope["path"],
+            path,
             " ".join(f"{k}={v}" for k, v in values.items()),
             extra={"access": values},
         )

@@ -23,7 +23,8 @@ apart from the body. Here, for a ``POST`` to ``/v1/chat/completions`` or
   the cycle's ``receive`` (``RelayResponse.relay_to``), so a client that leaves still ends
   the stream, its upstream connection and its reservation.
 
-Everything else (other paths and methods, the access log when it is on, a server under
+With the access log on (``log.access_log``), its line is written here, from the same
+fields (``AccessLog.write``). Everything else (other paths and methods, a server under
 uvicorn's own ``limit_concurrency``) takes the ASGI stack unchanged. ``KVROUTE_LEAN=0``
 turns the lean path off (the overhead benchmark's A/B).
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -41,6 +43,7 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
+from proxy.api.access_log import PEEK_BYTES, fields_of
 from proxy.api.hot import GatewayApp, Handler, answer_of
 from proxy.errors import ApiError
 from proxy.gateway.intake import READ_BODY
@@ -77,6 +80,17 @@ def find_app(app: Any) -> tuple[GatewayApp, list[ProxyHeadersMiddleware]] | None
     return None
 
 
+class Seen:
+    """What the access log's line needs of one request (status 0: no answer started)."""
+
+    __slots__ = ("fields", "head", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.head = b""
+        self.fields: dict[str, str] = {}
+
+
 class LeanPath:
     """The lean path for one server (one per app, found from uvicorn's loaded app)."""
 
@@ -91,17 +105,36 @@ class LeanPath:
         handler = self.app.hot_routes.get(scope["path"])
         if handler is None or self.app._guard is None:
             return None
-        access = self.app.access_log
-        if access is not None and access.enabled:
-            return None
         return handler
 
     async def run(
         self, cycle: RequestResponseCycle, transport: asyncio.Transport, handler: Handler
     ) -> None:
-        """Serve one request: the guard, the handler, the answer; like ``cycle.run_asgi``."""
+        """Serve one request: the guard, the handler, the answer; like ``cycle.run_asgi``.
+
+        With the access log on, its line is written when the answer's last byte is out.
+        """
+        access = self.app.access_log
+        if access is None or not access.enabled:
+            await self._run(cycle, transport, handler, None)
+            return
+        started = time.perf_counter()
+        seen = Seen()
         try:
-            await self._serve(cycle, transport, handler)
+            await self._run(cycle, transport, handler, seen)
+        finally:
+            seconds = time.perf_counter() - started
+            access.write(cycle.scope["path"], seen.head, seen.fields, seen.status, seconds)
+
+    async def _run(
+        self,
+        cycle: RequestResponseCycle,
+        transport: asyncio.Transport,
+        handler: Handler,
+        seen: Seen | None,
+    ) -> None:
+        try:
+            await self._serve(cycle, transport, handler, seen)
         except BaseException as exc:
             log.error("Exception in the lean path", exc_info=exc)
             if not cycle.response_started:
@@ -116,7 +149,11 @@ class LeanPath:
             cycle.on_response = lambda: None
 
     async def _serve(
-        self, cycle: RequestResponseCycle, transport: asyncio.Transport, handler: Handler
+        self,
+        cycle: RequestResponseCycle,
+        transport: asyncio.Transport,
+        handler: Handler,
+        seen: Seen | None,
     ) -> None:
         scope: Scope = cycle.scope  # type: ignore[assignment]
         for proxy in self.proxies:
@@ -127,7 +164,7 @@ class LeanPath:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
 
         async def refuse(err: ApiError) -> None:
-            await self.answer(cycle, transport, err.response())
+            await self.answer(cycle, transport, err.response(), seen)
 
         refusal = guard.header_refusal(headers, scope["path"])
         if refusal is not None:
@@ -147,18 +184,27 @@ class LeanPath:
 
         async def run(body: bytes) -> None:
             scope[READ_BODY] = body
+            if seen is not None:
+                seen.head = body[:PEEK_BYTES]
             request = Request(scope, cycle.receive)  # type: ignore[arg-type]
-            await self.answer(cycle, transport, await answer_of(handler, request))
+            await self.answer(cycle, transport, await answer_of(handler, request), seen)
 
         await guard.with_body(read, run, refuse)
 
     async def answer(
-        self, cycle: RequestResponseCycle, transport: asyncio.Transport, response: Response
+        self,
+        cycle: RequestResponseCycle,
+        transport: asyncio.Transport,
+        response: Response,
+        seen: Seen | None = None,
     ) -> None:
         """A whole answer in one write; a relayed stream straight to the socket; anything else
         (another streaming response) through uvicorn's ``send``."""
         if cycle.disconnected:
             return
+        if seen is not None:
+            seen.status = response.status_code
+            seen.fields = fields_of(response.raw_headers)
         if isinstance(response, RelayResponse):
             await relay(cycle, transport, response)
             return
