@@ -10,6 +10,11 @@ limits, API keys, the body budget and the concurrency count stay one), and from 
 to the gateway's walk. Everything else, other
 methods on these paths included, takes the full stack as before. Only the dispatch is
 skipped: every request is still sized, ranked, reserved and released.
+
+Under kvroute's own server settings (``proxy.api.server``) those requests do not reach
+this app's ``__call__`` at all: the protocol's lean path (``proxy.api.lean``) runs the same
+guard and the same handlers (``hot_routes``, ``answer_of``) past the ASGI cycle. This
+dispatch serves them under any other ASGI server, and with ``KVROUTE_LEAN=0``.
 """
 
 from __future__ import annotations

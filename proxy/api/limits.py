@@ -1,7 +1,9 @@
 """The guard in front of the API: header size, client API keys, the body, concurrency limit.
 
 A pure ASGI middleware, so that it costs one function call per request and so that the
-concurrency count covers a streamed response until its last byte. Every refusal is an
+concurrency count covers a streamed response until its last byte. The server's lean path
+(``proxy.api.lean``) serves the inference routes through the same instance and the same
+rules (``header_refusal``, ``with_body``, ``read_body``/``whole_body``): one home for each. Every refusal is an
 OpenAI-format error: 431 for oversized headers, 400 for more than one ``Authorization``
 header, 401 for a missing or wrong key, 413 for a body over ``limits.max_body_bytes``,
 408 for a body that does not arrive in time, 429 with ``Retry-After`` when the gateway
