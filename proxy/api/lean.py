@@ -164,7 +164,7 @@ class LeanPath:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
 
         async def refuse(err: ApiError) -> None:
-            await self.answer(cycle, transport, err.response(), seen)
+            await answer(cycle, transport, err.response(), seen)
 
         refusal = guard.header_refusal(headers, scope["path"])
         if refusal is not None:
@@ -187,34 +187,40 @@ class LeanPath:
             if seen is not None:
                 seen.head = body[:PEEK_BYTES]
             request = Request(scope, cycle.receive)  # type: ignore[arg-type]
-            await self.answer(cycle, transport, await answer_of(handler, request), seen)
+            await answer(cycle, transport, await answer_of(handler, request), seen)
 
         await guard.with_body(read, run, refuse)
 
-    async def answer(
-        self,
-        cycle: RequestResponseCycle,
-        transport: asyncio.Transport,
-        response: Response,
-        seen: Seen | None = None,
-    ) -> None:
-        """A whole answer in one write; a relayed stream straight to the socket; anything else
-        (another streaming response) through uvicorn's ``send``."""
-        if cycle.disconnected:
-            return
-        if seen is not None:
-            seen.status = response.status_code
-            seen.fields = fields_of(response.raw_headers)
-        if isinstance(response, RelayResponse):
-            await relay(cycle, transport, response)
-            return
-        if isinstance(response, StreamingResponse):
-            await response(cycle.scope, cycle.receive, cycle.send)  # type: ignore[arg-type]
-            return
-        transport.write(head_of(cycle, response) + response.body)
-        _complete(cycle, transport)
-        if response.background is not None:
-            await response.background()
+
+async def answer(
+    cycle: RequestResponseCycle,
+    transport: asyncio.Transport,
+    response: Response,
+    seen: Seen | None = None,
+) -> None:
+    """A whole answer in one write; a relayed stream straight to the socket; anything else
+    (another streaming response) through uvicorn's ``send``."""
+    if isinstance(response, RelayResponse) and cycle.disconnected:
+        # The client left before its stream began: only the clean-up is left to run.
+        await response.on_close()
+        return
+    if cycle.disconnected:
+        # uvicorn's send drops what a gone client would have got.
+        await response(cycle.scope, cycle.receive, cycle.send)  # type: ignore[arg-type]
+        return
+    if seen is not None:
+        seen.status = response.status_code
+        seen.fields = fields_of(response.raw_headers)
+    if isinstance(response, RelayResponse):
+        await relay(cycle, transport, response)
+        return
+    if isinstance(response, StreamingResponse):
+        await response(cycle.scope, cycle.receive, cycle.send)  # type: ignore[arg-type]
+        return
+    transport.write(head_of(cycle, response) + response.body)
+    _complete(cycle, transport)
+    if response.background is not None:
+        await response.background()
 
 
 async def relay(
@@ -229,7 +235,12 @@ async def relay(
     ``send`` does); a gone client stops it (``ClientWatch`` inside ``relay_to`` cancels it).
     """
     flow = cycle.flow
-    pending = [head_of(cycle, response, chunked=True)]
+    try:
+        pending = [head_of(cycle, response, chunked=True)]
+    except BaseException:
+        # A head that cannot be written: the stream's clean-up still runs, once.
+        await response.on_close()
+        raise
     scheduled = False
     loop = asyncio.get_running_loop()
 

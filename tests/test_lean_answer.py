@@ -1,0 +1,140 @@
+"""``proxy.api.lean.answer``: what reaches the socket, on a real uvicorn cycle.
+
+The transport is a recorder (pure logic: what is written, in how many writes, closed or
+not); the cycle, its flow control and the responses are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+from starlette.responses import Response
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from proxy.api.lean import answer
+from proxy.gateway.relay import OnceCallback, RelayResponse
+
+
+class Recorder:
+    """A transport that keeps each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def cycle_on(wire: Recorder, keep_alive: bool = True) -> RequestResponseCycle:
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    return RequestResponseCycle(
+        scope=scope,  # type: ignore[arg-type]
+        transport=wire,  # type: ignore[arg-type]
+        flow=FlowControl(wire),  # type: ignore[arg-type]
+        logger=logging.getLogger("test"),
+        access_logger=logging.getLogger("test"),
+        access_log=False,
+        default_headers=[],
+        message_event=asyncio.Event(),
+        expect_100_continue=False,
+        keep_alive=keep_alive,
+        on_response=lambda: None,
+    )
+
+
+class Closes:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self) -> None:
+        self.calls += 1
+
+
+async def events(*chunks: bytes) -> AsyncIterator[bytes]:
+    for c in chunks:
+        yield c
+
+
+def relay_of(
+    closes: Closes, *chunks: bytes, headers: dict[str, str] | None = None
+) -> RelayResponse:
+    return RelayResponse(
+        events(*chunks), OnceCallback(closes), headers=headers, media_type="text/event-stream"
+    )
+
+
+def unchunk(raw: bytes) -> bytes:
+    out = b""
+    while True:
+        size, _, raw = raw.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            assert raw == b"\r\n"
+            return out
+        out, raw = out + raw[:n], raw[n + 2 :]
+
+
+async def test_a_whole_answer_leaves_in_one_write() -> None:
+    wire = Recorder()
+    cycle = cycle_on(wire)
+    await answer(cycle, wire, Response(b'{"ok":1}', media_type="application/json"))  # type: ignore[arg-type]
+    (only,) = wire.writes
+    head, _, body = only.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"content-length: 8" in head
+    assert body == b'{"ok":1}' and cycle.response_complete and not wire.closed
+
+
+async def test_a_closing_connection_says_so_and_closes() -> None:
+    wire = Recorder()
+    cycle = cycle_on(wire, keep_alive=False)
+    await answer(cycle, wire, Response(b"{}"))  # type: ignore[arg-type]
+    assert b"connection: close\r\n" in wire.writes[0] and wire.closed
+
+
+async def test_a_stream_is_chunked_with_its_head_in_the_first_write() -> None:
+    wire = Recorder()
+    cycle = cycle_on(wire)
+    closes = Closes()
+    await answer(cycle, wire, relay_of(closes, b"data: 1\n\n", b"", b"data: [DONE]\n\n"))  # type: ignore[arg-type]
+    raw = b"".join(wire.writes)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head and b"content-length" not in head
+    assert unchunk(body) == b"data: 1\n\ndata: [DONE]\n\n"
+    # Written within one turn of the loop: one write, the end of the stream included.
+    assert len(wire.writes) == 1
+    assert closes.calls == 1 and cycle.response_complete
+
+
+async def test_a_client_gone_before_its_stream_began_still_gets_the_clean_up() -> None:
+    wire = Recorder()
+    cycle = cycle_on(wire)
+    cycle.disconnected = True
+    closes = Closes()
+    await answer(cycle, wire, relay_of(closes, b"data: 1\n\n"))  # type: ignore[arg-type]
+    assert closes.calls == 1 and wire.writes == []
+
+
+async def test_a_head_that_cannot_be_written_still_runs_the_clean_up() -> None:
+    wire = Recorder()
+    closes = Closes()
+    bad = relay_of(closes, b"data: 1\n\n", headers={"x-bad": "a\x01b"})
+    with pytest.raises(RuntimeError):
+        await answer(cycle_on(wire), wire, bad)  # type: ignore[arg-type]
+    assert closes.calls == 1 and wire.writes == []
