@@ -133,21 +133,22 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._in_headers:
             self._header_bytes += len(data)
         super().data_received(data)
-        if (
-            self._in_headers
-            and self._header_bytes > self.max_header_bytes
-            and not self.transport.is_closing()
-        ):
+        if not self._in_headers or self.transport.is_closing():
+            return
+        if self._header_bytes > self.max_header_bytes:
             type(self).refused_headers += 1
             self._disarm_header_timer()
             self.transport.write(_header_refusal(self.max_header_bytes))
             self.transport.close()
+        else:
+            # Headers still incomplete after these bytes: their time runs from now (a request
+            # whose headers came whole in one read never needs a timer).
+            self._arm_header_timer()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_headers = True
         self._header_bytes = 0
-        self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
