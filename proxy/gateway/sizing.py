@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from proxy.config import Config, PrefixConfig
+from proxy.core import digest
 from proxy.core.demand import Demand, Sizer
 from proxy.core.prefix_prompt import IdsCache, prompt_hashes
 from proxy.core.tokenizer import TiktokenCounter, TokenCache
@@ -125,9 +126,11 @@ def prefix_hashes(
 def _size(
     sizer: Sizer, parsed: ParsedRequest, prefix: PrefixConfig, max_model_len: int | None
 ) -> tuple[Demand, tuple[HashSpec, tuple[int, ...]] | None]:
-    demand = sizer.size(parsed, max_model_len)
-    spec = hash_spec(sizer, parsed, prefix)
-    return demand, None if spec is None else (spec, prefix_hashes(sizer, parsed, spec))
+    # Each text is digested once for all the cache keys of this call (count, ids, hashes).
+    with digest.memo():
+        demand = sizer.size(parsed, max_model_len)
+        spec = hash_spec(sizer, parsed, prefix)
+        return demand, None if spec is None else (spec, prefix_hashes(sizer, parsed, spec))
 
 
 # id(parsed) -> (weak reference to it, spec, hashes), until affinity takes them or it dies.

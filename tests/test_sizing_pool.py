@@ -1,0 +1,95 @@
+"""Sizing threads: each encodes with its own tokenizer copy (same ids), one digest per text."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import types
+from typing import Any
+
+import pytest
+
+from proxy.core import digest
+from proxy.core.tokenizer import TiktokenCounter, _own_copy, own_encodings
+from proxy.gateway import sizing, sizing_pool
+from tests.test_tokenize_once import BIG, config, expected_demand, expected_hashes, parse
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    # Words, digits, punctuation, newlines, runs of spaces and some non-ASCII letters.
+    pieces = ["the", "Über", "naïve", "42", "1999", "!!", "\n", "   ", "'s", "日本語", "\t", "x"]
+    return " ".join(rng.choice(pieces) for _ in range(n))
+
+
+async def test_sizing_threads_encode_with_their_own_copy_and_the_same_ids() -> None:
+    counter = TiktokenCounter()
+    shared = counter._enc
+    rng = random.Random(5)
+    texts = [random_text(rng, 3000) for _ in range(20)]
+
+    def in_thread() -> tuple[bool, list[list[int]]]:
+        return _own_copy(shared) is not shared, [list(counter.ids(t)) for t in texts]
+
+    own, ids = await sizing_pool.run(in_thread)
+    assert own
+    assert ids == [shared.encode_ordinary(t) for t in texts]
+    # Any other thread (the loop's here) shares the process's one encoding.
+    assert _own_copy(shared) is shared
+
+
+def test_a_thread_asks_for_copies_once_and_keeps_them() -> None:
+    shared = TiktokenCounter()._enc
+    got: list[object] = []
+
+    def body() -> None:
+        own_encodings()
+        first = _own_copy(shared)
+        own_encodings()
+        got.extend([first, _own_copy(shared)])
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert got[0] is got[1] and got[0] is not shared
+
+
+def counting_digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    sizes: list[int] = []
+    real = hashlib.blake2b
+
+    def blake2b(data: bytes = b"", **kw: Any) -> Any:
+        sizes.append(len(data))
+        return real(data, **kw)
+
+    monkeypatch.setattr(digest, "hashlib", types.SimpleNamespace(blake2b=blake2b))
+    return sizes
+
+
+@pytest.mark.parametrize("text", [BIG, BIG[:4000]], ids=["worker-thread", "inline"])
+async def test_each_text_is_digested_once_per_sizing_call(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    cfg = config()
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    sizes = counting_digests(monkeypatch)
+    parsed = parse(body)
+    demand = await sizing.size_request(parsed, cfg)
+    # Message count, text count, ids for the count, ids for the hashes: one digest of it.
+    assert sizes.count(len(text)) == 1
+    assert demand.total == expected_demand(body)
+    spec = sizing.hash_spec(sizing.sizer_for(cfg), parsed, cfg.routing.prefix)
+    assert spec is not None
+    assert sizing.take_hashes(parsed, spec) == expected_hashes(body, cfg)
+
+
+def test_outside_a_sizing_call_no_digest_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = counting_digests(monkeypatch)
+    with digest.memo(), digest.memo():
+        assert digest.text_digest(BIG) == digest.text_digest(BIG)
+    assert len(sizes) == 1
+    digest.text_digest(BIG)
+    digest.text_digest(BIG)
+    assert len(sizes) == 3
+    # Equal texts that are different objects get the same digest.
+    assert digest.text_digest(BIG) == digest.text_digest("".join(list(BIG)))
