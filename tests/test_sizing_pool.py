@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from proxy.core import digest
-from proxy.core.tokenizer import TiktokenCounter, _own_copy, own_encodings
+from proxy.core.tokenizer import (
+    SPLIT_ABOVE_CHARS,
+    TiktokenCounter,
+    _own_copy,
+    own_encodings,
+    safe_cut,
+)
 from proxy.gateway import sizing, sizing_pool
 from tests.test_tokenize_once import BIG, config, expected_demand, expected_hashes, parse
 
@@ -93,3 +99,48 @@ def test_outside_a_sizing_call_no_digest_is_kept(monkeypatch: pytest.MonkeyPatch
     assert len(sizes) == 3
     # Equal texts that are different objects get the same digest.
     assert digest.text_digest(BIG) == digest.text_digest("".join(list(BIG)))
+
+
+def prose(rng: random.Random, words: int) -> str:
+    # Words with contractions, digits, punctuation, runs of spaces, newlines, non-ASCII.
+    vocab = ["cat", "it's", "we'll", "Über", "naïve", "2024", "x1", "—", "日本", "a", "I"]
+    seps = [" ", " ", " ", "  ", "\n", "\n\n", ", ", ". ", "\t", " \n "]
+    return "".join(rng.choice(vocab) + rng.choice(seps) for _ in range(words))
+
+
+def test_safe_cuts_keep_the_ids_exact() -> None:
+    enc = TiktokenCounter()._enc
+    rng = random.Random(11)
+    cuts = 0
+    for _ in range(300):
+        text = prose(rng, rng.randrange(20, 400))
+        cut = safe_cut(text, rng.randrange(1, len(text)), window=rng.choice([8, 64, 4096]))
+        if cut is None:
+            continue
+        cuts += 1
+        assert text[cut] == " " and text[cut - 1].isalpha() and text[cut + 1].isalpha()
+        whole = enc.encode_ordinary(text)
+        assert enc.encode_ordinary(text[:cut]) + enc.encode_ordinary(text[cut:]) == whole
+    assert cuts > 200
+    # No space between two letters within reach: no cut.
+    assert safe_cut("1, 2, 3, 4. " * 50, 300) is None
+
+
+def test_a_split_encode_is_exact_whether_the_half_is_handed_over_or_taken_back() -> None:
+    counter = TiktokenCounter()
+    rng = random.Random(3)
+    text = prose(rng, 12_000)
+    assert len(text) >= SPLIT_ABOVE_CHARS
+    whole = counter._enc.encode_ordinary(text)
+    pool = sizing_pool.executor()
+    # A free pool: the other thread encodes the second half.
+    assert list(pool.submit(counter.ids, text).result()) == whole
+    # Every thread busy: the half is taken back and encoded by the splitting thread itself.
+    gate = threading.Event()
+    busy = [pool.submit(gate.wait, 10) for _ in range(sizing_pool.THREADS - 1)]
+    try:
+        assert list(pool.submit(counter.ids, text).result(timeout=10)) == whole
+    finally:
+        gate.set()
+        for f in busy:
+            f.result()

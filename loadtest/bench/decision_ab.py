@@ -5,9 +5,11 @@ Sizing-thread variants (``proxy.gateway.sizing_pool``):
 - ``before``: the loop's default executor (up to 6 threads here) at nice 10, every thread
   sharing one tiktoken encoding (the code until 2026-11-30, late);
 - ``pool2-shared``: two sizing threads of their own at nice 10, the shared encoding;
-- ``pool2``: two sizing threads, each encoding with its own copy (the code now);
+- ``pool2``: two sizing threads, each encoding with its own copy;
+- ``pool2-split``: and a big text encoded as two halves at once when the other thread is
+  free (the code now);
 - ``pool1``: one sizing thread with its own copy;
-- ``pool2-idle``: ``pool2`` with the threads at SCHED_IDLE instead of nice 10.
+- ``pool2-idle``: ``pool2-split`` with the threads at SCHED_IDLE instead of nice 10.
 
 ``python -m loadtest.bench.decision_ab --rounds 3``: two trivial backends, then per round
 one ``decision_and_lag`` run per variant (the order rotates), the gateway in this
@@ -30,7 +32,7 @@ from proxy.core.tokenizer import own_encodings
 from proxy.gateway import sizing_pool
 
 _run = sizing_pool.run
-_threads, _idle = sizing_pool.THREADS, sizing_pool.SCHED_IDLE
+_threads, _idle, _split = sizing_pool.THREADS, sizing_pool.SCHED_IDLE, sizing_pool.SPLIT
 
 
 async def default_executor_run(fn: Callable[..., Any], *args: Any) -> Any:
@@ -47,25 +49,27 @@ def _no_copies() -> None:
     """Sizing threads share the process's one encoding (as before)."""
 
 
-# name -> (threads, SCHED_IDLE, own encodings, the hop)
-Variant = tuple[int, bool, bool, Any]
+# name -> (threads, SCHED_IDLE, own encodings, split, the hop)
+Variant = tuple[int, bool, bool, bool, Any]
 VARIANTS: dict[str, Variant] = {
-    "before": (_threads, False, False, default_executor_run),
-    "pool2-shared": (2, False, False, _run),
-    "pool2": (2, False, True, _run),
-    "pool1": (1, False, True, _run),
-    "pool2-idle": (2, True, True, _run),
+    "before": (_threads, False, False, False, default_executor_run),
+    "pool2-shared": (2, False, False, False, _run),
+    "pool2": (2, False, True, False, _run),
+    "pool2-split": (2, False, True, True, _run),
+    "pool1": (1, False, True, False, _run),
+    "pool2-idle": (2, True, True, True, _run),
 }
 
 
 def use(variant: Variant) -> None:
     # The gateway runs in this process: its sizing threads are these.
-    threads, idle, own, hop = variant
+    threads, idle, own, split, hop = variant
     sizing_pool.reset()
     sizing_pool.THREADS = threads
     sizing_pool.SCHED_IDLE = idle
-    sizing_pool.own_encodings = own_encodings if own else _no_copies  # type: ignore[assignment]
-    sizing_pool.run = hop  # type: ignore[assignment]
+    sizing_pool.SPLIT = split
+    sizing_pool.own_encodings = own_encodings if own else _no_copies  # type: ignore[attr-defined]
+    sizing_pool.run = hop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(got)
                 print(name, json.dumps(got), flush=True)
     finally:
-        use((_threads, _idle, True, _run))
+        use((_threads, _idle, True, _split, _run))
         bench.stop_all()
-    keys = [k for k in runs[chosen[0]][0] if k.startswith(("decision", "loop", "idle"))]
+    keys = [k for k in runs[chosen[0]][0] if k.startswith(("decision", "sizing", "loop", "idle"))]
     print("median of rounds:")
     for name, rs in runs.items():
         print(f"  {name:14s}", {k: round(statistics.median(x[k] for x in rs), 2) for k in keys})
