@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
+import time
 import types
 from typing import Any
 
@@ -132,15 +133,43 @@ def test_a_split_encode_is_exact_whether_the_half_is_handed_over_or_taken_back()
     text = prose(rng, 12_000)
     assert len(text) >= SPLIT_ABOVE_CHARS
     whole = counter._enc.encode_ordinary(text)
-    pool = sizing_pool.executor()
-    # A free pool: the other thread encodes the second half.
-    assert list(pool.submit(counter.ids, text).result()) == whole
-    # Every thread busy: the half is taken back and encoded by the splitting thread itself.
-    gate = threading.Event()
-    busy = [pool.submit(gate.wait, 10) for _ in range(sizing_pool.THREADS - 1)]
+    threads = sizing_pool.THREADS
+    sizing_pool.configure(2)
+    handing_over = True
+    halves: list[str] = []
+    both = threading.Event()
+    real = TiktokenCounter._plain_ids
+
+    def plain_ids(self: TiktokenCounter, t: str) -> Any:
+        halves.append(threading.current_thread().name)
+        if len(halves) == 1:
+            # The first half waits (bounded) for the second to start: a free thread takes it.
+            both.wait(2 if handing_over else 0)
+        else:
+            both.set()
+        return real(self, t)
+
     try:
-        assert list(pool.submit(counter.ids, text).result(timeout=10)) == whole
-    finally:
-        gate.set()
-        for f in busy:
+        TiktokenCounter._plain_ids = plain_ids  # type: ignore[method-assign,assignment]
+        pool = sizing_pool.executor()
+        # Both threads started and idle: the other thread encodes the second half.
+        for f in [pool.submit(time.sleep, 0.05) for _ in range(2)]:
             f.result()
+        handing_over = True
+        assert list(pool.submit(counter.ids, text).result(timeout=10)) == whole
+        assert len(halves) == 2 and halves[0] != halves[1]
+        # The other thread busy: the half is taken back by the splitting thread itself.
+        halves.clear()
+        both.clear()
+        handing_over = False
+        gate = threading.Event()
+        busy = pool.submit(gate.wait, 10)
+        try:
+            assert list(pool.submit(counter.ids, text).result(timeout=10)) == whole
+            assert len(halves) == 2 and halves[0] == halves[1]
+        finally:
+            gate.set()
+            busy.result()
+    finally:
+        TiktokenCounter._plain_ids = real  # type: ignore[method-assign]
+        sizing_pool.configure(threads)

@@ -7,9 +7,10 @@ Sizing-thread variants (``proxy.gateway.sizing_pool``):
 - ``pool2-shared``: two sizing threads of their own at nice 10, the shared encoding;
 - ``pool2``: two sizing threads, each encoding with its own copy;
 - ``pool2-split``: and a big text encoded as two halves at once when the other thread is
-  free (the code now);
-- ``pool1``: one sizing thread with its own copy;
-- ``pool2-idle``: ``pool2-split`` with the threads at SCHED_IDLE instead of nice 10.
+  free (``sizing.threads: 2``);
+- ``pool1``: one sizing thread with its own copy (the default now, ``sizing.threads: 1``);
+- ``pool2-idle``, ``pool1-idle``: ``pool2-split``, ``pool1`` with the threads at
+  SCHED_IDLE instead of nice 10.
 
 ``python -m loadtest.bench.decision_ab --rounds 3``: two trivial backends, then per round
 one ``decision_and_lag`` run per variant (the order rotates), the gateway in this
@@ -31,7 +32,7 @@ from loadtest.bench.overhead_targets import Bench
 from proxy.core.tokenizer import own_encodings
 from proxy.gateway import sizing_pool
 
-_run = sizing_pool.run
+_run, _configure = sizing_pool.run, sizing_pool.configure
 _threads, _idle, _split = sizing_pool.THREADS, sizing_pool.SCHED_IDLE, sizing_pool.SPLIT
 
 
@@ -45,6 +46,10 @@ async def default_executor_run(fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.to_thread(lowered)
 
 
+def _keep(threads: int) -> None:
+    """The variant's number of threads stays."""
+
+
 def _no_copies() -> None:
     """Sizing threads share the process's one encoding (as before)."""
 
@@ -52,12 +57,13 @@ def _no_copies() -> None:
 # name -> (threads, SCHED_IDLE, own encodings, split, the hop)
 Variant = tuple[int, bool, bool, bool, Any]
 VARIANTS: dict[str, Variant] = {
-    "before": (_threads, False, False, False, default_executor_run),
+    "before": (1, False, False, False, default_executor_run),
     "pool2-shared": (2, False, False, False, _run),
     "pool2": (2, False, True, False, _run),
     "pool2-split": (2, False, True, True, _run),
     "pool1": (1, False, True, False, _run),
     "pool2-idle": (2, True, True, True, _run),
+    "pool1-idle": (1, True, True, False, _run),
 }
 
 
@@ -70,6 +76,8 @@ def use(variant: Variant) -> None:
     sizing_pool.SPLIT = split
     sizing_pool.own_encodings = own_encodings if own else _no_copies  # type: ignore[attr-defined]
     sizing_pool.run = hop
+    # The gateway's config (``sizing.threads``) would set its own number.
+    sizing_pool.configure = _keep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(name, json.dumps(got), flush=True)
     finally:
         use((_threads, _idle, True, _split, _run))
+        sizing_pool.configure = _configure
         bench.stop_all()
     keys = [k for k in runs[chosen[0]][0] if k.startswith(("decision", "sizing", "loop", "idle"))]
     print("median of rounds:")

@@ -61,6 +61,7 @@ async def load_sizer(cfg: Config) -> Sizer:
     its encodings (``proxy.gateway.sizing_pool``), so the first big requests wait for neither.
     """
     sizer = await asyncio.to_thread(sizer_for, cfg)
+    sizing_pool.configure(cfg.sizing.threads)
     pool = sizing_pool.executor()
     if _warmed.get(sizer) is not pool:
         _warmed[sizer] = pool

@@ -11,7 +11,13 @@ Why not the loop's default executor (as until 2026-11-30):
   encoding, done at startup by ``warm``).
 - **Few threads, lowered.** The event loop lags when it waits for a core behind encodes
   (issue 12); a small pool bounds how many run at once, and each thread runs at
-  ``WORKER_NICE`` (Linux, per thread) so the loop's thread gets a core first.
+  ``WORKER_NICE`` (Linux, per thread) so the loop's thread gets a core first. One thread
+  by default (``sizing.threads``): it sizes ~200 fresh 30k-token prompts a second, more
+  prefill than a fleet behind one gateway does, and on 2 shared cores it kept the loop's
+  lag p99 at about half of two threads' (docs/benchmarks.md).
+- **One big text, two threads.** With 2+ threads, a big text is encoded as two halves at
+  once when another thread is free (``split_encode``): a 30k-token decision alone ~5.9
+  instead of ~7.8 ms on 2 cores.
 
 Everything here runs at most ``threads`` encodes at once; more big requests queue for a
 thread (each still counted exactly).
@@ -39,8 +45,8 @@ Ids = npt.NDArray[np.uint32]
 
 #: Linux nice of the sizing threads, above the event loop's 0.
 WORKER_NICE = 10
-#: Threads that size big requests (at most this many encodes at once).
-THREADS = 2
+#: Threads that size big requests (at most this many encodes at once): ``sizing.threads``.
+THREADS = 1
 #: Use SCHED_IDLE instead of a nice value (Linux; measured, see docs/benchmarks.md).
 SCHED_IDLE = False
 #: Encode a big text in two halves at once when another sizing thread is free.
@@ -66,7 +72,8 @@ def lower_this_thread() -> None:
 def _start_thread() -> None:
     lower_this_thread()
     own_encodings()
-    own_split(split_encode if SPLIT else None)
+    # With one thread there is no other to hand a half to.
+    own_split(split_encode if SPLIT and THREADS > 1 else None)
 
 
 def split_encode(encode: Callable[[str], Ids], text: str) -> Ids:
@@ -98,6 +105,14 @@ def executor() -> ThreadPoolExecutor:
                 initializer=_start_thread,
             )
         return _pool
+
+
+def configure(threads: int) -> None:
+    """Use ``threads`` sizing threads from now on (a new pool when the number changes)."""
+    global THREADS
+    if threads != THREADS:
+        THREADS = threads
+        reset()
 
 
 def reset() -> None:
