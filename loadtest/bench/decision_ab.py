@@ -10,7 +10,7 @@ Sizing-thread variants (``proxy.gateway.sizing_pool``):
   free (``sizing.threads: 2``);
 - ``pool1``: one sizing thread with its own copy (the default now, ``sizing.threads: 1``);
 - ``pool2-idle``, ``pool1-idle``: ``pool2-split``, ``pool1`` with the threads at
-  SCHED_IDLE instead of nice 10.
+  SCHED_IDLE instead of nice 10; ``pool1-nice19``: ``pool1`` at nice 19.
 
 ``python -m loadtest.bench.decision_ab --rounds 3``: two trivial backends, then per round
 one ``decision_and_lag`` run per variant (the order rotates), the gateway in this
@@ -34,6 +34,7 @@ from proxy.gateway import sizing_pool
 
 _run, _configure = sizing_pool.run, sizing_pool.configure
 _threads, _idle, _split = sizing_pool.THREADS, sizing_pool.SCHED_IDLE, sizing_pool.SPLIT
+_nice = sizing_pool.WORKER_NICE
 
 
 async def default_executor_run(fn: Callable[..., Any], *args: Any) -> Any:
@@ -54,26 +55,28 @@ def _no_copies() -> None:
     """Sizing threads share the process's one encoding (as before)."""
 
 
-# name -> (threads, SCHED_IDLE, own encodings, split, the hop)
-Variant = tuple[int, bool, bool, bool, Any]
+# name -> (threads, SCHED_IDLE, own encodings, split, the hop, nice)
+Variant = tuple[int, bool, bool, bool, Any, int]
 VARIANTS: dict[str, Variant] = {
-    "before": (1, False, False, False, default_executor_run),
-    "pool2-shared": (2, False, False, False, _run),
-    "pool2": (2, False, True, False, _run),
-    "pool2-split": (2, False, True, True, _run),
-    "pool1": (1, False, True, False, _run),
-    "pool2-idle": (2, True, True, True, _run),
-    "pool1-idle": (1, True, True, False, _run),
+    "before": (1, False, False, False, default_executor_run, sizing_pool.WORKER_NICE),
+    "pool2-shared": (2, False, False, False, _run, sizing_pool.WORKER_NICE),
+    "pool2": (2, False, True, False, _run, sizing_pool.WORKER_NICE),
+    "pool2-split": (2, False, True, True, _run, sizing_pool.WORKER_NICE),
+    "pool1": (1, False, True, False, _run, sizing_pool.WORKER_NICE),
+    "pool2-idle": (2, True, True, True, _run, sizing_pool.WORKER_NICE),
+    "pool1-idle": (1, True, True, False, _run, sizing_pool.WORKER_NICE),
+    "pool1-nice19": (1, False, True, False, _run, 19),
 }
 
 
 def use(variant: Variant) -> None:
     # The gateway runs in this process: its sizing threads are these.
-    threads, idle, own, split, hop = variant
+    threads, idle, own, split, hop, nice = variant
     sizing_pool.reset()
     sizing_pool.THREADS = threads
     sizing_pool.SCHED_IDLE = idle
     sizing_pool.SPLIT = split
+    sizing_pool.WORKER_NICE = nice
     sizing_pool.own_encodings = own_encodings if own else _no_copies  # type: ignore[attr-defined]
     sizing_pool.run = hop
     # The gateway's config (``sizing.threads``) would set its own number.
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(got)
                 print(name, json.dumps(got), flush=True)
     finally:
-        use((_threads, _idle, True, _split, _run))
+        use((_threads, _idle, True, _split, _run, _nice))
         sizing_pool.configure = _configure
         bench.stop_all()
     keys = [k for k in runs[chosen[0]][0] if k.startswith(("decision", "sizing", "loop", "idle"))]

@@ -12,12 +12,14 @@ Why not the loop's default executor (as until 2026-11-30):
 - **Few threads, lowered.** The event loop lags when it waits for a core behind encodes
   (issue 12); a small pool bounds how many run at once, and each thread runs at
   ``WORKER_NICE`` (Linux, per thread) so the loop's thread gets a core first. One thread
-  by default (``sizing.threads``): it sizes ~200 fresh 30k-token prompts a second, more
-  prefill than a fleet behind one gateway does, and on 2 shared cores it kept the loop's
-  lag p99 at about half of two threads' (docs/benchmarks.md).
+  by default (``sizing.threads``): it sizes ~200 fresh 30k-token prompts a second (~6M
+  prompt tokens/s, more than dozens of engines prefill), and on 2 shared cores it kept the
+  loop's lag p99 at about half of two threads' (docs/benchmarks.md). Nice 19 and
+  SCHED_IDLE lowered the lag a little more but made the decision slower and less steady
+  on a busy box (a thread that waits behind every other process), so nice 10 stays.
 - **One big text, two threads.** With 2+ threads, a big text is encoded as two halves at
-  once when another thread is free (``split_encode``): a 30k-token decision alone ~5.9
-  instead of ~7.8 ms on 2 cores.
+  once when another thread is free (``split_encode``): the sizing thread's own CPU per
+  30k-token prompt 5.3 -> 4.4 ms, at the price of a second encode competing with the loop.
 
 Everything here runs at most ``threads`` encodes at once; more big requests queue for a
 thread (each still counted exactly).
