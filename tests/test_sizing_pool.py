@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import threading
 import time
@@ -173,3 +174,22 @@ def test_a_split_encode_is_exact_whether_the_half_is_handed_over_or_taken_back()
     finally:
         TiktokenCounter._plain_ids = real  # type: ignore[method-assign]
         sizing_pool.configure(threads)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
+def test_a_forked_child_sizes_in_threads_of_its_own() -> None:
+    sizing_pool.executor().submit(int).result()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        # The parent's pool has no threads here; a fresh one must answer.
+        ok = False
+        try:
+            ok = sizing_pool.executor().submit(lambda: 7).result(timeout=5) == 7
+        finally:
+            os.write(w, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert got == b"1"

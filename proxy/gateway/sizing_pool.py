@@ -126,6 +126,16 @@ def reset() -> None:
         old.shutdown(wait=False)
 
 
+def _forget_in_child() -> None:
+    # A forked child has none of the parent's threads: its first use starts its own pool.
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 async def run(fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` in a sizing thread."""
     loop = asyncio.get_running_loop()
