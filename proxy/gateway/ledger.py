@@ -31,7 +31,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker
@@ -42,6 +43,18 @@ log = logging.getLogger("kvroute.reservations")
 
 
 Key = tuple[str, str]  # (reservation id, backend)
+T = TypeVar("T")
+
+
+def _result_now(coro: Coroutine[Any, Any, T]) -> T:
+    """The value of a coroutine that never suspends (the embedded store's calls), run here."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    coro.close()
+    raise RuntimeError("an embedded store call suspended")
 
 
 class ReservationLedger:
@@ -207,6 +220,33 @@ class ReservationLedger:
                 # A timed-out reserve may still land after our release: release it "unsure".
                 self.unsure.add((reservation_id, backend))
             raise
+        if ok:
+            self.hold(backend, reservation_id, tokens=tokens, created_at=created_at)
+        return ok
+
+    def reserve_at_once(
+        self,
+        backend: str,
+        reservation_id: str,
+        call: Callable[[], Coroutine[Any, Any, bool]],
+        tokens: int = 0,
+        created_at: float = 0.0,
+    ) -> bool | None:
+        """``reserve()`` without a coroutine of its own, on the embedded store only.
+
+        Its calls never suspend nor fail (no I/O), so the call is run to its end here, with
+        the breaker closed (which it stays: nothing fails), instead of through three nested
+        awaits (ledger, breaker, store): profiled at ~1% of a tiny request's CPU. None: use
+        ``reserve()`` (another store, a re-assert due, a breaker not closed).
+        """
+        if (
+            not self._calls_never_suspend
+            or self.store_may_have_lost
+            or self.breaker.state != "closed"
+        ):
+            return None
+        ok = _result_now(call())
+        self.breaker.success()
         if ok:
             self.hold(backend, reservation_id, tokens=tokens, created_at=created_at)
         return ok

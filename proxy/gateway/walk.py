@@ -98,6 +98,8 @@ class Gateway:
         self.on_allocation_failure: list[AllocationFailureHook] = []
         self._background: set[asyncio.Task[None]] = set()
         self.active = 0
+        # Read at scrape time: no locked gauge update twice per request.
+        metrics.active.set_function(lambda: self.active)
         self.breaker = fleet.breaker
         self.health = BackendHealth([b.name for b in cfg.backends], cfg.health)
         self.budget = RetryBudget(cfg.retry.budget_percent, cfg.retry.budget_min_concurrency)
@@ -140,7 +142,6 @@ class Gateway:
             self.metrics.rejected.labels(err.code or "invalid").inc()
             return err.response({"x-request-id": request_id})
         self.active += 1
-        self.metrics.active.inc()
         answer: Response | None = None
         try:
             # 2. count tokens -> KV demand, 3. classify short/long
@@ -160,7 +161,6 @@ class Gateway:
 
     def _request_ended(self) -> None:
         self.active -= 1
-        self.metrics.active.dec()
 
     async def _stream_ended(self) -> None:
         self._request_ended()

@@ -121,9 +121,17 @@ def merge_ceiling(
     return flags
 
 
+_PLAIN_NUMBERS = frozenset({int, float})
+
+
 def check_finite(**values: float) -> None:
     """Reject NaN/infinite times and sizes: Redis and Python would order them differently."""
     for label, value in values.items():
+        # A plain int or float (nearly always): one type test, not three (per store call).
+        if type(value) in _PLAIN_NUMBERS:
+            if not math.isfinite(value):
+                raise ValueError(f"{label} must be a finite number, got {value!r}")
+            continue
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
@@ -148,8 +156,10 @@ def check_reserve_args(
 ) -> None:
     """Reject arguments both stores would otherwise treat differently (negative, NaN, infinite)."""
     check_tokens(tokens)
-    check_finite(now=now, headroom=headroom, grace_s=grace_s)
-    check_ttl(ttl_s)
+    # ``check_ttl``, folded into the one finiteness pass (every reserve runs this).
+    check_finite(now=now, headroom=headroom, grace_s=grace_s, ttl_s=ttl_s)
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
     if headroom < 0 or grace_s < 0:
         raise ValueError(f"headroom and grace_s must be >= 0, got {headroom!r}, {grace_s!r}")
 

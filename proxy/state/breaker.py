@@ -74,11 +74,16 @@ class CircuitBreaker:
             self._opened_at = self.clock()
             self._set("open")
 
-    async def call(self, fn: Callable[[], Awaitable[T]], what: str = "store") -> T:
-        """Run one store call through the breaker; StoreUnavailable at once while open."""
+    def call(self, fn: Callable[[], Awaitable[T]], what: str = "store") -> Awaitable[T]:
+        """Run one store call through the breaker; StoreUnavailable at once while open.
+
+        Not itself a coroutine: it hands back ``guard``'s (or, delegated, the call's own),
+        so a store call awaits one coroutine of the breaker's, not two (every request makes
+        at least one; profiled at ~1% of a tiny request's CPU).
+        """
         if self.delegated:
-            return await fn()
-        return await self.guard(fn, what)
+            return fn()
+        return self.guard(fn, what)
 
     async def guard(self, fn: Callable[[], Awaitable[T]], what: str = "store") -> T:
         """The breaker proper, whether delegated or not."""
@@ -93,9 +98,8 @@ class CircuitBreaker:
             self.failure()
             raise
         except (asyncio.CancelledError, Exception):
-            self._probing = (
-                False  # a cancelled or broken probe must not wedge the breaker half-open
-            )
+            # A cancelled or broken probe must not wedge the breaker half-open.
+            self._probing = False
             raise
         self.success()
         return result

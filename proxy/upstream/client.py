@@ -59,6 +59,9 @@ _RESPONSE_DROP = frozenset(HOP_BY_HOP | {"content-encoding", "date", "server"})
 
 # The gateway's own credentials: checked here, never forwarded (a backend must not learn them).
 ADMIN_HEADERS = frozenset({"x-admin-key"})
+# What ``forward_headers`` drops, built once rather than per request.
+_DROP = HOP_BY_HOP | ADMIN_HEADERS
+_DROP_WITH_AUTH = _DROP | {"authorization"}
 
 
 def forward_headers(headers: Mapping[str, str], strip_authorization: bool) -> dict[str, str]:
@@ -68,13 +71,11 @@ def forward_headers(headers: Mapping[str, str], strip_authorization: bool) -> di
     (``auth.api_keys``); otherwise it is the client's business with the backend and passes.
     """
     conn = headers.get("connection", "")
-    listed = {h.strip().lower() for h in conn.split(",") if h.strip()}
-    dropped = HOP_BY_HOP | ADMIN_HEADERS
-    if strip_authorization:
-        dropped = dropped | {"authorization"}
-    return {
-        k: v for k, v in headers.items() if (lk := k.lower()) not in dropped and lk not in listed
-    }
+    dropped = _DROP_WITH_AUTH if strip_authorization else _DROP
+    if conn:
+        listed = {h.strip().lower() for h in conn.split(",") if h.strip()}
+        dropped = dropped | listed
+    return {k: v for k, v in headers.items() if k.lower() not in dropped}
 
 
 def with_credential(headers: dict[str, str], credential: str | None) -> dict[str, str]:
