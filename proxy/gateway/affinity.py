@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -146,7 +146,8 @@ class Affinity:
             bt = self.cfg.block_tokens
             indexed = {n.name: self.index.size(n.name) * bt for n in view.nodes}
         session_node = self._session_node(key.session, now)
-        return replace(base, cached=cached, session_node=session_node, indexed=indexed)
+        # Field by field, not ``dataclasses.replace`` (per request; replace inspects the fields).
+        return RouteRequest(base.demand, base.cls, base.exclude, cached, session_node, indexed)
 
     def demand_on(self, req: RouteRequest, view: FleetSnapshot, name: str) -> int:
         """What to reserve on ``name``: the demand, less its cached prefix where it is reused."""

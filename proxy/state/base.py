@@ -71,8 +71,25 @@ def pending_tokens(
     Reservations older than the report are already allocated on the backend and counted in
     its free/largest-block figures; counting them again would double count.
     """
+    return pending_and_reserved(report, reservations, now, grace_s)[0]
+
+
+def pending_and_reserved(
+    report: MemoryReport | None, reservations: Iterable[Reservation], now: float, grace_s: float
+) -> tuple[int, int]:
+    """``pending_tokens`` and the tokens of every live reservation, in one pass.
+
+    The reserve's fit check needs both (the second for a lazily allocating server); one
+    pass, since the embedded store runs it on every request over every reservation held.
+    """
     cutoff = (report.reported_at - grace_s) if report is not None else float("-inf")
-    return sum(r.tokens for r in reservations if r.expires_at > now and r.created_at >= cutoff)
+    pending = reserved = 0
+    for r in reservations:
+        if r.expires_at > now:
+            reserved += r.tokens
+            if r.created_at >= cutoff:
+                pending += r.tokens
+    return pending, reserved
 
 
 def live_reservations(reservations: Iterable[Reservation], now: float) -> tuple[Reservation, ...]:

@@ -30,7 +30,7 @@ from proxy.state.base import (
     check_ttl,
     live_reservations,
     merge_ceiling,
-    pending_tokens,
+    pending_and_reserved,
     reservation_fits,
 )
 
@@ -158,9 +158,13 @@ class InProcessStore(StateStore):
         if check_fit:
             entry = self._state(name)
             report = entry.report if entry is not None else None
-            others = [r for rid, r in live.items() if rid != reservation_id]
-            pending = pending_tokens(report, others, now, grace_s)
-            reserved = sum(r.tokens for r in others)
+            # The id's own earlier reservation (a reserve sent again) is being replaced.
+            others = (
+                [r for rid, r in live.items() if rid != reservation_id]
+                if reservation_id in live
+                else live.values()
+            )
+            pending, reserved = pending_and_reserved(report, others, now, grace_s)
             if not reservation_fits(report, pending, tokens, headroom, reserved):
                 return False
         now = float(now)
