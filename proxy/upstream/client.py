@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -174,13 +174,21 @@ class Upstream:
             await self.session.close()
             self.session = None
 
-    async def post(
+    def post(
         self, url: str, body: bytes, headers: Mapping[str, str], ttfb_s: float | None = None
-    ) -> UpstreamAnswer:
-        """Send the request; return once response headers arrived (the body is still to read)."""
+    ) -> Awaitable[UpstreamAnswer]:
+        """Send the request; return once response headers arrived (the body is still to read).
+
+        Not itself a coroutine: it hands back the chosen client's, one layer less per request.
+        """
         limit = self.cfg.ttfb_timeout_s if ttfb_s is None else max(0.001, ttfb_s)
         if self.pool is not None:
-            return await lean.post(self.pool, url, body, headers, limit)
+            return lean.post(self.pool, url, body, headers, limit)
+        return self._post_aiohttp(url, body, headers, limit)
+
+    async def _post_aiohttp(
+        self, url: str, body: bytes, headers: Mapping[str, str], limit: float
+    ) -> UpstreamAnswer:
         assert self.session is not None, "Upstream.start() was not called"
         # Messages name no URL: the caller names the backend (a URL may carry credentials).
         # Redirects are never followed: a 3xx would re-send the prompt somewhere else.

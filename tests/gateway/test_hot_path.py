@@ -95,7 +95,8 @@ def _quiet_request() -> tuple[Receive, asyncio.Event]:
 async def test_the_watch_cancels_the_block_when_the_client_leaves() -> None:
     request, left = _quiet_request()
     reached_after = False
-    async with ClientWatch(request) as watch:
+    # A plain ``with``, as the attempt uses it (the relay's ``async with`` below).
+    with ClientWatch(request) as watch:
         left.set()
         await asyncio.sleep(5)
         reached_after = True
