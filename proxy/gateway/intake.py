@@ -116,10 +116,10 @@ async def open_request(
     policy = gw.policy if policy is None else policy
     rcfg = cfg.routing
     deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
-    served = route_model(gw, parsed, cfg)
+    served, catalog = route_model(gw, parsed, cfg)
     sized = await size_request(parsed, cfg, served.limit)
     prompt_tokens, demand = sized.prompt_tokens, sized.total
-    too_small = check_length(gw, served, parsed, prompt_tokens, cfg)
+    too_small = check_length(catalog, served, parsed, prompt_tokens)
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
     cap = max_capacity(cfg, snap)
