@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from proxy.state.base import StateStore, StoreUnavailable
-from proxy.state.breaker import CircuitBreaker
+from proxy.state.breaker import CircuitBreaker, CircuitOpen
 from proxy.state.memory import InProcessStore
 from proxy.tasks import PeriodicTask
 
@@ -191,27 +191,23 @@ class ReservationLedger:
         was sent, since a paused store may still run it). If the caller is cancelled while
         the call is in flight, the id is forgotten in the background (see the module doc).
         """
-        sent = False
-
-        async def sent_call() -> bool:
-            nonlocal sent
-            sent = True
-            return await call()
-
         if self.store_may_have_lost:
             # After a store outage, first tell the store what this gateway already placed.
             await self.reassert()
         try:
-            ok = await self.breaker.call(sent_call, "reserve")
+            ok = await self.breaker.call(call, "reserve")
         except asyncio.CancelledError:
-            if sent:
-                # Cut off mid-flight (the client went away): the reserve may have landed, or
-                # may land still (a paused Redis runs it later). A forget settles both: it
-                # removes the id, and its marker refuses the id should it arrive afterwards.
-                self.hold(backend, reservation_id)
-                self._spawn(self.release(backend, reservation_id, unsure=True))
+            # Cut off mid-flight (the client went away; nothing before the call awaits, so it
+            # was sent): the reserve may have landed, or may land still (a paused Redis runs
+            # it later). A forget settles both: it removes the id, and its marker refuses the
+            # id should it arrive afterwards.
+            self.hold(backend, reservation_id)
+            self._spawn(self.release(backend, reservation_id, unsure=True))
             raise
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
+            # Only the breaker's own refusal means the call never reached the store (a
+            # delegated breaker always passes it on).
+            sent = self.breaker.delegated or not isinstance(exc, CircuitOpen)
             self.on_error("reserve")
             self.hold(backend, reservation_id, sent=sent, tokens=tokens, created_at=created_at)
             # Re-assert it once the store answers, in case it never landed.

@@ -25,6 +25,10 @@ T = TypeVar("T")
 State = Literal["closed", "open", "half_open"]
 
 
+class CircuitOpen(StoreUnavailable):
+    """The breaker refused the call: it never reached the store (nothing there to undo)."""
+
+
 class CircuitBreaker:
     def __init__(
         self, failures: int, open_s: float, clock: Callable[[], float] = time.monotonic
@@ -89,9 +93,7 @@ class CircuitBreaker:
         """The breaker proper, whether delegated or not."""
         if not self.allow():
             self.rejected_total += 1
-            raise StoreUnavailable(
-                f"{what}: circuit open (store failed {self.failures} times in a row)"
-            )
+            raise CircuitOpen(f"{what}: circuit open (store failed {self.failures} times in a row)")
         try:
             result = await fn()
         except StoreUnavailable:
