@@ -211,7 +211,8 @@ class DegradedStore(StateStore):
             return ok
         if ok:
             # Mirror our own reservation, so that it is counted the moment Redis goes away.
-            await self.local.reserve(name, reservation_id, tokens, now, ttl_s, check_fit=False)
+            # Redis accepted the same arguments, so they were checked (RedisStore.reserve).
+            self.local.reserve_checked(name, reservation_id, tokens, now, ttl_s, check_fit=False)
             self._replay.reserved_shared(key)
         return ok
 

@@ -148,6 +148,31 @@ class InProcessStore(StateStore):
         grace_s: float = 0.0,
     ) -> bool:
         check_reserve_args(tokens, now, ttl_s, headroom, grace_s)
+        return self.reserve_checked(
+            name,
+            reservation_id,
+            tokens,
+            now,
+            ttl_s,
+            check_fit=check_fit,
+            headroom=headroom,
+            grace_s=grace_s,
+        )
+
+    def reserve_checked(
+        self,
+        name: str,
+        reservation_id: str,
+        tokens: int,
+        now: float,
+        ttl_s: float,
+        *,
+        check_fit: bool = True,
+        headroom: float = 0.0,
+        grace_s: float = 0.0,
+    ) -> bool:
+        """``reserve`` with arguments already checked (``check_reserve_args``), no coroutine:
+        the degraded store's mirror of what Redis just accepted (checked before it was sent)."""
         tombs = self._tombs.get(name)
         if tombs:
             if tombs.get(reservation_id, float("-inf")) > now:
