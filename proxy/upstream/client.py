@@ -10,9 +10,9 @@ it measured ~12x httpx.AsyncClient's throughput as a proxy client on this class 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, Protocol
 
 import aiohttp
@@ -144,16 +144,34 @@ class UpstreamAnswer(Protocol):
 _BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError)
 
 
-@contextlib.contextmanager
-def _map_broken() -> Iterator[None]:
-    """Translate aiohttp's and the socket's errors into UpstreamBroken (the httpx mapping habit)."""
-    try:
-        yield
-    except TimeoutError:
-        # An OSError subclass, but a timeout (the lean reader's own timer), not a break.
-        raise
-    except _BROKEN as exc:
-        raise UpstreamBroken(exc.__class__.__name__) from exc
+class _MapBroken:
+    """Translate aiohttp's and the socket's errors into UpstreamBroken (the httpx mapping habit).
+
+    A class with one shared instance, not a ``contextlib.contextmanager``: that built a
+    generator and its manager around every read of an answer's body (two per tiny answer).
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # A TimeoutError is an OSError, but a timeout (the lean reader's own timer), not a break.
+        if (
+            exc_type is not None
+            and issubclass(exc_type, _BROKEN)
+            and not issubclass(exc_type, TimeoutError)
+        ):
+            raise UpstreamBroken(exc_type.__name__) from exc
+
+
+_map_broken = _MapBroken()
 
 
 @dataclass(slots=True)
@@ -255,7 +273,7 @@ async def read_limited(resp: UpstreamAnswer, limit: int = 1 << 20) -> bytes:
     """Read an error body, at most `limit` bytes (an upstream must not make us buffer gigabytes)."""
     chunks: list[bytes] = []
     size = 0
-    with _map_broken():
+    with _map_broken:
         async for chunk in resp.content.iter_any():
             chunks.append(chunk)
             size += len(chunk)
@@ -277,7 +295,7 @@ async def next_chunk(resp: UpstreamAnswer, idle_s: float, deadline: float) -> by
     content = resp.content
     # What has arrived already is taken without arming a timer (profiled: a timeout's
     # set-up and tear-down per read was ~5% of a tiny answer's CPU); only a wait is timed.
-    with _map_broken():
+    with _map_broken:
         ready = content.read_nowait()
     if ready or content.at_eof():
         return ready
@@ -285,10 +303,10 @@ async def next_chunk(resp: UpstreamAnswer, idle_s: float, deadline: float) -> by
     try:
         if isinstance(content, BodyReader):
             # The lean client's reader times its own wait (one timer, no timeout scope).
-            with _map_broken():
+            with _map_broken:
                 return await content.readany_by(loop.time() + min(idle_s, left))
         async with asyncio.timeout(min(idle_s, left)):
-            with _map_broken():
+            with _map_broken:
                 return await content.readany()
     except TimeoutError:
         if phase == "idle":
