@@ -180,3 +180,17 @@ def test_bench_queueing_smoke(tmp_path: Path) -> None:
         assert r["requests"] > 0 and r["failed"] == 0, r
         assert r["short_ttft_p50"] is not None and r["preemptions"] >= 0
         assert r["output_tokens_per_s"] > 0
+
+
+def test_tree_ab_smoke() -> None:
+    """Two checkouts (here the same one twice) measured in alternating rounds, paired ratio printed."""
+    from loadtest.bench.overhead import find_wrk
+
+    if find_wrk() is None:
+        pytest.skip("wrk is not installed")
+    args = ("--rounds", "1", "--duration", "1", "--concurrency", "2")
+    out = run_module("loadtest.bench.tree_ab", str(ROOT), str(ROOT), *args).stdout
+    rounds = [line for line in out.splitlines() if line[:2] in ("A ", "B ")]
+    assert len(rounds) == 2, out
+    assert all(line.endswith("errors 0") for line in rounds), out
+    assert "paired B/A: req/s x" in out and "CPU per request x" in out

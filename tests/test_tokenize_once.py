@@ -25,7 +25,7 @@ from proxy.core.prefix import block_hashes
 from proxy.core.prefix_prompt import prompt_ids
 from proxy.core.tokenizer import TiktokenCounter
 from proxy.core.validation import ParsedRequest, parse_request
-from proxy.gateway import sizing
+from proxy.gateway import sizing, sizing_pool
 from proxy.gateway.affinity import Affinity
 from tests.test_sizing import Spy as CountSpy
 
@@ -77,7 +77,14 @@ def counting_hops(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         hops.append(fn)
         return real(fn, *a, **kw)
 
+    real_run = sizing_pool.run
+
+    def run(fn: Callable[..., Any], *a: Any) -> Coroutine[Any, Any, Any]:
+        hops.append(fn)
+        return real_run(fn, *a)
+
     monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    monkeypatch.setattr(sizing_pool, "run", run)
     return hops
 
 
@@ -149,17 +156,17 @@ async def test_affinity_hashes_itself_when_sizing_used_another_config() -> None:
     assert key is not None and key.hashes == expected_hashes(body, cfg)
 
 
-def test_loading_the_sizer_starts_the_worker_threads_before_the_first_request() -> None:
+def test_loading_the_sizer_starts_the_sizing_threads_before_the_first_request() -> None:
     async def go() -> set[threading.Thread]:
         before = set(threading.enumerate())
         await sizing.load_sizer(config())
         return set(threading.enumerate()) - before
 
-    # A fresh loop has its own default executor: all its threads run once the sizer is loaded.
+    # A fresh pool: all its threads run once the sizer is loaded.
+    sizing_pool.reset()
     started = asyncio.run(go())
-    assert len([t for t in started if t.name.startswith("asyncio_")]) == min(
-        32, (os.cpu_count() or 1) + 4
-    )
+    names = [t.name for t in started if t.name.startswith("kvroute-sizing")]
+    assert len(names) == sizing_pool.THREADS
 
 
 async def test_short_texts_are_encoded_once_and_repeated_ones_not_at_all() -> None:

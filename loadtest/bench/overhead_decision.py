@@ -9,7 +9,9 @@ client's own work, about a third of the loop's busy time, into the gateway's lag
 
 - decision: the gateway's own ``kvroute_routing_decision_seconds`` observations (request
   start to the first ranking), collected raw; each long prompt is new text, so no cached
-  count helps; "alone" sends them one at a time.
+  count helps; "alone" sends them one at a time. ``sizing_cpu_ms_p50_alone``: the CPU time
+  of each alone prompt's sizing call in its thread (with a split encode, the other half's
+  thread is not included), steadier than wall time on a shared box.
 - lag: a probe task in the gateway's loop measures how late a 1 ms sleep wakes, while the
   client sends the mix (``long_share`` long, the rest tiny, at concurrency 8), and for as
   long with no load at all (what the machine alone adds).
@@ -24,6 +26,7 @@ import random
 import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -127,6 +130,7 @@ async def _decision_and_lag(
     from proxy.api.app import create_app
     from proxy.api.server import server_config
     from proxy.config import load_config
+    from proxy.gateway import sizing
 
     cfg = load_config(cfg_path)
     app = create_app(cfg)
@@ -163,10 +167,24 @@ async def _decision_and_lag(
             observe(v)
 
         rt.metrics.decision.observe = observe_both
+        # CPU of each big sizing call in its thread (steadier than wall time on a busy box).
+        cpu: list[float] = []
+        size = sizing._size
+
+        def timed_size(*args: Any) -> Any:
+            c = time.thread_time()
+            try:
+                return size(*args)
+            finally:
+                if threading.current_thread() is not threading.main_thread():
+                    cpu.append(time.thread_time() - c)
+
+        sizing._size = timed_size  # type: ignore[assignment]
         workdir = cfg_path.parent
         # Each prompt is new text: no cached count helps.
         await _send(url, [long_body(long_tokens, rng) for _ in range(n_long)], 1, workdir)
         alone = list(seen[-n_long:])
+        alone_cpu = list(cpu)
         mix = [
             long_body(long_tokens, rng) if rng.random() < long_share else request_body(False)
             for _ in range(mix_n)
@@ -180,6 +198,7 @@ async def _decision_and_lag(
         stop.set()
         await task
     finally:
+        sizing._size = size
         server.should_exit = True
         await serving
     busy = [lag for t, lag in lags if start <= t <= end]
@@ -188,6 +207,7 @@ async def _decision_and_lag(
         "long_tokens": long_tokens,
         "decision_ms_p50_alone": round(statistics.median(alone) * 1e3, 2),
         "decision_ms_p99_alone": round(_pct(alone, 0.99) * 1e3, 2),
+        "sizing_cpu_ms_p50_alone": round(statistics.median(alone_cpu) * 1e3, 2),
         "mix_requests": mix_n,
         "mix_long_share": long_share,
         "decision_ms_p50_mix": round(statistics.median(in_mix) * 1e3, 2),

@@ -43,6 +43,7 @@ from proxy.config import BackendConfig, Config
 from proxy.core.fleet import MemoryReport
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.tasks import PeriodicTask
+from proxy.upstream.tls import verifying_context
 
 __all__ = ["LOCK_NAME", "Collector", "ReportHook", "ScrapeError", "ScrapeOutcome", "parse_report"]
 
@@ -187,14 +188,18 @@ class Collector:
         self._counters.leader = got
         return got
 
-    def _http(self) -> httpx.AsyncClient:
+    async def _http(self) -> httpx.AsyncClient:
         """One client for all scrapes, sized to the fleet so no scrape waits for a connection."""
         slots = len(self._config.backends) + 4
         if self._client is not None and slots <= self._client_slots:
             return self._client
-        old = self._client
         cc = self._config.collector
-        self._client = scrape_client(slots, cc)
+        tls = await verifying_context()
+        if self._client is not None and slots <= self._client_slots:
+            # Another scrape built it while this one waited for the context.
+            return self._client
+        old = self._client
+        self._client = scrape_client(slots, cc, tls)
         self._client_slots = slots
         if old is not None:
             closing = asyncio.get_running_loop().create_task(old.aclose())
@@ -203,7 +208,9 @@ class Collector:
         return self._client
 
     async def _scrape(self, backend: BackendConfig) -> ScrapeOutcome:
-        return await scrape(self._http(), backend, self._config.collector.timeout_s, self._clock)
+        return await scrape(
+            await self._http(), backend, self._config.collector.timeout_s, self._clock
+        )
 
     async def _publish(self, o: ScrapeOutcome) -> None:
         """Count the outcome (fall/rise) and write what it asks for; hooks get fresh reports."""
@@ -264,7 +271,7 @@ class Collector:
 
     async def _refresh_models(self, backends: list[BackendConfig]) -> None:
         every = self._config.collector.models_refresh_s
-        await self._models.refresh(self._http(), backends, self._clock(), every)
+        await self._models.refresh(await self._http(), backends, self._clock(), every)
 
     # --- read-only view for metrics --------------------------------------------------------
 

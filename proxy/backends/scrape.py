@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,9 +105,14 @@ class BackendStatus:
         return "down"
 
 
-def scrape_client(slots: int, cc: CollectorConfig) -> httpx.AsyncClient:
-    """The HTTP client for ``slots`` concurrent scrapes (no scrape waits for a connection)."""
+def scrape_client(slots: int, cc: CollectorConfig, tls: ssl.SSLContext) -> httpx.AsyncClient:
+    """The HTTP client for ``slots`` concurrent scrapes (no scrape waits for a connection).
+
+    ``tls``: a ready verifying context (``proxy.upstream.tls``); without one, httpx would
+    build its own here, reading the CA bundle on the event loop.
+    """
     return httpx.AsyncClient(
+        verify=tls,
         timeout=httpx.Timeout(cc.timeout_s),
         limits=httpx.Limits(
             max_connections=slots,

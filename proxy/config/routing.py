@@ -130,6 +130,13 @@ class SizingConfig(_Strict):
     )
     cache_entries: int = Field(default=16_384, ge=0)
     cache_min_chars: int = Field(default=256, ge=0)
+    threads: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="worker threads that size big requests (encodes at once); 2+ also splits "
+        "one big text across two when the other is free",
+    )
 
     @model_validator(mode="after")
     def _file_exists(self) -> SizingConfig:

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from proxy.core.digest import text_digest
 from proxy.core.prefix import block_hashes
 
 #: A tokenizer's ids of a text; ideally already a 64-bit array (kept as is, no copy).
@@ -61,9 +62,8 @@ class IdsCache:
             return self._small_ids(encoder_id, encode, text)
         if self.max_tokens <= 0:
             return _as_array(encode(text))
-        h = hashlib.blake2b(encoder_id.encode(), digest_size=16)
-        h.update(text.encode("utf-8", "surrogatepass"))
-        key = h.digest()
+        # The text's digest is shared with the count cache's keys (one pass per sizing call).
+        key = hashlib.blake2b(encoder_id.encode() + b"\0" + text_digest(text)).digest()
         with self._lock:
             hit = self._lru.get(key)
             if hit is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -37,6 +37,7 @@ from proxy.gateway.sizing import hash_spec, prefix_hashes, sizer_for, take_hashe
 from proxy.routing.affinity import AffinitySettings, demand_on, utilisation
 from proxy.routing.policy import RouteRequest
 from proxy.state.prefix_share import PrefixShare
+from proxy.upstream.client import header
 
 #: Above this many characters of prompt, ids and hashes are computed in a worker thread.
 _THREAD_ABOVE_CHARS = 16_384
@@ -77,6 +78,7 @@ class Affinity:
         self.ids_cache = IdsCache()
         self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._full_cfg = cfg
+        self._session_header = self.cfg.session_header.lower()
         # Set by the app when replicas share placements through Redis (routing.prefix.share).
         self.share: PrefixShare | None = None
         self._next_expiry = 0.0
@@ -118,7 +120,7 @@ class Affinity:
         return prefix_hashes(sizer, parsed, spec, sizer.ids or self.ids_cache)
 
     def _session_of(self, request: Request, parsed: ParsedRequest) -> str | None:
-        key = request.headers.get(self.cfg.session_header)
+        key = header(request.headers, self._session_header)
         if not key and self.cfg.session_from_user:
             user = parsed.body.get("user")
             key = user if isinstance(user, str) else None
@@ -146,7 +148,8 @@ class Affinity:
             bt = self.cfg.block_tokens
             indexed = {n.name: self.index.size(n.name) * bt for n in view.nodes}
         session_node = self._session_node(key.session, now)
-        return replace(base, cached=cached, session_node=session_node, indexed=indexed)
+        # Field by field, not ``dataclasses.replace`` (per request; replace inspects the fields).
+        return RouteRequest(base.demand, base.cls, base.exclude, cached, session_node, indexed)
 
     def demand_on(self, req: RouteRequest, view: FleetSnapshot, name: str) -> int:
         """What to reserve on ``name``: the demand, less its cached prefix where it is reused."""

@@ -44,7 +44,7 @@ async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | 
     """Forward to ``backend``. A Response ends the request; None means divert to another node."""
     # A client that leaves cancels the attempt at once: its cleanup drops the upstream
     # connection and frees the reservation.
-    async with ClientWatch(ctx.request.receive):
+    with ClientWatch(ctx.request.receive):
         return await _forward(gw, ctx, backend)
     # Reached only when the watch suppressed its own cancellation: the client went away.
     return _client_left(gw, ctx, backend)

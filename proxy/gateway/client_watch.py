@@ -3,7 +3,7 @@
 The attempt used to run in a task of its own, raced against a watcher with ``asyncio.wait``:
 two tasks and a wait per request. Here the attempt runs in the request's task and only the
 watcher is a task; when the client disconnects, the watcher cancels the request's task, and
-leaving the ``async with`` turns that cancellation back into ``watch.gone`` (the way
+leaving the ``with`` turns that cancellation back into ``watch.gone`` (the way
 ``asyncio.timeout`` turns its own cancellation into ``TimeoutError``). A cancellation from
 anywhere else (server shutdown) still propagates.
 
@@ -35,7 +35,7 @@ async def client_gone(receive: Receive) -> None:
 
 
 class ClientWatch:
-    """``async with ClientWatch(receive) as watch``: the block is cancelled if the client goes.
+    """``with ClientWatch(receive) as watch``: the block is cancelled if the client goes.
 
     ``receive``: the request's ASGI receive, its body already read.
     """
@@ -51,7 +51,9 @@ class ClientWatch:
         self._armed = False
         self.gone = False
 
-    async def __aenter__(self) -> ClientWatch:
+    # A plain ``with`` (the attempt's): entering and leaving never wait, so no coroutine per
+    # request for either; ``async with`` (the relay's) does the same.
+    def __enter__(self) -> ClientWatch:
         self._task = asyncio.current_task()
         self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
         self._armed = True
@@ -67,7 +69,7 @@ class ClientWatch:
             self.gone = True
             self._task.cancel()
 
-    async def __aexit__(
+    def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
@@ -84,3 +86,14 @@ class ClientWatch:
         # else cancelled the task too.
         others = self._task.uncancel()
         return exc_type is asyncio.CancelledError and others == 0
+
+    async def __aenter__(self) -> ClientWatch:
+        return self.__enter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        return self.__exit__(exc_type, exc, tb)

@@ -24,7 +24,7 @@ from proxy.gateway.models import check_length, route_model
 from proxy.gateway.sizing import size_request
 from proxy.routing.policy import Policy, classify
 from proxy.state.base import StoreUnavailable
-from proxy.upstream.client import forward_headers
+from proxy.upstream.client import forward_headers, header
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -69,7 +69,8 @@ def retry_key(cfg: Config, request: Request, parsed: ParsedRequest) -> str | Non
     Namespaced by who sent it (a digest of its API key, or its address when auth is off) and
     by model: another client choosing the same Idempotency-Key must not steer this one.
     """
-    key = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
+    headers = request.headers
+    key = header(headers, "idempotency-key") or header(headers, "x-request-id")
     if key:
         key = key[:200]
     elif cfg.retry.hash_body:
@@ -115,10 +116,10 @@ async def open_request(
     policy = gw.policy if policy is None else policy
     rcfg = cfg.routing
     deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
-    served = route_model(gw, parsed, cfg)
+    served, catalog = route_model(gw, parsed, cfg)
     sized = await size_request(parsed, cfg, served.limit)
     prompt_tokens, demand = sized.prompt_tokens, sized.total
-    too_small = check_length(gw, served, parsed, prompt_tokens, cfg)
+    too_small = check_length(catalog, served, parsed, prompt_tokens)
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
     cap = max_capacity(cfg, snap)

@@ -31,10 +31,11 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from proxy.state.base import StateStore, StoreUnavailable
-from proxy.state.breaker import CircuitBreaker
+from proxy.state.breaker import CircuitBreaker, CircuitOpen
 from proxy.state.memory import InProcessStore
 from proxy.tasks import PeriodicTask
 
@@ -42,6 +43,18 @@ log = logging.getLogger("kvroute.reservations")
 
 
 Key = tuple[str, str]  # (reservation id, backend)
+T = TypeVar("T")
+
+
+def _result_now(coro: Coroutine[Any, Any, T]) -> T:
+    """The value of a coroutine that never suspends (the embedded store's calls), run here."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    coro.close()
+    raise RuntimeError("an embedded store call suspended")
 
 
 class ReservationLedger:
@@ -178,27 +191,23 @@ class ReservationLedger:
         was sent, since a paused store may still run it). If the caller is cancelled while
         the call is in flight, the id is forgotten in the background (see the module doc).
         """
-        sent = False
-
-        async def sent_call() -> bool:
-            nonlocal sent
-            sent = True
-            return await call()
-
         if self.store_may_have_lost:
             # After a store outage, first tell the store what this gateway already placed.
             await self.reassert()
         try:
-            ok = await self.breaker.call(sent_call, "reserve")
+            ok = await self.breaker.call(call, "reserve")
         except asyncio.CancelledError:
-            if sent:
-                # Cut off mid-flight (the client went away): the reserve may have landed, or
-                # may land still (a paused Redis runs it later). A forget settles both: it
-                # removes the id, and its marker refuses the id should it arrive afterwards.
-                self.hold(backend, reservation_id)
-                self._spawn(self.release(backend, reservation_id, unsure=True))
+            # Cut off mid-flight (the client went away; nothing before the call awaits, so it
+            # was sent): the reserve may have landed, or may land still (a paused Redis runs
+            # it later). A forget settles both: it removes the id, and its marker refuses the
+            # id should it arrive afterwards.
+            self.hold(backend, reservation_id)
+            self._spawn(self.release(backend, reservation_id, unsure=True))
             raise
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
+            # Only the breaker's own refusal means the call never reached the store (a
+            # delegated breaker always passes it on).
+            sent = self.breaker.delegated or not isinstance(exc, CircuitOpen)
             self.on_error("reserve")
             self.hold(backend, reservation_id, sent=sent, tokens=tokens, created_at=created_at)
             # Re-assert it once the store answers, in case it never landed.
@@ -207,6 +216,33 @@ class ReservationLedger:
                 # A timed-out reserve may still land after our release: release it "unsure".
                 self.unsure.add((reservation_id, backend))
             raise
+        if ok:
+            self.hold(backend, reservation_id, tokens=tokens, created_at=created_at)
+        return ok
+
+    def reserve_at_once(
+        self,
+        backend: str,
+        reservation_id: str,
+        call: Callable[[], Coroutine[Any, Any, bool]],
+        tokens: int = 0,
+        created_at: float = 0.0,
+    ) -> bool | None:
+        """``reserve()`` without a coroutine of its own, on the embedded store only.
+
+        Its calls never suspend nor fail (no I/O), so the call is run to its end here, with
+        the breaker closed (which it stays: nothing fails), instead of through three nested
+        awaits (ledger, breaker, store): profiled at ~1% of a tiny request's CPU. None: use
+        ``reserve()`` (another store, a re-assert due, a breaker not closed).
+        """
+        if (
+            not self._calls_never_suspend
+            or self.store_may_have_lost
+            or self.breaker.state != "closed"
+        ):
+            return None
+        ok = _result_now(call())
+        self.breaker.success()
         if ok:
             self.hold(backend, reservation_id, tokens=tokens, created_at=created_at)
         return ok

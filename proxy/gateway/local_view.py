@@ -50,17 +50,21 @@ class LocalReservations:
 
     def apply(self, snap: FleetSnapshot) -> FleetSnapshot:
         """``snap`` with this replica's reservations that it cannot show yet added as pending."""
-        if not self._by_backend:
+        held = self._by_backend
+        if not held:
             return snap
-        nodes = tuple(self._apply_one(n, snap.taken_at) for n in snap.nodes)
-        return FleetSnapshot(nodes, taken_at=snap.taken_at)
+        taken_at = snap.taken_at
+        nodes = tuple([self._apply_one(n, taken_at) if n.name in held else n for n in snap.nodes])
+        return FleetSnapshot(nodes, taken_at=taken_at)
 
     def _apply_one(self, n: NodeView, taken_at: float) -> NodeView:
-        held = self._by_backend.get(n.name)
-        if not held:
+        # One pass, no list (every request walks every reservation in flight here).
+        tokens = count = 0
+        for e in self._by_backend[n.name].values():
+            # Confirmed before the snapshot was read: the store's overlay shows it already.
+            if e.confirmed_at is None or e.confirmed_at >= taken_at:
+                tokens += e.tokens
+                count += 1
+        if not count:
             return n
-        unseen = [e for e in held.values() if e.confirmed_at is None or e.confirmed_at >= taken_at]
-        if not unseen:
-            return n
-        tokens = sum(e.tokens for e in unseen)
-        return n.with_overlay(n.overlay.plus_pending(tokens, len(unseen)))
+        return n.with_overlay(n.overlay.plus_pending(tokens, count))

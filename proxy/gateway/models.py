@@ -73,7 +73,10 @@ class CatalogCache:
 
     def route(self, cfg: Config, lookup: ModelsLookup, model: str) -> ModelRoute | None:
         """``Catalog.route`` for ``model`` under ``cfg``, computed once per catalog."""
-        catalog = self.get(cfg, lookup)
+        return self.route_in(self.get(cfg, lookup), cfg, model)
+
+    def route_in(self, catalog: Catalog, cfg: Config, model: str) -> ModelRoute | None:
+        """``route`` on the catalog ``get`` just returned (the model lists checked once)."""
         key = (model, cfg.routing.unknown_model == "pass_through")
         if key not in self._routes:
             if len(self._routes) >= self.MAX_ROUTES:
@@ -86,17 +89,18 @@ def as_api_error(err: LimitError) -> ApiError:
     return ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code)
 
 
-def route_model(gw: Gateway, parsed: ParsedRequest, cfg: Config) -> ModelRoute:
-    """Where the request's model is served; 404 ``model_not_found`` when nowhere."""
-    route = gw.catalogs.route(cfg, gw.models_info, parsed.model)
+def route_model(gw: Gateway, parsed: ParsedRequest, cfg: Config) -> tuple[ModelRoute, Catalog]:
+    """Where the request's model is served, and the catalog that says so (for ``check_length``:
+    one look at the model lists per request); 404 ``model_not_found`` when nowhere."""
+    catalog = gw.catalogs.get(cfg, gw.models_info)
+    route = gw.catalogs.route_in(catalog, cfg, parsed.model)
     if route is None:
-        served = gw.catalogs.get(cfg, gw.models_info).served_ids()
-        raise as_api_error(model_not_found(parsed.model, served))
-    return route
+        raise as_api_error(model_not_found(parsed.model, catalog.served_ids()))
+    return route, catalog
 
 
 def check_length(
-    gw: Gateway, route: ModelRoute, parsed: ParsedRequest, prompt_tokens: int, cfg: Config
+    catalog: Catalog, route: ModelRoute, parsed: ParsedRequest, prompt_tokens: int
 ) -> frozenset[str]:
     """vLLM's 400 when the request exceeds the model's largest limit; else the backends too small.
 
@@ -112,5 +116,4 @@ def check_length(
     err = context_length_error(route.limit, prompt_tokens, asked, given)
     if err is not None:
         raise as_api_error(err)
-    catalog = gw.catalogs.get(cfg, gw.models_info)
     return catalog.too_small(parsed.model, prompt_tokens + asked)

@@ -40,7 +40,9 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
             # No attempt after the request's own deadline: it could only time out, and
             # would count against a backend that did nothing wrong.
             return out_of_time(gw, ctx)
-        avoid = frozenset(ctx.exclude) | gw.health.avoid() | ctx.ruled_out
+        avoid = gw.health.avoid() | ctx.ruled_out
+        if ctx.exclude:
+            avoid |= ctx.exclude
         now = gw.clock()
         view = gw.local.apply(ctx.snap)
         request = RouteRequest(ctx.demand, ctx.cls, avoid)
@@ -164,9 +166,14 @@ async def reserve_first(
             )
             # The ledger holds whatever the call may reserve, also when this request is
             # cancelled while the call is in flight or the store times out (it may still land).
-            ok = await gw.ledger.reserve(
+            # The embedded store's call runs to its end at once (no await).
+            ok = gw.ledger.reserve_at_once(
                 name, ctx.reservation_id, reserve, tokens=tokens, created_at=now
             )
+            if ok is None:
+                ok = await gw.ledger.reserve(
+                    name, ctx.reservation_id, reserve, tokens=tokens, created_at=now
+                )
         except StoreUnavailable:
             # Degraded: route without a shared reservation rather than fail (counted locally).
             gw.affinity.placed(ctx.affinity, name, now)

@@ -6,7 +6,9 @@ definitions, tool-call arguments, content parts, prompts), with each field's sha
 at ``sizing.max_field_chars`` because a longer field is sized by its byte length, not
 tokenized. Deciding by ``content`` alone let a 3.9 MB ``name`` hold ``/health`` for 2.2 s.
 Both tokenizers release the GIL while encoding in a worker thread (see
-``proxy.core.tokenizer``), so the loop keeps serving while a big prompt is counted.
+``proxy.core.tokenizer``), so the loop keeps serving while a big prompt is counted. Those
+threads are a few of their own, lowered, each with its own tokenizer copies
+(``proxy.gateway.sizing_pool``).
 
 With prefix affinity on, the same call (inline, or the same worker-thread hop) also hashes
 the prompt's token blocks from the ids the count was taken from: one encode and one hop per
@@ -17,19 +19,21 @@ under a weak reference to the parsed request, so an abandoned request leaves not
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import sys
+import functools
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from proxy.config import Config, PrefixConfig
+from proxy.core import digest
 from proxy.core.demand import Demand, Sizer
 from proxy.core.prefix_prompt import IdsCache, prompt_hashes
 from proxy.core.tokenizer import TiktokenCounter, TokenCache
 from proxy.core.tokens import PromptCounter, SizingRules, work_chars
 from proxy.core.validation import ParsedRequest
+from proxy.gateway import sizing_pool
+from proxy.gateway.sizing_pool import WORKER_NICE as WORKER_NICE
 
 _lock = threading.Lock()
 # id(cfg) -> (cfg, sizer): the config is kept so that its id cannot be reused by another.
@@ -53,36 +57,26 @@ def sizer_for(cfg: Config) -> Sizer:
 async def load_sizer(cfg: Config) -> Sizer:
     """Build the config's Sizer in a worker thread (at startup, before the first request).
 
-    The first time on a loop, also start the worker threads big requests are sized in.
+    The first time for a Sizer, also start the sizing threads and build their own copies of
+    its encodings (``proxy.gateway.sizing_pool``), so the first big requests wait for neither.
     """
     sizer = await asyncio.to_thread(sizer_for, cfg)
-    loop = asyncio.get_running_loop()
-    if loop not in _warmed:
-        _warmed.add(loop)
-        await warm_threads()
+    sizing_pool.configure(cfg.sizing.threads)
+    pool = sizing_pool.executor()
+    if _warmed.get(sizer) is not pool:
+        _warmed[sizer] = pool
+        await sizing_pool.warm(functools.partial(_touch_encoders, sizer))
     return sizer
 
 
-# Loops whose default executor already runs all its threads.
-_warmed: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+# Sizer -> the sizing pool whose every thread has built (and warmed) its encoders.
+_warmed: weakref.WeakKeyDictionary[Sizer, ThreadPoolExecutor] = weakref.WeakKeyDictionary()
 
 
-async def warm_threads(n: int | None = None, timeout_s: float = 0.5) -> None:
-    """Start the loop's default executor's ``n`` threads now (default: all it may start).
-
-    ``ThreadPoolExecutor`` starts a thread on a submit that finds none idle, and
-    ``Thread.start()`` waits, on the event loop, for the new thread to run: on a busy box
-    that stalled the loop 3 ms and more per start during the first concurrent big requests.
-    """
-    n = min(32, (os.cpu_count() or 1) + 4) if n is None else n
-    # Each call waits for all the others, so n distinct threads must be running at once.
-    barrier = threading.Barrier(n)
-
-    def meet() -> None:
-        with contextlib.suppress(threading.BrokenBarrierError):
-            barrier.wait(timeout_s)
-
-    await asyncio.gather(*(asyncio.to_thread(meet) for _ in range(n)))
+def _touch_encoders(sizer: Sizer) -> None:
+    # One tiny encode per model builds (and warms) this thread's copy of its encoding.
+    for m in [sizer.default, *sizer.models.values()]:
+        m.counter.count("warm up")
 
 
 def _loaded(cfg: Config) -> Sizer | None:
@@ -94,15 +88,13 @@ def _loaded(cfg: Config) -> Sizer | None:
 async def size_request(
     parsed: ParsedRequest, cfg: Config, max_model_len: int | None = None
 ) -> Demand:
-    """The request's KV demand, counted inline when small and in a worker thread otherwise."""
+    """The request's KV demand, counted inline when small and in a sizing thread otherwise."""
     sizer = _loaded(cfg) or await load_sizer(cfg)
     prefix = cfg.routing.prefix
     if sizer.work_chars(parsed) <= cfg.routing.tokenize_in_thread_chars:
         demand, hashes = _size(sizer, parsed, prefix, max_model_len)
     else:
-        demand, hashes = await asyncio.to_thread(
-            _size_in_worker, sizer, parsed, prefix, max_model_len
-        )
+        demand, hashes = await sizing_pool.run(_size, sizer, parsed, prefix, max_model_len)
     if hashes is not None:
         _keep(parsed, *hashes)
     return demand
@@ -135,39 +127,11 @@ def prefix_hashes(
 def _size(
     sizer: Sizer, parsed: ParsedRequest, prefix: PrefixConfig, max_model_len: int | None
 ) -> tuple[Demand, tuple[HashSpec, tuple[int, ...]] | None]:
-    demand = sizer.size(parsed, max_model_len)
-    spec = hash_spec(sizer, parsed, prefix)
-    return demand, None if spec is None else (spec, prefix_hashes(sizer, parsed, spec))
-
-
-#: Linux nice of the worker threads big requests are sized in, above the event loop's 0.
-WORKER_NICE = 10
-_niced = threading.local()
-
-
-def _size_in_worker(
-    sizer: Sizer, parsed: ParsedRequest, prefix: PrefixConfig, max_model_len: int | None
-) -> tuple[Demand, tuple[HashSpec, tuple[int, ...]] | None]:
-    """``_size`` in a worker thread that yields the CPU to the event loop's thread.
-
-    Encoding a 30k-token prompt is ~5 ms of CPU with the GIL released; with a few at once
-    on a small box, the loop's thread waited for a core behind them (issue 12: loop lag
-    p50 1.3 ms -> 0.15 ms with the workers at nice 10, same run). The workers hold the GIL
-    only for short steps now (ids arrive as a buffer, the block hashes are vectorized), so
-    a lowered worker rarely keeps the loop waiting for the GIL. The thread stays lowered
-    for whatever else the loop's default executor runs in it later (all of it background
-    work next to the loop's).
-    """
-    if not getattr(_niced, "done", False):
-        _niced.done = True
-        # Linux only: there a thread id names one thread; elsewhere it would be a process.
-        if sys.platform == "linux":
-            with contextlib.suppress(OSError):
-                tid = threading.get_native_id()
-                os.setpriority(
-                    os.PRIO_PROCESS, tid, max(WORKER_NICE, os.getpriority(os.PRIO_PROCESS, tid))
-                )
-    return _size(sizer, parsed, prefix, max_model_len)
+    # Each text is digested once for all the cache keys of this call (count, ids, hashes).
+    with digest.memo():
+        demand = sizer.size(parsed, max_model_len)
+        spec = hash_spec(sizer, parsed, prefix)
+        return demand, None if spec is None else (spec, prefix_hashes(sizer, parsed, spec))
 
 
 # id(parsed) -> (weak reference to it, spec, hashes), until affinity takes them or it dies.

@@ -46,7 +46,7 @@ from proxy.gateway.retry_budget import RetryBudget
 from proxy.routing.policy import Policy
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
-from proxy.upstream.client import Upstream
+from proxy.upstream.client import Upstream, header
 from proxy.upstream.health import ActiveChecker, BackendHealth
 
 T = TypeVar("T")
@@ -98,6 +98,8 @@ class Gateway:
         self.on_allocation_failure: list[AllocationFailureHook] = []
         self._background: set[asyncio.Task[None]] = set()
         self.active = 0
+        # Read at scrape time: no locked gauge update twice per request.
+        metrics.active.set_function(lambda: self.active)
         self.breaker = fleet.breaker
         self.health = BackendHealth([b.name for b in cfg.backends], cfg.health)
         self.budget = RetryBudget(cfg.retry.budget_percent, cfg.retry.budget_min_concurrency)
@@ -130,7 +132,8 @@ class Gateway:
         started = time.perf_counter()
         # 128 random bits as 32 hex digits, like uuid4().hex (measured 0.8 vs 4.2 us).
         reservation_id = os.urandom(16).hex()
-        request_id = safe_request_id(request.headers.get("x-request-id")) or reservation_id
+        # ``header``: no KeyError raised and caught when the client sent none (profiled: 1.6%).
+        request_id = safe_request_id(header(request.headers, "x-request-id")) or reservation_id
         # Read once: the whole walk uses the config it started with, whatever a reload does.
         cfg, policy = self.cfg, self.policy
         try:
@@ -140,7 +143,6 @@ class Gateway:
             self.metrics.rejected.labels(err.code or "invalid").inc()
             return err.response({"x-request-id": request_id})
         self.active += 1
-        self.metrics.active.inc()
         answer: Response | None = None
         try:
             # 2. count tokens -> KV demand, 3. classify short/long
@@ -160,7 +162,6 @@ class Gateway:
 
     def _request_ended(self) -> None:
         self.active -= 1
-        self.metrics.active.dec()
 
     async def _stream_ended(self) -> None:
         self._request_ended()

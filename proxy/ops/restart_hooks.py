@@ -25,6 +25,7 @@ import httpx
 
 from proxy.config import RestartHookConfig
 from proxy.core.redact import redact
+from proxy.upstream.tls import verifying_context
 
 OUTPUT_LIMIT = 2_000  # characters of a command's output or an HTTP body kept for the log
 
@@ -78,12 +79,18 @@ class HttpHook(RestartHook):
         self.timeout_s = timeout_s
         self._client: httpx.AsyncClient | None = None
 
-    def _http(self) -> httpx.AsyncClient:
+    async def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            # trust_env=False: the hook goes where the config says, not through an environment proxy.
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout_s), trust_env=False, follow_redirects=False
-            )
+            # The shared context, built off the loop (proxy.upstream.tls).
+            tls = await verifying_context()
+            if self._client is None:
+                # trust_env=False: the hook goes where the config says, not through an environment proxy.
+                self._client = httpx.AsyncClient(
+                    timeout=httpx.Timeout(self.timeout_s),
+                    trust_env=False,
+                    follow_redirects=False,
+                    verify=tls,
+                )
         return self._client
 
     async def restart(self, name: str, url: str) -> HookResult:
@@ -92,7 +99,7 @@ class HttpHook(RestartHook):
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s):
-                resp = await self._http().request(self.method, target, headers=headers)
+                resp = await (await self._http()).request(self.method, target, headers=headers)
         except (TimeoutError, httpx.TimeoutException):
             return HookResult(
                 False,

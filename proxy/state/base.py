@@ -71,8 +71,25 @@ def pending_tokens(
     Reservations older than the report are already allocated on the backend and counted in
     its free/largest-block figures; counting them again would double count.
     """
+    return pending_and_reserved(report, reservations, now, grace_s)[0]
+
+
+def pending_and_reserved(
+    report: MemoryReport | None, reservations: Iterable[Reservation], now: float, grace_s: float
+) -> tuple[int, int]:
+    """``pending_tokens`` and the tokens of every live reservation, in one pass.
+
+    The reserve's fit check needs both (the second for a lazily allocating server); one
+    pass, since the embedded store runs it on every request over every reservation held.
+    """
     cutoff = (report.reported_at - grace_s) if report is not None else float("-inf")
-    return sum(r.tokens for r in reservations if r.expires_at > now and r.created_at >= cutoff)
+    pending = reserved = 0
+    for r in reservations:
+        if r.expires_at > now:
+            reserved += r.tokens
+            if r.created_at >= cutoff:
+                pending += r.tokens
+    return pending, reserved
 
 
 def live_reservations(reservations: Iterable[Reservation], now: float) -> tuple[Reservation, ...]:
@@ -121,9 +138,17 @@ def merge_ceiling(
     return flags
 
 
+_PLAIN_NUMBERS = frozenset({int, float})
+
+
 def check_finite(**values: float) -> None:
     """Reject NaN/infinite times and sizes: Redis and Python would order them differently."""
     for label, value in values.items():
+        # A plain int or float (nearly always): one type test, not three (per store call).
+        if type(value) in _PLAIN_NUMBERS:
+            if not math.isfinite(value):
+                raise ValueError(f"{label} must be a finite number, got {value!r}")
+            continue
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
@@ -148,8 +173,10 @@ def check_reserve_args(
 ) -> None:
     """Reject arguments both stores would otherwise treat differently (negative, NaN, infinite)."""
     check_tokens(tokens)
-    check_finite(now=now, headroom=headroom, grace_s=grace_s)
-    check_ttl(ttl_s)
+    # ``check_ttl``, folded into the one finiteness pass (every reserve runs this).
+    check_finite(now=now, headroom=headroom, grace_s=grace_s, ttl_s=ttl_s)
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
     if headroom < 0 or grace_s < 0:
         raise ValueError(f"headroom and grace_s must be >= 0, got {headroom!r}, {grace_s!r}")
 

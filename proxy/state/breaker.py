@@ -25,6 +25,10 @@ T = TypeVar("T")
 State = Literal["closed", "open", "half_open"]
 
 
+class CircuitOpen(StoreUnavailable):
+    """The breaker refused the call: it never reached the store (nothing there to undo)."""
+
+
 class CircuitBreaker:
     def __init__(
         self, failures: int, open_s: float, clock: Callable[[], float] = time.monotonic
@@ -74,28 +78,30 @@ class CircuitBreaker:
             self._opened_at = self.clock()
             self._set("open")
 
-    async def call(self, fn: Callable[[], Awaitable[T]], what: str = "store") -> T:
-        """Run one store call through the breaker; StoreUnavailable at once while open."""
+    def call(self, fn: Callable[[], Awaitable[T]], what: str = "store") -> Awaitable[T]:
+        """Run one store call through the breaker; StoreUnavailable at once while open.
+
+        Not itself a coroutine: it hands back ``guard``'s (or, delegated, the call's own),
+        so a store call awaits one coroutine of the breaker's, not two (every request makes
+        at least one; profiled at ~1% of a tiny request's CPU).
+        """
         if self.delegated:
-            return await fn()
-        return await self.guard(fn, what)
+            return fn()
+        return self.guard(fn, what)
 
     async def guard(self, fn: Callable[[], Awaitable[T]], what: str = "store") -> T:
         """The breaker proper, whether delegated or not."""
         if not self.allow():
             self.rejected_total += 1
-            raise StoreUnavailable(
-                f"{what}: circuit open (store failed {self.failures} times in a row)"
-            )
+            raise CircuitOpen(f"{what}: circuit open (store failed {self.failures} times in a row)")
         try:
             result = await fn()
         except StoreUnavailable:
             self.failure()
             raise
         except (asyncio.CancelledError, Exception):
-            self._probing = (
-                False  # a cancelled or broken probe must not wedge the breaker half-open
-            )
+            # A cancelled or broken probe must not wedge the breaker half-open.
+            self._probing = False
             raise
         self.success()
         return result

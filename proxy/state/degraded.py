@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -36,7 +37,7 @@ from typing import Any, TypeVar
 
 from proxy.core.fleet import MemoryReport
 from proxy.state.base import BackendState, Reservation, StateStore, StoreUnavailable
-from proxy.state.breaker import CircuitBreaker
+from proxy.state.breaker import CircuitBreaker, CircuitOpen
 from proxy.state.degraded_replay import Key, LocalReplay, SyncState
 from proxy.state.memory import InProcessStore
 
@@ -174,26 +175,23 @@ class DegradedStore(StateStore):
         headroom: float = 0.0,
         grace_s: float = 0.0,
     ) -> bool:
-        sent = False
-
-        async def shared_reserve() -> bool:
-            nonlocal sent
-            sent = True
-            return await self.shared.reserve(
-                name,
-                reservation_id,
-                tokens,
-                now,
-                ttl_s,
-                check_fit=check_fit,
-                headroom=headroom,
-                grace_s=grace_s,
-            )
-
+        shared_reserve = functools.partial(
+            self.shared.reserve,
+            name,
+            reservation_id,
+            tokens,
+            now,
+            ttl_s,
+            check_fit=check_fit,
+            headroom=headroom,
+            grace_s=grace_s,
+        )
         key = (name, reservation_id)
         try:
             ok = await self._shared("reserve", shared_reserve)
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
+            # Sent to Redis unless the breaker refused it (the call may still land there).
+            sent = not isinstance(exc, CircuitOpen)
             ok = await self.local.reserve(
                 name,
                 reservation_id,
@@ -213,7 +211,8 @@ class DegradedStore(StateStore):
             return ok
         if ok:
             # Mirror our own reservation, so that it is counted the moment Redis goes away.
-            await self.local.reserve(name, reservation_id, tokens, now, ttl_s, check_fit=False)
+            # Redis accepted the same arguments, so they were checked (RedisStore.reserve).
+            self.local.reserve_checked(name, reservation_id, tokens, now, ttl_s, check_fit=False)
             self._replay.reserved_shared(key)
         return ok
 

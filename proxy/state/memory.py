@@ -30,7 +30,7 @@ from proxy.state.base import (
     check_ttl,
     live_reservations,
     merge_ceiling,
-    pending_tokens,
+    pending_and_reserved,
     reservation_fits,
 )
 
@@ -148,6 +148,31 @@ class InProcessStore(StateStore):
         grace_s: float = 0.0,
     ) -> bool:
         check_reserve_args(tokens, now, ttl_s, headroom, grace_s)
+        return self.reserve_checked(
+            name,
+            reservation_id,
+            tokens,
+            now,
+            ttl_s,
+            check_fit=check_fit,
+            headroom=headroom,
+            grace_s=grace_s,
+        )
+
+    def reserve_checked(
+        self,
+        name: str,
+        reservation_id: str,
+        tokens: int,
+        now: float,
+        ttl_s: float,
+        *,
+        check_fit: bool = True,
+        headroom: float = 0.0,
+        grace_s: float = 0.0,
+    ) -> bool:
+        """``reserve`` with arguments already checked (``check_reserve_args``), no coroutine:
+        the degraded store's mirror of what Redis just accepted (checked before it was sent)."""
         tombs = self._tombs.get(name)
         if tombs:
             if tombs.get(reservation_id, float("-inf")) > now:
@@ -158,9 +183,13 @@ class InProcessStore(StateStore):
         if check_fit:
             entry = self._state(name)
             report = entry.report if entry is not None else None
-            others = [r for rid, r in live.items() if rid != reservation_id]
-            pending = pending_tokens(report, others, now, grace_s)
-            reserved = sum(r.tokens for r in others)
+            # The id's own earlier reservation (a reserve sent again) is being replaced.
+            others = (
+                [r for rid, r in live.items() if rid != reservation_id]
+                if reservation_id in live
+                else live.values()
+            )
+            pending, reserved = pending_and_reserved(report, others, now, grace_s)
             if not reservation_fits(report, pending, tokens, headroom, reserved):
                 return False
         now = float(now)

@@ -47,6 +47,13 @@ class _State:
     cooldown_until: float = 0.0
     ejections_total: int = 0
 
+    def unavailable(self, now: float) -> bool:
+        return not self.healthy or now < self.ejected_until or now < self.cooldown_until
+
+
+# What ``avoid`` answers while every backend is well (no set built per request).
+_NONE: frozenset[str] = frozenset()
+
 
 class BackendHealth:
     """Health and ejection state of every backend, as this replica sees it."""
@@ -131,23 +138,24 @@ class BackendHealth:
 
     # ------------------------------------------------------------- routing view
     def unavailable(self, name: str, now: float) -> bool:
-        st = self._st(name)
-        return not st.healthy or now < st.ejected_until or now < st.cooldown_until
+        return self._st(name).unavailable(now)
 
     def avoid(self) -> frozenset[str]:
         """Backends to route around now; empty in panic (too few would be left)."""
         now = self.clock()
-        bad = frozenset(n for n in self._s if self.unavailable(n, now))
+        # No set built while every backend is well (every placement asks).
+        bad = [n for n, st in self._s.items() if st.unavailable(now)]
         if not bad:
             self._panicking = False
-            return bad
-        left = 100.0 * (len(self._s) - len(bad)) / len(self._s)
+            return _NONE
+        bad_set = frozenset(bad)
+        left = 100.0 * (len(self._s) - len(bad_set)) / len(self._s)
         panic = left < self.cfg.outlier.panic_threshold_percent
         if panic and not self._panicking:
             self.panics_total += 1
             log.warning("panic: only %.0f%% of backends healthy; routing to all", left)
         self._panicking = panic
-        return frozenset() if panic else bad
+        return _NONE if panic else bad_set
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         now = self.clock()

@@ -12,15 +12,19 @@ from collections.abc import Mapping
 from dataclasses import fields, replace
 
 import pytest
+from starlette.datastructures import Headers
 from starlette.types import Receive
 
 from proxy.config import Config
-from proxy.core.fleet import MemoryReport, NodeView, Overlay
+from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
+from proxy.gateway.affinity import Affinity, AffinityKey
 from proxy.gateway.client_watch import ClientWatch
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.models import CatalogCache
+from proxy.routing.policy import RouteRequest
 from proxy.state.breaker import CircuitBreaker
 from proxy.state.memory import InProcessStore
+from proxy.upstream.client import forward_headers, header
 
 
 def test_plus_pending_keeps_every_other_field() -> None:
@@ -95,7 +99,8 @@ def _quiet_request() -> tuple[Receive, asyncio.Event]:
 async def test_the_watch_cancels_the_block_when_the_client_leaves() -> None:
     request, left = _quiet_request()
     reached_after = False
-    async with ClientWatch(request) as watch:
+    # A plain ``with``, as the attempt uses it (the relay's ``async with`` below).
+    with ClientWatch(request) as watch:
         left.set()
         await asyncio.sleep(5)
         reached_after = True
@@ -165,3 +170,86 @@ async def test_the_embedded_store_releases_at_once_and_others_in_one_batch() -> 
     await slow_ledger.close()
     assert calls == [[("a", "r1"), ("a", "r2"), ("b", "r3")]]
     assert await slow.reservations("a", 1.0) == [] and await slow.reservations("b", 1.0) == []
+
+
+async def test_the_embedded_reserve_at_once_answers_as_the_awaited_one() -> None:
+    store, twin = InProcessStore(), InProcessStore()
+    report = MemoryReport(1000, 1000, 100, reported_at=1.0)
+    await store.put_report("a", report, 60.0)
+    await twin.put_report("a", report, 60.0)
+    ledger = ReservationLedger(store, CircuitBreaker(3, 1.0), 60.0)
+    twin_ledger = ReservationLedger(twin, CircuitBreaker(3, 1.0), 60.0)
+    # 60 fits the 100-token block, a second 60 does not: the same answers, the same holdings.
+    for rid in ("r1", "r2"):
+        at_once = ledger.reserve_at_once(
+            "a", rid, lambda rid=rid: store.reserve("a", rid, 60, 2.0, 60.0), 60, 2.0
+        )
+        awaited = await twin_ledger.reserve(
+            "a", rid, lambda rid=rid: twin.reserve("a", rid, 60, 2.0, 60.0), 60, 2.0
+        )
+        assert at_once == awaited
+    assert (ledger.held, ledger.claims) == (twin_ledger.held, twin_ledger.claims) != ({}, {})
+    assert await store.reservations("a", 2.0) == await twin.reservations("a", 2.0)
+    # Bad arguments raise as they do awaited, and leave nothing held.
+    with pytest.raises(ValueError):
+        ledger.reserve_at_once("a", "r3", lambda: store.reserve("a", "r3", -1, 2.0, 60.0))
+    assert ("r3", "a") not in ledger.held
+
+
+async def test_the_reserve_at_once_leaves_other_cases_to_the_awaited_path() -> None:
+    store = InProcessStore()
+    breaker = CircuitBreaker(1, 60.0)
+    ledger = ReservationLedger(store, breaker, 60.0)
+    called: list[str] = []
+
+    async def reserve() -> bool:
+        called.append("r")
+        return True
+
+    ledger.mark_unsure()  # a re-assert is due: it must run first, awaited
+    assert ledger.reserve_at_once("a", "r1", reserve) is None
+    ledger.store_may_have_lost = False
+    breaker.failure()  # open: the awaited path answers StoreUnavailable and counts it
+    assert ledger.reserve_at_once("a", "r1", reserve) is None
+    # Any store but exactly the embedded one may wait inside its calls.
+    assert (
+        ReservationLedger(_Slow(), CircuitBreaker(3, 1.0), 60.0).reserve_at_once("a", "r1", reserve)
+        is None
+    )
+    assert called == []
+
+
+def test_route_request_keeps_every_field_it_does_not_set() -> None:
+    assert {f.name for f in fields(RouteRequest)} == {
+        "demand",
+        "cls",
+        "exclude",
+        "cached",
+        "session_node",
+        "indexed",
+    }, "a new RouteRequest field: add it to Affinity.route_request"
+    affinity = Affinity(_cfg("a", "b"))
+    base = RouteRequest(700, "long", frozenset({"b"}))
+    view = FleetSnapshot((NodeView("a", report=MemoryReport(1000, 900, 900)),))
+    made = affinity.route_request(AffinityKey((), "s"), base, view, 1.0)
+    assert made == replace(base, cached={}, session_node=None, indexed=None)
+
+
+def test_header_reads_as_starlette_get() -> None:
+    raw = [(b"x-request-id", b"r1"), (b"x-request-id", b"r2"), (b"connection", b"close")]
+    headers = Headers(raw=raw)
+    for name in ("x-request-id", "connection", "idempotency-key"):
+        assert header(headers, name) == headers.get(name)
+
+
+def test_forward_headers_read_connection_once_and_keep_the_last_duplicate() -> None:
+    raw = [
+        (b"x-a", b"1"),
+        (b"connection", b"x-b"),
+        (b"x-b", b"2"),
+        (b"x-a", b"3"),
+        (b"connection", b"x-a"),
+    ]
+    # Starlette's get: the first Connection header names what to drop; the last x-a stands.
+    assert forward_headers(Headers(raw=raw), False) == {"x-a": "3"}
+    assert forward_headers(Headers(raw=raw[:1]), False) == {"x-a": "1"}

@@ -203,3 +203,20 @@ def test_response_headers_drop_what_the_proxy_recomputes() -> None:
         }
     )
     assert response_headers(headers) == {"Content-Type": "application/json", "Retry-After": "2"}
+
+
+def test_body_read_errors_map_to_broken_but_timeouts_and_others_pass() -> None:
+    from proxy.upstream.client import _map_broken
+
+    with pytest.raises(UpstreamBroken) as broke:
+        with _map_broken:
+            raise ConnectionResetError("reset")
+    assert isinstance(broke.value.__cause__, ConnectionResetError)
+    assert "ConnectionResetError" in str(broke.value)
+    # The lean reader's own timer: a timeout, though an OSError.
+    with pytest.raises(TimeoutError), _map_broken:
+        raise TimeoutError
+    with pytest.raises(ValueError), _map_broken:
+        raise ValueError("not the connection's")
+    with _map_broken:
+        pass
