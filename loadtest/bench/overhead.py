@@ -247,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="add kvroute-two-writes: the same gateway writing a response's head and body apart",
     )
     p.add_argument(
+        "--lean-ab",
+        action="store_true",
+        help="add kvroute-asgi: the same gateway serving inference POSTs through the ASGI stack",
+    )
+    p.add_argument(
         "--no-vllm-router", action="store_true", help="skip vllm-router even if installed"
     )
     p.add_argument(
@@ -348,6 +353,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "kvroute-two-writes", redis=False, env={"KVROUTE_COALESCE_WRITES": "0"}
                 )
             )
+        if args.lean_ab:
+            targets.append(bench.kvroute("kvroute-asgi", redis=False, env={"KVROUTE_LEAN": "0"}))
         if not args.no_redis:
             if shutil.which("redis-server"):
                 targets.append(bench.kvroute("kvroute-redis", redis=True))
