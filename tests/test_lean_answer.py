@@ -15,7 +15,7 @@ from starlette.responses import Response
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from proxy.api.lean import answer
+from proxy.api.lean import CYCLE_PARTS, answer, missing_cycle_parts
 from proxy.gateway.relay import OnceCallback, RelayResponse
 
 
@@ -138,3 +138,9 @@ async def test_a_head_that_cannot_be_written_still_runs_the_clean_up() -> None:
     with pytest.raises(RuntimeError):
         await answer(cycle_on(wire), wire, bad)  # type: ignore[arg-type]
     assert closes.calls == 1 and wire.writes == []
+
+
+async def test_this_uvicorn_has_every_part_of_the_cycle_the_lean_path_drives() -> None:
+    """The canary for a uvicorn upgrade: a missing part turns the lean path off (logged)."""
+    assert missing_cycle_parts(cycle_on(Recorder())) == []
+    assert missing_cycle_parts(object()) == list(CYCLE_PARTS)

@@ -80,6 +80,20 @@ def find_app(app: Any) -> tuple[GatewayApp, list[ProxyHeadersMiddleware]] | None
     return None
 
 
+#: What the lean path reads and sets on uvicorn's ``RequestResponseCycle`` (its internals,
+#: as tested with uvicorn 0.54): checked on the first request; without them the lean path stays off.
+CYCLE_PARTS = (
+    "scope", "body", "more_body", "message_event", "flow", "receive", "send",
+    "response_started", "response_complete", "waiting_for_100_continue", "keep_alive",
+    "disconnected", "default_headers", "on_response", "send_500_response",
+)  # fmt: skip
+
+
+def missing_cycle_parts(cycle: object) -> list[str]:
+    """The parts of ``CYCLE_PARTS`` this uvicorn's cycle does not have."""
+    return [name for name in CYCLE_PARTS if not hasattr(cycle, name)]
+
+
 class Seen:
     """What the access log's line needs of one request (status 0: no answer started)."""
 

@@ -28,6 +28,7 @@ Issue 12). A head whose body does not follow at once is sent on the loop's next 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from asyncio import TimerHandle
 from typing import Any
@@ -35,9 +36,11 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from proxy.api.lean import LeanPath, find_app
+from proxy.api.lean import LeanPath, find_app, missing_cycle_parts
 from proxy.config import Config, LimitsConfig
 from proxy.errors import ApiError
+
+log = logging.getLogger("kvroute.app")
 
 
 def _header_refusal(limit: int) -> bytes:
@@ -159,7 +162,7 @@ class GuardedProtocol(HttpToolsProtocol):
             cycle.transport = HeldHead(self.transport, self.loop)  # type: ignore[assignment]
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        lean = self._lean_path(app)
+        lean = self._lean_path(app, cycle)
         handler = lean.handler(cycle.scope) if lean is not None else None  # type: ignore[arg-type]
         if lean is None or handler is None:
             super()._start_asgi_task(cycle, app)
@@ -168,13 +171,23 @@ class GuardedProtocol(HttpToolsProtocol):
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 
-    def _lean_path(self, app: Any) -> LeanPath | None:
+    def _lean_path(self, app: Any, cycle: RequestResponseCycle) -> LeanPath | None:
         # Not for uvicorn's own 503 app (its limit_concurrency), nor with the lean path off.
         if not self.lean or app is not self.app:
             return None
         cls = type(self)
         if cls._lean_app is not app:
             found = find_app(app)
+            missing = missing_cycle_parts(cycle)
+            if missing:
+                # The lean path drives uvicorn's cycle by its internals; a uvicorn without
+                # them gets the ASGI stack for every request (correct, a little slower).
+                log.warning(
+                    "uvicorn %s lacks %s: inference requests take the ASGI stack",
+                    uvicorn.__version__,
+                    ", ".join(missing),
+                )
+                found = None
             cls._lean_path_found = LeanPath(*found) if found is not None else None
             cls._lean_app = app
         return cls._lean_path_found
