@@ -346,3 +346,33 @@ def test_still_fragmented_counts_whole_blocks() -> None:
     assert (
         run(healed, failures=[frag_failure(22_005)]).failures["fragmentation_still_fragmented"] == 0
     )
+
+
+def test_staleness_is_judged_against_the_newest_report_as_routing_does() -> None:
+    """A gateway whose loop runs late sees every report aged together: not a fleet of stale nodes.
+
+    All reports 8 s old (stale_after_s 5): the newest report is the reference, so every node
+    is up and a fragmented one can go; a node 8 s behind the others is stale. Only when even
+    the newest report is over 3x stale_after_s old does the wall clock judge again.
+    """
+    cfg = MaintenanceConfig(
+        restart_after_s=0, min_healthy_capacity_fraction=0.3, min_interval_per_node_s=0
+    )
+    late = fleet(
+        node("a", 40_000, 2_000, age=8),
+        node("b", 90_000, 90_000, age=8),
+        node("c", 90_000, 90_000, age=8.5),
+    )
+    a = run(late, cfg)
+    assert {n.name: n.state for n in a.nodes} == {"a": "up", "b": "up", "c": "up"}
+    assert a.restart == ("a",)
+    assert can_take_out(late, "a", NOW, cfg, 5.0)[0]
+    behind = fleet(
+        node("a", 40_000, 2_000, age=0.5),
+        node("b", 90_000, 90_000, age=0.5),
+        node("c", 90_000, 90_000, age=8.5),
+    )
+    assert {n.name: n.state for n in run(behind, cfg).nodes}["c"] == "stale"
+    stopped = fleet(node("a", 40_000, 2_000, age=20), node("b", 90_000, 90_000, age=20))
+    assert {n.state for n in run(stopped, cfg).nodes} == {"stale"}
+    assert not can_take_out(stopped, "a", NOW, cfg, 5.0)[0]

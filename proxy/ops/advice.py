@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from proxy.config import MaintenanceConfig
 from proxy.core.fleet import FleetSnapshot
+from proxy.core.freshness import judged_at
 from proxy.ops.diagnosis import Failure, Trend
 from proxy.ops.node_advice import NodeAdvice, assess, can_take_out, healthy
 
@@ -104,6 +105,8 @@ def advise(
         for name in f.room_on:
             failed_here[name] = max(failed_here.get(name, 0), f.demand)
 
+    # Staleness judged as routing judges it (proxy.core.freshness): against the newest report.
+    judged = judged_at(snapshot, now, stale_after_s)
     assessed = [
         assess(
             n,
@@ -114,6 +117,7 @@ def advise(
             below_since.get(n.name),
             failed_here.get(n.name, 0),
             blocked_until.get(n.name),
+            judged,
         )
         for n in snapshot.nodes
     ]
@@ -195,7 +199,7 @@ def advise(
     }
     fleet_out: dict[str, float] = {
         "nodes": len(snapshot.nodes),
-        "healthy_nodes": sum(1 for n in snapshot.nodes if healthy(n, now, stale_after_s)),
+        "healthy_nodes": sum(1 for n in snapshot.nodes if healthy(n, now, stale_after_s, judged)),
         "capacity_tokens": cap_total,
         "free_tokens": free_total,
         "free_fraction": round(free_total / cap_total, 4) if cap_total else 0.0,

@@ -14,6 +14,7 @@ from typing import Literal
 
 from proxy.config import MaintenanceConfig
 from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.core.freshness import judged_at
 from proxy.ops.diagnosis import Level, Trend, level
 
 RestartReason = Literal["fragmentation", "failures", "trend", "scheduled", "manual"]
@@ -50,24 +51,29 @@ class NodeAdvice:
         return self.restart_reasons[0] if self.restart_reasons else "fragmentation"
 
 
-def _state(n: NodeView, now: float, stale_after_s: float) -> str:
+def _state(n: NodeView, judged: float, stale_after_s: float) -> str:
     if n.report is None:
         return "unknown" if n.up else "down"
     if not n.up:
         return "down"
     if n.overlay.draining:
         return "draining"
-    if n.stale(now, stale_after_s):
+    if n.stale(judged, stale_after_s):
         return "stale"
     return "up"
 
 
-def healthy(n: NodeView, now: float, stale_after_s: float) -> bool:
-    """Up, reporting freshly, not drained, not cooling down: takes traffic now."""
+def healthy(n: NodeView, now: float, stale_after_s: float, judged: float | None = None) -> bool:
+    """Up, reporting freshly, not drained, not cooling down: takes traffic now.
+
+    ``judged``: the time staleness is judged at (``proxy.core.freshness.judged_at`` of the
+    node's snapshot), so a gateway whose loop runs late does not find every node stale at
+    once, as routing does not; without it, ``now``.
+    """
     return (
         n.up
         and n.report is not None
-        and not n.stale(now, stale_after_s)
+        and not n.stale(now if judged is None else judged, stale_after_s)
         and not n.overlay.draining
         and now >= n.overlay.cooldown_until
     )
@@ -91,7 +97,10 @@ def can_take_out(
     by_name = snapshot.by_name()
     node = by_name.get(name)
     total = sum(n.report.capacity_tokens for n in snapshot.nodes if n.report is not None)
-    others = [n for n in snapshot.nodes if n.name not in out and healthy(n, now, stale_after_s)]
+    judged = judged_at(snapshot, now, stale_after_s)
+    others = [
+        n for n in snapshot.nodes if n.name not in out and healthy(n, now, stale_after_s, judged)
+    ]
     if not others:
         return False, "no other healthy node to take its traffic"
     remaining = sum(n.report.capacity_tokens for n in others if n.report is not None)
@@ -137,10 +146,14 @@ def assess(
     below_since: float | None,
     failed_demand_here: int,
     blocked_until: float | None = None,
+    judged: float | None = None,
 ) -> NodeAdvice:
-    """One node's level, figures and restart reasons (``ready`` is decided fleet-wide)."""
+    """One node's level, figures and restart reasons (``ready`` is decided fleet-wide).
+
+    ``judged``: the time its staleness is judged at (see ``healthy``); without it, ``now``.
+    """
     r = n.report
-    state = _state(n, now, stale_after_s)
+    state = _state(n, now if judged is None else judged, stale_after_s)
     if r is None:
         return NodeAdvice(n.name, n.pool, state, level(None, cfg.min_free_fraction))
     uptime = r.uptime(now) if r.started_at > 0 else None
