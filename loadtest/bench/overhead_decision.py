@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from loadtest.bench.overhead_load import CHAT_PATH, MODEL, request_body
+from loadtest.bench.overhead_load import MODEL, post_ok, request_body
 from loadtest.workload import make_prompt
 
 
@@ -62,21 +62,10 @@ async def _client(url: str, bodies: list[bytes], concurrency: int) -> None:
 
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as s:
-
-        async def one(body: bytes) -> None:
-            async with (
-                sem,
-                s.post(
-                    url + CHAT_PATH, data=body, headers={"content-type": "application/json"}
-                ) as r,
-            ):
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"decision run: HTTP {r.status}: {(await r.text())[:200]}")
-
-        await one(request_body(False))  # the connection pool warmed
+        # The connection pool warmed first.
+        await post_ok(s, sem, url, request_body(False), "decision run")
         print("go", flush=True)
-        await asyncio.gather(*(one(b) for b in bodies))
+        await asyncio.gather(*(post_ok(s, sem, url, b, "decision run") for b in bodies))
         print("done", flush=True)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.bench.overhead_load import CHAT_PATH, request_body
+from loadtest.bench.overhead_load import post_ok, request_body
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -31,19 +31,7 @@ async def _fire(url: str, n: int, concurrency: int, stream: bool) -> None:
     body = request_body(stream)
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as s:
-
-        async def one() -> None:
-            async with (
-                sem,
-                s.post(
-                    url + CHAT_PATH, data=body, headers={"content-type": "application/json"}
-                ) as r,
-            ):
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"round-trip run: HTTP {r.status}")
-
-        await asyncio.gather(*(one() for _ in range(n)))
+        await asyncio.gather(*(post_ok(s, sem, url, body, "round-trip run") for _ in range(n)))
 
 
 class _Monitor:

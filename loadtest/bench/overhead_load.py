@@ -137,6 +137,19 @@ def run_wrk(
     )
 
 
+async def post_ok(
+    session: aiohttp.ClientSession, sem: asyncio.Semaphore, url: str, body: bytes, what: str
+) -> None:
+    """POST one chat body to ``url`` under ``sem``; anything but a 200 ends the run (``what``)."""
+    async with (
+        sem,
+        session.post(url + CHAT_PATH, data=body, headers={"content-type": "application/json"}) as r,
+    ):
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{what}: HTTP {r.status}: {(await r.text())[:200]}")
+
+
 async def run_python_load(url: str, body: bytes, concurrency: int, duration_s: float) -> Load:
     """Closed loop: `concurrency` keep-alive connections, each sending the next request on answer."""
     lat: list[float] = []

@@ -260,16 +260,23 @@ async def test_an_idle_connection_the_backend_closed_is_not_used(backend: Backen
         await up.close()
 
 
-async def test_garbage_before_the_head_is_broken_and_the_connection_dropped() -> None:
+async def raw_reply_server(reply: bytes) -> tuple[asyncio.Server, int]:
+    """A TCP server that answers any request with ``reply`` as is, then waits for the close."""
+
     async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await r.read(100)
-        w.write(b"NOT HTTP AT ALL\r\n\r\n")
+        w.write(reply)
         with contextlib.suppress(ConnectionError):
             await r.read(100)
         w.close()
 
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
+    port: int = srv.sockets[0].getsockname()[1]
+    return srv, port
+
+
+async def test_garbage_before_the_head_is_broken_and_the_connection_dropped() -> None:
+    srv, port = await raw_reply_server(b"NOT HTTP AT ALL\r\n\r\n")
     up = make("lean")
     await up.start()
     try:
@@ -363,17 +370,9 @@ async def test_an_answer_dropped_without_close_frees_its_slot(backend: Backend) 
 
 
 async def test_bytes_after_a_complete_answer_keep_the_connection_from_reuse() -> None:
-    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await r.read(100)
-        w.write(
-            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
-        )
-        with contextlib.suppress(ConnectionError):
-            await r.read(100)
-        w.close()
-
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
+    srv, port = await raw_reply_server(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    )
     up = make("lean")
     await up.start()
     try:
