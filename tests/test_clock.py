@@ -8,10 +8,20 @@ import asyncio
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from proxy.state.memory import InProcessStore
+from tests.support.faketime import leftovers, leftovers_removed, shifted_env
+
+
+@pytest.fixture(autouse=True)
+def _remove_faketime_leftovers() -> Iterator[None]:
+    with leftovers_removed():
+        yield
+
 
 CHILD = """
 import asyncio, sys, time
@@ -33,7 +43,8 @@ def test_shifted_process_measures_its_offset_to_redis(redis_server: str, shift_s
     spec = f"{shift_s:+g}s"
     before = time.time()
     out = subprocess.run(
-        ["faketime", "-f", spec, sys.executable, "-c", CHILD, redis_server],
+        [sys.executable, "-c", CHILD, redis_server],
+        env=shifted_env(spec),
         capture_output=True,
         text=True,
         timeout=60,
@@ -81,7 +92,8 @@ async def test_replica_half_a_second_behind_never_overcommits(redis_server: str)
 
     prefix = f"kvr-clock-{time.monotonic_ns()}"
     child = await asyncio.create_subprocess_exec(
-        *["faketime", "-f", "-0.5s", sys.executable, "-c", RESERVE_CHILD, redis_server, prefix],
+        *[sys.executable, "-c", RESERVE_CHILD, redis_server, prefix],
+        env=shifted_env("-0.5s"),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )
@@ -108,3 +120,30 @@ async def test_replica_half_a_second_behind_never_overcommits(redis_server: str)
             child.kill()
         await child.wait()
         await store.close()
+
+
+def test_shifted_child_starts_over_leftovers_named_for_its_pid() -> None:
+    """CI once failed here: a ``faketime`` wrapper given the pid of one killed earlier found
+    its semaphore still there and refused to start (``sem_open: File exists``)."""
+    for _ in range(3):  # another process may take the pids set aside; try again then
+        last = int(Path("/proc/sys/kernel/ns_last_pid").read_text())
+        planted = [path for pid in range(last + 1, last + 200) for path in leftovers(pid)]
+        for path in planted:
+            Path(path).write_bytes(b"stale")
+        try:
+            child = subprocess.run(
+                [sys.executable, "-c", "import os, time; print(os.getpid(), time.time())"],
+                env=shifted_env("+10s"),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+        finally:
+            for path in planted:
+                Path(path).unlink(missing_ok=True)
+        pid, shifted_now = child.stdout.split()
+        if last < int(pid) < last + 200:
+            assert float(shifted_now) > time.time() + 9  # started, and its clock is shifted
+            return
+    pytest.fail("no child was given one of the pids set aside")

@@ -23,6 +23,7 @@ import pytest
 from loadtest.local_fleet import EngineSpec, Proc, free_port, wait_http
 from loadtest.workload import make_prompt
 from tests.faults.harness import RESULTS, FaultFleet, body, new_client, record, run_load
+from tests.support.faketime import leftovers_removed, shifted_env
 
 pytestmark = pytest.mark.faults
 
@@ -33,11 +34,11 @@ BIG_NEW = 700
 
 
 def start_shifted(fleet: FaultFleet, shift: str) -> Proc:
-    """One more gateway replica, its clock shifted by libfaketime (``faketime -f +10s ...``)."""
+    """One more gateway replica, its clock shifted by libfaketime (preloaded, ``+10s``)."""
     port = free_port()
-    argv = ["faketime", "-f", shift, sys.executable, "-m", "proxy.cli", "serve"]
+    argv = [sys.executable, "-m", "proxy.cli", "serve"]
     argv += ["--config", str(fleet.config_path), "--port", str(port), "--log-level", "warning"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env = shifted_env(shift, {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")})
     g = Proc(f"gateway-shifted{shift}", argv, f"http://127.0.0.1:{port}")
     g.start(env=env, log_dir=fleet.workdir)
     fleet.gateways.append(g)  # stopped with the fleet
@@ -49,17 +50,18 @@ def start_shifted(fleet: FaultFleet, shift: str) -> Proc:
 def skewed() -> Iterator[tuple[FaultFleet, str, str]]:
     f = FaultFleet(n_engines=1, queue={"max_wait_s": 15.0})
     f.specs = [EngineSpec(name="e0", speedup=10.0, capacity_tokens=CAPACITY)]
-    try:
-        f.start()
-        ahead = start_shifted(f, "+10s").url
-        behind = start_shifted(f, "-10s").url
-    except BaseException:
-        f.stop()
-        raise
-    try:
-        yield f, ahead, behind
-    finally:
-        f.stop()
+    with leftovers_removed():
+        try:
+            f.start()
+            ahead = start_shifted(f, "+10s").url
+            behind = start_shifted(f, "-10s").url
+        except BaseException:
+            f.stop()
+            raise
+        try:
+            yield f, ahead, behind
+        finally:
+            f.stop()
 
 
 def test_replicas_with_shifted_clocks_serve(skewed: tuple[FaultFleet, str, str]) -> None:
