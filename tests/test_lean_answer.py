@@ -42,9 +42,12 @@ class Recorder:
         pass
 
 
-def cycle_on(wire: Recorder, keep_alive: bool = True) -> RequestResponseCycle:
+def cycle_on(
+    wire: Recorder, keep_alive: bool = True, body_read: bool = True
+) -> RequestResponseCycle:
+    """A cycle writing to ``wire``; ``body_read``: its request's body has all arrived."""
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    return RequestResponseCycle(
+    cycle = RequestResponseCycle(
         scope=scope,  # type: ignore[arg-type]
         transport=wire,  # type: ignore[arg-type]
         flow=FlowControl(wire),  # type: ignore[arg-type]
@@ -57,6 +60,8 @@ def cycle_on(wire: Recorder, keep_alive: bool = True) -> RequestResponseCycle:
         keep_alive=keep_alive,
         on_response=lambda: None,
     )
+    cycle.more_body = not body_read
+    return cycle
 
 
 class Closes:
@@ -105,6 +110,13 @@ async def test_a_closing_connection_says_so_and_closes() -> None:
     wire = Recorder()
     cycle = cycle_on(wire, keep_alive=False)
     await answer(cycle, wire, Response(b"{}"))  # type: ignore[arg-type]
+    assert b"connection: close\r\n" in wire.writes[0] and wire.closed
+
+
+async def test_an_answer_before_the_body_ends_is_the_connections_last() -> None:
+    wire = Recorder()
+    cycle = cycle_on(wire, body_read=False)
+    await answer(cycle, wire, Response(b"{}", status_code=413))  # type: ignore[arg-type]
     assert b"connection: close\r\n" in wire.writes[0] and wire.closed
 
 

@@ -234,6 +234,48 @@ def test_a_declared_body_over_the_limit_is_a_413(
     assert orjson.loads(body)["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.parametrize("lean", ["1", "0"])
+def test_an_answer_before_the_body_ends_says_connection_close(
+    engine: Any, lean: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused on its headers, its body not yet sent: the answer must say the connection
+    closes. Without it a client sent its next request down that connection and met a reset
+    (a CI failure in the fuzz tests)."""
+    monkeypatch.setenv("KVROUTE_LEAN", lean)
+    cfg = _cfg(engine.url, auth={"api_keys": [KEY]})
+    with run_gateway(cfg, run_collector=False) as url:
+        port = int(url.rsplit(":", 1)[1])
+        body = orjson.dumps(CHAT)
+        head = _request(body, b"authorization: Bearer wrong\r\n")[: -len(body)]
+        with _raw(port, head) as s:
+            ((answer, _),) = _read_answers(s, 1)
+            assert answer.startswith(b"HTTP/1.1 401"), answer
+            assert b"\r\nconnection: close" in answer.lower(), answer
+            s.sendall(body)  # the body, late: read and dropped, then a clean close
+            assert s.recv(65536) == b""
+
+
+@pytest.mark.parametrize("lean", ["1", "0"])
+def test_a_client_sending_a_body_over_the_limit_reads_its_413(
+    engine: Any, lean: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends its whole body before reading (as httpx and most clients do)
+    must read the 413, not a reset: closing with the body unread made the kernel reset the
+    connection, and the answer was lost with it."""
+    monkeypatch.setenv("KVROUTE_LEAN", lean)
+    with run_gateway(_cfg(engine.url, limits={"max_body_bytes": 4096}), run_collector=False) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = _request(b"", f"content-length: {8 << 20}\r\n".encode())
+        head = head.replace(b"Content-Length: 0\r\n", b"")
+        with _raw(port, head) as s:
+            time.sleep(0.2)  # the 413 is out before most of the body is sent
+            s.sendall(b"x" * (8 << 20))
+            ((answer, body),) = _read_answers(s, 1)
+    assert answer.startswith(b"HTTP/1.1 413"), answer
+    assert b"\r\nconnection: close" in answer.lower(), answer
+    assert orjson.loads(body)["error"]["code"] == "request_too_large"
+
+
 def test_pipelined_requests_on_one_connection_are_answered_in_order(engine: Any) -> None:
     with run_gateway(_cfg(engine.url), run_collector=False) as url:
         port = int(url.rsplit(":", 1)[1])

@@ -232,7 +232,7 @@ async def answer(
         await response(cycle.scope, cycle.receive, cycle.send)  # type: ignore[arg-type]
         return
     transport.write(head_of(cycle, response) + response.body)
-    _complete(cycle, transport)
+    _complete(cycle)
     if response.background is not None:
         await response.background()
 
@@ -282,23 +282,33 @@ async def relay(
     if ended and not cycle.disconnected:
         pending.append(b"0\r\n\r\n")
         flush()
-        _complete(cycle, transport)
+        _complete(cycle)
     else:
         # Cut (its deadline) or left: what was relayed still goes out before the close.
         flush()
 
 
-def _complete(cycle: RequestResponseCycle, transport: asyncio.Transport) -> None:
+def _complete(cycle: RequestResponseCycle) -> None:
     """The response's last byte is written: what uvicorn's ``send`` does at that point."""
     cycle.response_complete = True
     cycle.message_event.set()
     if not cycle.keep_alive:
-        transport.close()
+        # The protocol's own close (proxy.api.server): lingers while a body still arrives.
+        cycle.transport.close()
     cycle.on_response()
+
+
+def close_if_body_unread(cycle: RequestResponseCycle) -> None:
+    """Mark the cycle's response as the connection's last when its request's body has not
+    all arrived: its head then says ``connection: close`` (uvicorn adds it when
+    ``keep_alive`` is off)."""
+    if cycle.more_body:
+        cycle.keep_alive = False
 
 
 def head_of(cycle: RequestResponseCycle, response: Response, chunked: bool = False) -> bytes:
     """Status line and headers, as uvicorn's ``send`` writes them (its header checks too)."""
+    close_if_body_unread(cycle)
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
     parts = [STATUS_LINE[response.status_code]]

@@ -10,8 +10,14 @@ the bound lives here, in a subclass of uvicorn's protocol:
 * headers not complete ``limits.header_timeout_s`` after the connection opened (or after
   the request's first byte, on a kept-alive connection): the connection closes;
 * a response sent before its request's body was read to the end (a refusal, or a route
-  that never reads the body): the connection closes, so the rest of an unread body cannot
-  hold it open a byte at a time.
+  that never reads the body) says ``connection: close`` in its head, so the client does not
+  send its next request down a connection about to close (CI once met the reset that
+  followed); the connection then lingers: the answer goes out with a FIN, and what is
+  still arriving of the body is read and dropped for at most ``LINGER_S`` seconds and
+  ``LINGER_BYTES`` bytes before the socket closes. Closing at once, with body bytes
+  unread, makes the kernel send a reset, which can destroy the answer before the client
+  reads it: a client sending a body over the limit saw "connection reset" instead of its
+  413. The rest of an unread body cannot hold the connection open beyond those bounds.
 
 The body's time and rate are the guard's business (``proxy.api.limits``).
 
@@ -36,11 +42,29 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from proxy.api.lean import LeanPath, find_app, missing_cycle_parts
+from proxy.api.lean import LeanPath, close_if_body_unread, find_app, missing_cycle_parts
 from proxy.config import Config, LimitsConfig
 from proxy.errors import ApiError
 
 log = logging.getLogger("kvroute.app")
+
+#: How long, and how many bytes, a connection answered before its request's body ended
+#: reads and drops the rest of that body before it closes (nginx's "lingering close").
+LINGER_S = 2.0
+LINGER_BYTES = 64 * 1024 * 1024
+
+
+def _closing_send(cycle: RequestResponseCycle) -> Any:
+    """The cycle's ``send``, marking the response as the connection's last when its
+    request's body has not all arrived by the time the head goes out."""
+    send = cycle.send
+
+    async def closing_send(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            close_if_body_unread(cycle)
+        await send(message)
+
+    return closing_send
 
 
 def _header_refusal(limit: int) -> bytes:
@@ -61,16 +85,30 @@ def _header_refusal(limit: int) -> bytes:
     return head + bytes(body)
 
 
-class HeldHead:
-    """A transport that holds a response's first write (its head) for the next one (its body)."""
+class AnswerTransport:
+    """A request's view of its connection: holds a response's first write (its head) for
+    the next one (its body), and closes the connection the way the protocol says.
 
-    __slots__ = ("_held", "_loop", "_seen", "_transport")
+    Closing after an answer goes through ``GuardedProtocol.close_answered``, which lingers
+    when the request's body has not all arrived (see the module's docstring).
+    """
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = ("_held", "_hold", "_loop", "_protocol", "_seen", "_transport")
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        protocol: GuardedProtocol,
+        hold: bool,
+    ) -> None:
         self._transport = transport
         self._loop = loop
+        self._protocol = protocol
         self._held: bytes | None = None
-        self._seen = False
+        # Off: every write goes out as it comes (the benchmark's A/B of the coalescing).
+        self._hold = hold
+        self._seen = not hold
 
     def write(self, data: bytes) -> None:
         held = self._held
@@ -93,7 +131,7 @@ class HeldHead:
 
     def close(self) -> None:
         self._flush()
-        self._transport.close()
+        self._protocol.close_answered()
 
     def is_closing(self) -> bool:
         return self._transport.is_closing()
@@ -123,6 +161,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_headers = True
         self._header_bytes = 0
         self._header_timer: TimerHandle | None = None
+        # Bytes still allowed to arrive (and be dropped) while the connection lingers.
+        self._linger_left: int | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -133,6 +173,11 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_left is not None:
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                self.transport.close()
+            return
         if self._in_headers:
             self._header_bytes += len(data)
         super().data_received(data)
@@ -158,13 +203,15 @@ class GuardedProtocol(HttpToolsProtocol):
         self._disarm_header_timer()
         super().on_headers_complete()
         cycle = self.cycle
-        if self.coalesce and cycle is not None and cycle.transport is self.transport:
-            cycle.transport = HeldHead(self.transport, self.loop)  # type: ignore[assignment]
+        if cycle is not None and cycle.transport is self.transport:
+            answer = AnswerTransport(self.transport, self.loop, self, self.coalesce)
+            cycle.transport = answer  # type: ignore[assignment]
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         lean = self._lean_path(app, cycle)
         handler = lean.handler(cycle.scope) if lean is not None else None  # type: ignore[arg-type]
         if lean is None or handler is None:
+            cycle.send = _closing_send(cycle)  # type: ignore[method-assign]
             super()._start_asgi_task(cycle, app)
             return
         task = self.loop.create_task(lean.run(cycle, self.transport, handler))
@@ -194,9 +241,30 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         cycle = self.cycle
-        if cycle is not None and cycle.more_body and not self.transport.is_closing():
-            self.transport.close()
+        if cycle is not None and cycle.more_body:
+            self._linger()
         super().on_response_complete()
+
+    def close_answered(self) -> None:
+        """Close the connection after an answer: at once, or lingering while the request's
+        body is still arriving."""
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body:
+            self._linger()
+        else:
+            self.transport.close()
+
+    def _linger(self) -> None:
+        """Send the answer with a FIN, drop what still arrives of the body, close later."""
+        transport = self.transport
+        if self._linger_left is not None or transport.is_closing():
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self._linger_left = LINGER_BYTES
+        self.loop.call_later(LINGER_S, transport.close)
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
