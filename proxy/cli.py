@@ -55,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     log_listen(host, sock)
     server_cfg = server_config(
-        create_app(cfg, config_path=args.config),
+        create_app(cfg, config_path=args.config, freeze_heap=True),
         cfg,
         host,
         port,

@@ -30,6 +30,7 @@ from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
 from proxy.api.cache import Coalesced
 from proxy.api.fleet_view import snapshot_json, with_health
+from proxy.api.heap import freeze_startup_heap
 from proxy.api.hot import GatewayApp
 from proxy.api.kind_check import KindCheck
 from proxy.api.limits import RequestGuard
@@ -139,9 +140,12 @@ def create_app(
     store: StateStore | None = None,
     run_collector: bool = True,
     config_path: str | None = None,
+    freeze_heap: bool = False,
 ) -> FastAPI:
     """Build the gateway app. A store passed in is used as is (tests); else one is opened from config.
-    With ``config_path``, SIGHUP and ``POST /admin/reload`` re-read that file (proxy.api.reload)."""
+    With ``config_path``, SIGHUP and ``POST /admin/reload`` re-read that file (proxy.api.reload).
+    With ``freeze_heap`` (``kvroute serve``: one app per process), what startup built is
+    frozen out of the garbage collector's walks once it is ready (proxy.api.heap)."""
     holder = ConfigHolder(cfg, config_path)
 
     @contextlib.asynccontextmanager
@@ -201,6 +205,8 @@ def create_app(
         )
         with contextlib.suppress(Exception):
             await fleet.snapshot(force=True)
+        if freeze_heap:
+            log.debug("froze %d objects of the startup heap", freeze_startup_heap())
         n = len(cfg.backends)
         log.info(
             "kvroute gateway ready: %d backend%s, policy %s",
