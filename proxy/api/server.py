@@ -93,7 +93,7 @@ class AnswerTransport:
     when the request's body has not all arrived (see the module's docstring).
     """
 
-    __slots__ = ("_held", "_hold", "_loop", "_protocol", "_seen", "_transport")
+    __slots__ = ("_held", "_loop", "_protocol", "_seen", "_transport")
 
     def __init__(
         self,
@@ -106,8 +106,7 @@ class AnswerTransport:
         self._loop = loop
         self._protocol = protocol
         self._held: bytes | None = None
-        # Off: every write goes out as it comes (the benchmark's A/B of the coalescing).
-        self._hold = hold
+        # ``hold`` off: every write goes out as it comes (the benchmark's A/B of coalescing).
         self._seen = not hold
 
     def write(self, data: bytes) -> None:
