@@ -195,7 +195,7 @@ class Bench:
             name,
             p.url,
             [p],
-            "kvroute serve (uvicorn httptools+uvloop, hot routes past FastAPI)"
+            "kvroute serve (uvicorn httptools+uvloop, inference requests on the lean path)"
             + (", Redis store" if redis else "")
             + (f", --workers {workers}" if workers > 1 else "")
             + (f", upstream.client {client}" if client else "")

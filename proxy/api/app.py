@@ -24,14 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
 from proxy.api.cache import Coalesced
+from proxy.api.entry import internal_error
 from proxy.api.fleet_view import snapshot_json, with_health
+from proxy.api.gateway_app import GatewayApp
 from proxy.api.heap import freeze_startup_heap
-from proxy.api.hot import GatewayApp
 from proxy.api.kind_check import KindCheck
 from proxy.api.limits import RequestGuard
 from proxy.api.models import fleet_models, kind_errors, lookup_from
@@ -53,40 +53,6 @@ from proxy.state.prefix_share import PrefixShare
 from proxy.upstream.client import Upstream
 
 log = logging.getLogger("kvroute.app")
-
-_CHAT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "messages"],
-    "properties": {
-        "model": {"type": "string"},
-        "messages": {
-            "type": "array",
-            "minItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["role", "content"],
-                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
-            },
-        },
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "max_completion_tokens": {"type": "integer", "minimum": 1},
-        "stream": {"type": "boolean"},
-    },
-}
-_COMPLETIONS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "prompt"],
-    "properties": {
-        "model": {"type": "string"},
-        "prompt": {"type": "string"},
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "stream": {"type": "boolean"},
-    },
-}
-
-
-def _body_spec(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 @dataclass
@@ -268,27 +234,10 @@ def create_app(
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s", request.url.path)
-        return ApiError(
-            500, "internal gateway error", type="server_error", code="internal_error"
-        ).response()
+        return internal_error()
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_spec(_CHAT_SCHEMA))
-    async def chat(request: Request) -> Response:
-        return await rt(request).gateway.handle(request, "chat")
-
-    @app.post("/v1/completions", openapi_extra=_body_spec(_COMPLETIONS_SCHEMA))
-    async def completions(request: Request) -> Response:
-        return await rt(request).gateway.handle(request, "completions")
-
-    # The two hot routes are also mounted as plain Starlette routes ahead of FastAPI's, so a
-    # request skips FastAPI's dependency solving (measured: about a third of the gateway's CPU
-    # per request, docs/benchmarks.md). FastAPI's declarations above stay for the OpenAPI schema.
-    app.router.routes[0:0] = [
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-    ]
-    # And a POST on them skips the middleware stack too, past the same guard (proxy.api.hot).
-    app.hot_routes = {"/v1/chat/completions": chat, "/v1/completions": completions}
+    # POST /v1/chat/completions and /v1/completions: one door (proxy.api.entry).
+    app.serve_inference()
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
