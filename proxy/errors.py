@@ -7,6 +7,7 @@ The hierarchy (the httpx ``_exceptions.py`` habit: one base, the whole tree in o
     ├── StoreUnavailable       the state store did not answer within its deadline
     ├── ScrapeError            a backend's metrics could not become a memory report
     ├── RestartRefused         a manual restart/drain that cannot start now (``reason``)
+    ├── RestartFailed          a restart under way that cannot finish (hook, store, timeout)
     ├── UpstreamError          a backend failed us before anything reached the client
     │   ├── UpstreamTimeout        no response headers in time (connect or TTFB)
     │   ├── UpstreamConnectError   refused or dropped before answering
@@ -61,6 +62,10 @@ class RestartRefused(KvrouteError):
         super().__init__(message)
         self.reason: RefusalReason = reason
         self.message = message
+
+
+class RestartFailed(KvrouteError):
+    """A restart under way cannot finish; the node goes back into service (proxy.ops.restart)."""
 
 
 # What went wrong with one upstream attempt; keys of UPSTREAM_ANSWERS.
