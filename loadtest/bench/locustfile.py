@@ -455,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         i = argv.index("--")
         argv, locust_args = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench locust",
+        prog="python -m loadtest.bench.locustfile",
         description="run this locustfile against a local fleet",
     )
     p.add_argument("--long-engines", type=int, default=2)

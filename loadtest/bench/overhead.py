@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m loadtest.bench overhead",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
+    add_point_options(p)
+    add_target_options(p)
+    add_run_options(p)
+    return p
+
+
+def add_point_options(p: argparse.ArgumentParser) -> None:
+    """What one measured point is: its length, concurrencies, modes, rounds, backends."""
     p.add_argument(
         "--duration", type=float, default=3.0, help="seconds per measurement point (default 3)"
     )
@@ -146,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="kvroute",
         help="kvroute routing policy for the gateway (default kvroute)",
     )
+
+
+def add_target_options(p: argparse.ArgumentParser) -> None:
+    """Which targets run beside direct and kvroute."""
     p.add_argument("--no-redis", action="store_true", help="skip the kvroute-redis target")
     p.add_argument(
         "--client-ab",
@@ -171,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="path of the vllm-router executable (default: PATH, then /tmp/vllm-router-venv)",
     )
     p.add_argument(
+        "--no-bare-proxy",
+        action="store_true",
+        help="skip the bare aiohttp round-robin proxy (the stand-in for vllm-router's floor)",
+    )
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The load generator, the extra figures, the run's size and output."""
+    p.add_argument(
         "--loadgen",
         choices=["auto", "wrk", "python"],
         default="auto",
@@ -181,11 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate",
         action="store_true",
         help="measure wrk and the python generator against direct first",
-    )
-    p.add_argument(
-        "--no-bare-proxy",
-        action="store_true",
-        help="skip the bare aiohttp round-robin proxy (the stand-in for vllm-router's floor)",
     )
     p.add_argument(
         "--no-extras",
@@ -206,7 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", dest="json_out", default=None, help="write all results as JSON to this file"
     )
-    return p
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -219,73 +234,101 @@ def apply_quick(args: argparse.Namespace) -> None:
         args.long_requests = min(args.long_requests, 5)
 
 
+def start_targets(bench: Bench, args: argparse.Namespace) -> tuple[list[Target], list[Target]]:
+    """The targets every point measures, and the extra ones measured at the top concurrency."""
+    targets = [bench.direct(), bench.kvroute("kvroute", redis=False)]
+    if args.client_ab:
+        targets.append(bench.kvroute("kvroute-aiohttp-client", redis=False, client="aiohttp"))
+    if args.coalesce_ab:
+        env = {"KVROUTE_COALESCE_WRITES": "0"}
+        targets.append(bench.kvroute("kvroute-two-writes", redis=False, env=env))
+    if args.lean_ab:
+        targets.append(bench.kvroute("kvroute-asgi", redis=False, env={"KVROUTE_LEAN": "0"}))
+    if not args.no_redis:
+        if shutil.which("redis-server"):
+            targets.append(bench.kvroute("kvroute-redis", redis=True))
+        else:
+            bench.skipped["kvroute-redis"] = "redis-server is not installed"
+    if not args.no_vllm_router:
+        vr = bench.vllm_router()
+        if vr is not None:
+            targets.append(vr)
+    if not args.no_bare_proxy:
+        targets.append(bench.bare_proxy())
+    extra: list[Target] = []
+    if not args.no_extras and "kvroute-redis" in {t.name for t in targets}:
+        extra.append(bench.kvroute("kvroute-redis-w2", redis=True, workers=2))
+    return targets, extra
+
+
+def measure_all(
+    bench: Bench, targets: list[Target], extra: list[Target], gen: str, wrk: str | None
+) -> list[Point]:
+    """Every point, ``--rounds`` times interleaved, merged; ratios to direct added."""
+    args = bench.args
+    modes = [m for m in args.modes.split(",") if m]
+    events = {t.name: count_sse_events(t.url) for t in targets + extra} if "sse" in modes else {}
+    raw: dict[tuple[str, str, int], list[Point]] = {}
+    top = max(args.concurrency)
+    for _ in range(args.rounds):
+        for mode in modes:
+            for conc in args.concurrency:
+                for t in targets + extra if conc == top else targets:
+                    point = measure(bench, t, mode, conc, gen, wrk)
+                    raw.setdefault((t.name, mode, conc), []).append(point)
+    points = [merge_rounds(v) for v in raw.values()]
+    add_ratios(points, events)
+    return points
+
+
+def measure_extras(bench: Bench, targets: list[Target]) -> dict[str, Any]:
+    """Store round trips (with Redis) and the 30k-token decision and loop lag."""
+    args = bench.args
+    extras: dict[str, Any] = {}
+    by_name = {t.name: t for t in targets}
+    if "kvroute-redis" in by_name and bench.redis is not None:
+        extras["store_round_trips"] = store_round_trips(
+            by_name["kvroute-redis"].url, bench.redis.url, n=120 if args.quick else 600
+        )
+    extras["decision"] = decision_and_lag(
+        bench.gateway_config_path("decision", False),
+        n_long=args.long_requests,
+        mix_n=7 * args.long_requests,
+    )
+    return extras
+
+
+def print_report(result: dict[str, Any], points: list[Point], skipped: dict[str, str]) -> None:
+    """The run's header lines, table and summary on stdout."""
+    machine, cal = result["machine"], result["calibration"]
+    print(
+        f"load generator: {result['loadgen']}; {machine['cpus']} CPUs; load average before "
+        f"{machine['loadavg_before']}, after {machine['loadavg_after']}"
+    )
+    if cal:
+        print(
+            f"calibration against direct at c={cal['concurrency']}: "
+            + "; ".join(f"{k}: {v}" for k, v in cal.items() if k != "concurrency")
+        )
+    print_table(points, skipped, result["notes"])
+    print_summary(result["summary"])
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     apply_quick(args)
     wrk = find_wrk()
     gen = "wrk" if args.loadgen == "wrk" or (args.loadgen == "auto" and wrk) else "python"
     if gen == "wrk" and wrk is None:
         raise SystemExit("--loadgen wrk: wrk is not installed (Debian: apt-get install -y wrk)")
-    modes = [m for m in args.modes.split(",") if m]
     bench = Bench(args)
     started = time.time()
     load_before = loadavg()
     try:
         bench.start_backends()
-        targets = [bench.direct(), bench.kvroute("kvroute", redis=False)]
-        if args.client_ab:
-            targets.append(bench.kvroute("kvroute-aiohttp-client", redis=False, client="aiohttp"))
-        if args.coalesce_ab:
-            targets.append(
-                bench.kvroute(
-                    "kvroute-two-writes", redis=False, env={"KVROUTE_COALESCE_WRITES": "0"}
-                )
-            )
-        if args.lean_ab:
-            targets.append(bench.kvroute("kvroute-asgi", redis=False, env={"KVROUTE_LEAN": "0"}))
-        if not args.no_redis:
-            if shutil.which("redis-server"):
-                targets.append(bench.kvroute("kvroute-redis", redis=True))
-            else:
-                bench.skipped["kvroute-redis"] = "redis-server is not installed"
-        if not args.no_vllm_router:
-            vr = bench.vllm_router()
-            if vr is not None:
-                targets.append(vr)
-        if not args.no_bare_proxy:
-            targets.append(bench.bare_proxy())
-        extra: list[Target] = []
-        if not args.no_extras and "kvroute-redis" in {t.name for t in targets}:
-            extra.append(bench.kvroute("kvroute-redis-w2", redis=True, workers=2))
+        targets, extra = start_targets(bench, args)
         cal = calibrate(bench, wrk) if args.calibrate else None
-        events = (
-            {t.name: count_sse_events(t.url) for t in targets + extra} if "sse" in modes else {}
-        )
-        raw: dict[tuple[str, str, int], list[Point]] = {}
-        # The extra targets (two workers) run at the highest concurrency only.
-        vconc = max(args.concurrency)
-        for _ in range(args.rounds):
-            for mode in modes:
-                for conc in args.concurrency:
-                    todo = targets + extra if conc == vconc else targets
-                    for t in todo:
-                        raw.setdefault((t.name, mode, conc), []).append(
-                            measure(bench, t, mode, conc, gen, wrk)
-                        )
-        points = [merge_rounds(v) for v in raw.values()]
-        add_ratios(points, events)
-        notes = {t.name: t.note for t in targets + extra}
-        extras: dict[str, Any] = {}
-        if not args.no_extras:
-            by_name = {t.name: t for t in targets}
-            if "kvroute-redis" in by_name and bench.redis is not None:
-                extras["store_round_trips"] = store_round_trips(
-                    by_name["kvroute-redis"].url, bench.redis.url, n=120 if args.quick else 600
-                )
-            extras["decision"] = decision_and_lag(
-                bench.gateway_config_path("decision", False),
-                n_long=args.long_requests,
-                mix_n=7 * args.long_requests,
-            )
+        points = measure_all(bench, targets, extra, gen, wrk)
+        extras = {} if args.no_extras else measure_extras(bench, targets)
     finally:
         bench.stop_all()
     result = {
@@ -302,21 +345,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "calibration": cal,
         "points": [asdict(p) for p in points],
         "extras": extras,
-        "summary": summary(points, extras, vconc),
+        "summary": summary(points, extras, max(args.concurrency)),
         "skipped": bench.skipped,
-        "notes": notes,
+        "notes": {t.name: t.note for t in targets + extra},
         "elapsed_s": round(time.time() - started, 1),
     }
-    print(
-        f"load generator: {gen}; {os.cpu_count()} CPUs; load average before {load_before}, after {result['machine']['loadavg_after']}"
-    )
-    if cal:
-        print(
-            f"calibration against direct at c={cal['concurrency']}: "
-            + "; ".join(f"{k}: {v}" for k, v in cal.items() if k != "concurrency")
-        )
-    print_table(points, bench.skipped, notes)
-    print_summary(result["summary"])
+    print_report(result, points, bench.skipped)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=2))

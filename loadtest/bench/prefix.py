@@ -441,7 +441,7 @@ def plot(outcomes: Sequence[Outcome], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench prefix", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.prefix", description=__doc__)
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--rate", type=float, default=16.0, help="requests per second")
     p.add_argument("--seed", type=int, default=1)

@@ -333,7 +333,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench queueing", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.queueing", description=__doc__)
     p.add_argument("--runs", type=int, default=1, help="repetitions of the whole comparison")
     p.add_argument("--first-run", type=int, default=1, help="number of the first run (seed + run)")
     p.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per policy")

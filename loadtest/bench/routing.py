@@ -362,7 +362,7 @@ def print_report(res: dict[str, Any]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench routing",
+        prog="python -m loadtest.bench.routing",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
     p.add_argument(

@@ -50,7 +50,7 @@ def _rounds(n: int) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m loadtest.bench ab", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest.bench.tree_ab", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("a", type=Path, help="the baseline checkout")
     ap.add_argument("b", type=Path, help="the checkout to compare")

@@ -1,42 +1,39 @@
-"""A simulated inference engine whose KV cache fragments: a real OpenAI-compatible HTTP server.
+"""The simulated engine's HTTP surface: the OpenAI routes, ``/metrics``, and the admin and fault endpoints.
 
-Each request reserves ``prompt + max_tokens`` tokens in a contiguous first-fit or a paged
-allocator for its whole life and gives them back when it ends, fails, or its client goes
-away. A request that cannot be placed fails at once with the documented allocation error
-(HTTP 503, ``kv_cache_allocation_error``), so a long-running engine shows exactly the
-problem's false capacity exhaustion. Time is simulated: prefill and decode take
-``tokens / rate / speedup`` seconds. ``/metrics`` exports the allocator gauges of
-``proxy.core.backend_contract`` (and vLLM's names for a paged engine); ``/admin/*`` restarts
-the engine, injects faults and pins memory for tests.
+A real OpenAI-compatible server (aiohttp.web) over the engine's model
+(``loadtest.engine.model``). A request that cannot be placed fails at once with the
+documented allocation error (HTTP 503, ``kv_cache_allocation_error``), so a long-running
+engine shows exactly the problem's false capacity exhaustion. ``/metrics`` exports the
+allocator gauges of ``proxy.core.backend_contract`` (and vLLM's names for a paged engine);
+``/admin/*`` restarts the engine, injects faults and pins memory for tests.
 
-Server: aiohttp.web on uvloop. Measured on this project's 2-CPU box for tiny non-streaming
-POSTs (server and load generator pinned to one core each, six alternating rounds): aiohttp +
-uvloop about 4,700 req/s median, Starlette on uvicorn (httptools, uvloop) about 3,200,
-aiohttp on the default asyncio loop about 3,000. See docs/engine.md.
+Server: aiohttp.web on uvloop (``loadtest.engine.server``). Measured on this project's 2-CPU
+box for tiny non-streaming POSTs (server and load generator pinned to one core each, six
+alternating rounds): aiohttp + uvloop about 4,700 req/s median, Starlette on uvicorn
+(httptools, uvloop) about 3,200, aiohttp on the default asyncio loop about 3,000. See
+docs/engine.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import errno
 import logging
-import math
-import random
-import secrets
-import signal
-import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from loadtest.engine.allocators import ContiguousAllocator, PagedAllocator, make_allocator
 from loadtest.engine.metrics import EngineCollector, exposition
+from loadtest.engine.model import (
+    FAULT_MODES,
+    FAULT_SCOPES,
+    EngineConfig,
+    EngineModel,
+    EngineRestarted,
+    LiveRequest,
+)
 from loadtest.engine.protocol import (
     SSE_DONE,
     BadRequest,
@@ -45,202 +42,20 @@ from loadtest.engine.protocol import (
     chunk,
     error_body,
     full_body,
-    generated_text,
     parse_body,
     sse,
     usage_chunk,
 )
 from proxy.core import backend_contract as contract
-from proxy.core.tokens import encoding
 from proxy.gateway.sizing import count_prompt_async
-
-if TYPE_CHECKING:
-    from loadtest.engine.behaviours import BehaviourConfig
 
 log = logging.getLogger("kvroute.engine")
 
-FAULT_MODES = ("none", "hang", "garbage", "error500")
-FAULT_SCOPES = ("inference", "all")
-RESTARTED_TYPE = "engine_restarted"
 JSON = "application/json"
 
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything an engine process is started with (the CLI flags, one for one)."""
-
-    name: str = "engine"
-    host: str = "127.0.0.1"
-    port: int = 8101
-    model: str = "sim-model"
-    allocator: str = "contiguous"
-    capacity_tokens: int = 100_000
-    block_size: int = 16
-    prefill_tokens_per_s: float = 10_000.0
-    decode_tokens_per_s: float = 50.0
-    speedup: float = 1.0
-    default_max_tokens: int = 256
-    seed: int = 0
-    chunk_interval_s: float = 0.02
-    strict_model: bool = False
-    uvloop: bool = True
-
-    def __post_init__(self) -> None:
-        if self.allocator not in ("contiguous", "paged"):
-            raise ValueError(f"allocator must be 'contiguous' or 'paged', got {self.allocator!r}")
-        positive = {
-            "capacity_tokens": self.capacity_tokens,
-            "block_size": self.block_size,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "speedup": self.speedup,
-            "default_max_tokens": self.default_max_tokens,
-        }
-        for key, value in positive.items():
-            if not value > 0:
-                raise ValueError(f"{key} must be positive, got {value}")
-        if self.chunk_interval_s < 0:
-            raise ValueError(f"chunk_interval_s must be >= 0, got {self.chunk_interval_s}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be within 0..65535, got {self.port}")
-
-
-class EngineRestarted(Exception):
-    """Raised inside an in-flight request when /admin/restart empties the allocator under it."""
-
-
-@dataclass(slots=True, eq=False)
-class _Live:
-    request_no: int
-    waiter: asyncio.Future[None] | None = None
-    restarted: bool = False
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-OUTCOMES = (
-    "ok",
-    "allocation_failed",
-    "context_length_exceeded",
-    "bad_request",
-    "cancelled",
-    "restarted",
-)
-
-
-class Engine:
-    """The engine's state and request handlers; one per aiohttp app."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.allocator: ContiguousAllocator | PagedAllocator = make_allocator(
-            config.allocator, config.capacity_tokens, config.block_size
-        )
-        self.started_at = time.time()
-        self.restarts = 0
-        self.running = 0
-        self.waiting = 0
-        self.allocation_failures = 0  # since the last (re)start, like a process's counter
-        self.outcomes = dict.fromkeys(OUTCOMES, 0)  # since the last (re)start
-        self.lifetime_allocation_failures = 0
-        self.lifetime_requests = 0
-        self.fault = "none"
-        self.fault_scope = "inference"
-        self._hang_release = asyncio.Event()
-        self._live: dict[int, _Live] = {}
-        self._held: set[str] = set()
-        self._next = 0
-        self._id_prefix = secrets.token_hex(4)
-        self._rng = random.Random(config.seed)
-        per_token = 1.0 / (config.decode_tokens_per_s * config.speedup)
-        self._per_token_s = per_token
-        self._tokens_per_chunk = (
-            max(1, math.ceil(config.chunk_interval_s / per_token)) if per_token > 0 else 1
-        )
-        self._headers = {"x-engine-name": config.name}
-
-    # --- the allocator's figures -------------------------------------------------------
-    def figures(self) -> dict[str, Any]:
-        a = self.allocator
-        return {
-            "name": self.config.name,
-            "model": self.config.model,
-            "allocator": a.kind,
-            "block_size": a.block_size,
-            "capacity_tokens": a.capacity_tokens,
-            "free_tokens": a.free_tokens,
-            "used_tokens": a.used_tokens,
-            "largest_free_block_tokens": a.largest_free_block_tokens,
-            "gaps": len(a.gaps()) if isinstance(a, PagedAllocator) else a.num_gaps,
-            "allocations": a.num_allocations,
-            "held": len(self._held),
-            "running": self.running,
-            "waiting": self.waiting,
-            "allocation_failures": self.allocation_failures,
-            "outcomes": dict(self.outcomes),
-            "lifetime_allocation_failures": self.lifetime_allocation_failures,
-            "lifetime_requests": self.lifetime_requests,
-            "started_at": self.started_at,
-            "uptime_s": max(0.0, time.time() - self.started_at),
-            "restarts": self.restarts,
-            "fault": self.fault,
-            "fault_scope": self.fault_scope,
-            "speedup": self.config.speedup,
-        }
-
-    # --- simulated time -----------------------------------------------------------------
-    async def _sleep(self, live: _Live, delay: float) -> None:
-        """asyncio.sleep that /admin/restart can interrupt (raises EngineRestarted)."""
-        if live.restarted:
-            raise EngineRestarted
-        if delay <= 0:
-            return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        handle = loop.call_later(delay, _wake, fut)
-        live.waiter = fut
-        try:
-            await fut
-        finally:
-            handle.cancel()
-            live.waiter = None
-
-    # --- admin actions ------------------------------------------------------------------
-    def restart(self) -> int:
-        """What a process restart does: in-flight requests fail, memory empties, uptime resets."""
-        n = 0
-        for live in self._live.values():
-            live.restarted = True
-            if live.waiter is not None and not live.waiter.done():
-                live.waiter.set_exception(EngineRestarted())
-            n += 1
-        self._live.clear()
-        self.allocator.reset()
-        self._held.clear()
-        self.running = 0
-        self.allocation_failures = 0
-        self.outcomes = dict.fromkeys(OUTCOMES, 0)
-        self.started_at = time.time()
-        self.restarts += 1
-        self._release_hung()
-        return n
-
-    def _release_hung(self) -> None:
-        self._hang_release.set()
-        self._hang_release = asyncio.Event()
-
-    def set_fault(self, mode: str, scope: str = "inference") -> None:
-        if mode not in FAULT_MODES:
-            raise ValueError(f"mode must be one of {FAULT_MODES}, got {mode!r}")
-        if scope not in FAULT_SCOPES:
-            raise ValueError(f"scope must be one of {FAULT_SCOPES}, got {scope!r}")
-        if self.fault == "hang" and mode != "hang":
-            self._release_hung()
-        self.fault = mode
-        self.fault_scope = scope
+class Engine(EngineModel):
+    """The engine's request handlers over its model; one per aiohttp app."""
 
     # --- HTTP handlers --------------------------------------------------------------------
     def _error(self, status: int, body: bytes) -> web.Response:
@@ -276,17 +91,8 @@ class Engine:
             if faulted is not None:
                 return faulted
         self.lifetime_requests += 1
-        cfg = self.config
         try:
-            body, p = parse_body(await request.read(), chat, cfg.default_max_tokens)
-            if cfg.strict_model and p.model != cfg.model:
-                raise BadRequest(
-                    f"The model `{p.model}` does not exist.",
-                    "model",
-                    "model_not_found",
-                    404,
-                    "NotFoundError",
-                )
+            body, p = self._parse(await request.read(), chat)
         except BadRequest as exc:
             self.outcomes["bad_request"] += 1
             return self._error(exc.status, error_body(exc.message, exc.type, exc.param, exc.code))
@@ -295,32 +101,37 @@ class Engine:
             prompt_tokens = await count_prompt_async(body)
         finally:
             self.waiting -= 1
+        refusal = self.context_refusal(prompt_tokens, p.max_tokens, chat)
+        if refusal is not None:
+            return self._error(400, refusal)
         demand = prompt_tokens + p.max_tokens
-        alloc = self.allocator
-        if alloc.charge(demand) > alloc.capacity_tokens:
-            self.outcomes["context_length_exceeded"] += 1
-            what = "messages" if chat else "prompt"
-            msg = (
-                f"This model's maximum context length is {alloc.capacity_tokens} tokens. However, you "
-                f"requested {demand} tokens ({prompt_tokens} in the {what}, {p.max_tokens} in the "
-                f"completion). Please reduce the length of the {what} or completion."
-            )
-            return self._error(
-                400, error_body(msg, "invalid_request_error", what, "context_length_exceeded")
-            )
-        self._next += 1
-        request_no = self._next
-        if alloc.allocate(request_no, demand) is None:
-            self.allocation_failures += 1
-            self.lifetime_allocation_failures += 1
-            self.outcomes["allocation_failed"] += 1
+        live = self.admit(demand)
+        if live is None:
+            alloc = self.allocator
             body_bytes = allocation_error_body(
                 demand, alloc.free_tokens, alloc.largest_free_block_tokens, alloc.kind
             )
             return self._error(contract.ALLOCATION_ERROR_STATUS, body_bytes)
-        live = _Live(request_no)
-        self._live[request_no] = live
-        self.running += 1
+        return await self._generate(request, live, p, prompt_tokens)
+
+    def _parse(self, raw: bytes, chat: bool) -> tuple[Any, Parsed]:
+        """The request's body and what the engine reads of it; BadRequest when unusable."""
+        cfg = self.config
+        body, p = parse_body(raw, chat, cfg.default_max_tokens)
+        if cfg.strict_model and p.model != cfg.model:
+            raise BadRequest(
+                f"The model `{p.model}` does not exist.",
+                "model",
+                "model_not_found",
+                404,
+                "NotFoundError",
+            )
+        return body, p
+
+    async def _generate(
+        self, request: web.Request, live: LiveRequest, p: Parsed, prompt_tokens: int
+    ) -> web.StreamResponse:
+        """Prefill and decode in simulated time: a whole answer, or a stream."""
         outcome = "cancelled"
         try:
             if p.stream:
@@ -332,10 +143,10 @@ class Engine:
             outcome = "ok"
             return web.Response(
                 body=full_body(
-                    self._completion_id(p, request_no),
+                    self._completion_id(p, live.request_no),
                     int(time.time()),
                     p,
-                    self._text(request_no, 0, p.max_tokens),
+                    self._text(live.request_no, 0, p.max_tokens),
                     prompt_tokens,
                 ),
                 content_type=JSON,
@@ -345,31 +156,10 @@ class Engine:
             outcome = "restarted"
             return self._error(503, self._restarted_body())
         finally:
-            if not live.restarted:  # after a restart the allocator and counters are already fresh
-                self._live.pop(request_no, None)
-                alloc.free(request_no)
-                self.running -= 1
-            self.outcomes[outcome] += 1
-
-    def _prefill_s(self, prompt_tokens: int) -> float:
-        return prompt_tokens / (self.config.prefill_tokens_per_s * self.config.speedup)
-
-    def _completion_id(self, p: Parsed, request_no: int) -> str:
-        return f"{'chatcmpl' if p.chat else 'cmpl'}-{self._id_prefix}-{request_no}"
-
-    def _text(self, request_no: int, pos: int, n: int) -> str:
-        return generated_text(request_no * 7919 + self.config.seed + pos, n)
-
-    def _restarted_body(self) -> bytes:
-        return error_body(
-            "the engine restarted while the request was in flight",
-            RESTARTED_TYPE,
-            None,
-            RESTARTED_TYPE,
-        )
+            self.finish(live, outcome)
 
     async def _stream(
-        self, request: web.Request, live: _Live, p: Parsed, prompt_tokens: int
+        self, request: web.Request, live: LiveRequest, p: Parsed, prompt_tokens: int
     ) -> tuple[web.StreamResponse, str]:
         resp = web.StreamResponse(
             headers={
@@ -511,46 +301,24 @@ class Engine:
                 )
         except BadRequest as exc:
             return self._error(400, error_body(exc.message, exc.type, exc.param, exc.code))
-        held: list[dict[str, Any]] = []
-        failed = 0
-        for _ in range(count):
-            self._next += 1
-            hid = f"hold-{self._next}"
-            offset = self.allocator.allocate(hid, tokens)
-            if offset is None:
-                failed += 1
-                continue
-            self._held.add(hid)
-            held.append({"id": hid, "offset": offset, "tokens": tokens})
+        held, failed = self.hold(tokens, count)
         return self._ok({"held": held, "failed": failed, **self._memory()})
 
     async def admin_release(self, request: web.Request) -> web.StreamResponse:
         try:
             data = await self._json_body(request)
+            every = bool(data.get("all"))
             ids = data.get("ids")
-            if data.get("all"):
-                ids = list(self._held)
-            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            if not every and (
+                not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)
+            ):
                 raise BadRequest(
                     "give ids (a list of hold ids) or all: true", "ids", "invalid_value"
                 )
         except BadRequest as exc:
             return self._error(400, error_body(exc.message, exc.type, exc.param, exc.code))
-        released = 0
-        for hid in ids:
-            if hid in self._held:
-                self._held.discard(hid)
-                self.allocator.free(hid)
-                released += 1
+        released = self.release(None if every else ids)
         return self._ok({"released": released, **self._memory()})
-
-    def _memory(self) -> dict[str, int]:
-        a = self.allocator
-        return {
-            "free_tokens": a.free_tokens,
-            "largest_free_block_tokens": a.largest_free_block_tokens,
-            "capacity_tokens": a.capacity_tokens,
-        }
 
 
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -580,258 +348,3 @@ def build_app(config: EngineConfig) -> web.Application:
     r.add_post("/admin/hold", engine.admin_hold)
     r.add_post("/admin/release", engine.admin_release)
     return app
-
-
-class EngineServer:
-    """Start/stop one engine on the running loop; ``port=0`` picks a free port."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.app = build_app(config)
-        self.runner: web.AppRunner | None = None
-        self.port = config.port
-
-    @property
-    def engine(self) -> Engine:
-        return self.app[ENGINE_KEY]
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
-
-    async def start(self) -> int:
-        # Load the tokenizer now (about a second), not on the first request.
-        await asyncio.to_thread(encoding)
-        self.runner = web.AppRunner(
-            self.app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0
-        )
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, self.config.host, self.config.port, backlog=1024)
-        await site.start()
-        addrs = self.runner.addresses
-        self.port = int(addrs[0][1]) if addrs else self.config.port
-        return self.port
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            self.engine.set_fault("none")  # let hung requests go
-            await self.runner.cleanup()
-            self.runner = None
-
-
-async def serve(config: EngineConfig, ready_line: bool = True) -> None:
-    """Serve until SIGINT/SIGTERM; prints one 'listening on URL' line (tests read the port from it)."""
-    server = EngineServer(config)
-    try:
-        await server.start()
-    except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
-        # One line and a non-zero exit, not a traceback: the usual cause is a second engine.
-        raise SystemExit(
-            f"kvroute engine: port {config.port} is in use on {config.host}; pick another with --port"
-        ) from None
-    if ready_line:
-        print(f"kvroute engine (name: {config.name}) listening on {server.url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
-
-
-def run(config: EngineConfig) -> None:
-    """Run one engine in this process until interrupted (uvloop when available and enabled)."""
-    if config.uvloop:
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover - uvloop is a dependency of uvicorn[standard]
-            pass
-        else:
-            uvloop.run(serve(config))
-            return
-    asyncio.run(serve(config))
-
-
-# --- CLI -------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags, for ``kvroute engine`` and ``python -m loadtest.engine.server``."""
-    d = EngineConfig()
-    parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
-    parser.add_argument(
-        "--port", type=int, default=d.port, help=f"listen port, 0 = any free (default {d.port})"
-    )
-    parser.add_argument(
-        "--name", default=d.name, help="engine name, sent as the x-engine-name header"
-    )
-    parser.add_argument("--model", default=d.model, help=f"model id served (default {d.model})")
-    parser.add_argument(
-        "--allocator",
-        choices=("contiguous", "paged"),
-        default=d.allocator,
-        help="KV-cache allocator",
-    )
-    parser.add_argument(
-        "--capacity-tokens",
-        type=int,
-        default=d.capacity_tokens,
-        help=f"KV cache size (default {d.capacity_tokens})",
-    )
-    parser.add_argument(
-        "--block-size",
-        type=int,
-        default=d.block_size,
-        help="paged allocator block size (default 16)",
-    )
-    parser.add_argument(
-        "--prefill-tokens-per-s",
-        type=float,
-        default=d.prefill_tokens_per_s,
-        help="prompt processing rate",
-    )
-    parser.add_argument(
-        "--decode-tokens-per-s",
-        type=float,
-        default=d.decode_tokens_per_s,
-        help="output rate per request",
-    )
-    parser.add_argument(
-        "--speedup", type=float, default=d.speedup, help="divide all simulated times by this"
-    )
-    parser.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=d.default_max_tokens,
-        help="max_tokens when a request omits it",
-    )
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed for the generated text")
-    parser.add_argument(
-        "--chunk-interval-s",
-        type=float,
-        default=d.chunk_interval_s,
-        help="min seconds between stream chunks",
-    )
-    parser.add_argument(
-        "--strict-model", action="store_true", help="404 for a model other than --model"
-    )
-    parser.add_argument(
-        "--behaviour",
-        choices=("kvroute", "vllm", "sglang", "tgi"),
-        default="kvroute",
-        help="kvroute: allocate at admission, 503 on failure (default); vllm/sglang/tgi: that "
-        "server's paged, lazily allocating, queueing behaviour and its own metric names",
-    )
-    parser.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=256,
-        help="running requests per engine (vllm/sglang/tgi)",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="per-request token limit, answered with the server's own 400 (default: the KV size)",
-    )
-    parser.add_argument(
-        "--data-parallel", type=int, default=1, help="engines behind one port (vllm/sglang)"
-    )
-    parser.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="vllm: turn off the automatic prefix cache (cached prompt blocks skip prefill)",
-    )
-    parser.add_argument(
-        "--serial-prefill",
-        action="store_true",
-        help="vllm/sglang/tgi: prefill prompts one after another (one GPU's compute) "
-        "instead of all at full speed at once",
-    )
-    parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
-    parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
-
-
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        name=args.name,
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        allocator=args.allocator,
-        capacity_tokens=args.capacity_tokens,
-        block_size=args.block_size,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        decode_tokens_per_s=args.decode_tokens_per_s,
-        speedup=args.speedup,
-        default_max_tokens=args.default_max_tokens,
-        seed=args.seed,
-        chunk_interval_s=args.chunk_interval_s,
-        strict_model=args.strict_model,
-        uvloop=not args.no_uvloop,
-    )
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Entry for a CLI that built its parser with :func:`add_arguments`."""
-    logging.basicConfig(
-        level=str(args.log_level).upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if getattr(args, "behaviour", "kvroute") != "kvroute":
-        from loadtest.engine.behaviours import run as run_behaviour
-
-        bconf = behaviour_config_from_args(args)
-        log.info("starting engine %s", asdict(bconf))
-        run_behaviour(bconf, args.host, args.port)
-        return 0
-    config = config_from_args(args)
-    log.info("starting engine %s", asdict(config))
-    run(config)
-    return 0
-
-
-def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
-    from loadtest.engine.behaviours import BehaviourConfig
-
-    return BehaviourConfig(
-        behaviour=args.behaviour,
-        name=args.name,
-        model=args.model,
-        capacity_tokens=args.capacity_tokens,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        data_parallel=args.data_parallel,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        decode_tokens_per_s=args.decode_tokens_per_s,
-        speedup=args.speedup,
-        seed=args.seed,
-        prefix_caching=not getattr(args, "no_prefix_caching", False),
-        serial_prefill=getattr(args, "serial_prefill", False),
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvroute engine", description="Simulated inference engine with a fragmenting KV cache"
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        config_from_args(args)
-        if args.behaviour != "kvroute":
-            behaviour_config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    return run_from_args(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
