@@ -34,6 +34,7 @@ from proxy.errors import (
 from proxy.errors import (
     UpstreamTimeout as UpstreamTimeout,
 )
+from proxy.errors import WireError
 from proxy.upstream import lean
 from proxy.upstream.wire import BodyReader
 
@@ -140,8 +141,8 @@ class UpstreamAnswer(Protocol):
     def release(self) -> Any: ...
 
 
-# Library errors that mean "the connection broke" while a body was being read.
-_BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError)
+# Library errors (and the lean client's) that mean "the connection broke" while a body was read.
+_BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, WireError)
 
 
 class _MapBroken:

@@ -24,16 +24,10 @@ from typing import cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.errors import BadAnswer, ConnectionLost
+
 # Unread body bytes above which the socket stops being read (aiohttp's default is 64 KiB too).
 HIGH_WATER = 64 * 1024
-
-
-class ConnectionLost(ConnectionError):
-    """The backend closed the connection, or it was closed under us, before the answer ended."""
-
-
-class BadAnswer(ConnectionError):
-    """The backend's bytes are not an HTTP/1.1 answer (the parser refused them)."""
 
 
 class BodyReader:
