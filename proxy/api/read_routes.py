@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from proxy.api.cache import Coalesced
 from proxy.api.fleet_view import snapshot_json, with_health
-from proxy.api.models import fleet_models
+from proxy.api.model_listing import fleet_models
 from proxy.api.wiring import Runtime
 
 

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from proxy.api.heap import freeze_startup_heap
 from proxy.api.kind_check import KindCheck
 from proxy.api.lifecycle import Component
-from proxy.api.models import kind_errors, lookup_from
+from proxy.api.model_listing import kind_errors, lookup_from
 from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector

@@ -1,6 +1,6 @@
 """One HTTP/1.1 connection to a backend: an asyncio Protocol with httptools' response parser.
 
-The lean upstream client (``proxy.upstream.lean``) sends the gateway's POSTs over these.
+The lean upstream client (``proxy.upstream.lean_client``) sends the gateway's POSTs over these.
 Profiled, aiohttp's client was ~31% of the gateway's samples for a tiny request (request
 object, headers, writer, connector, parser); this does the one thing the hot path needs:
 write a request in one ``transport.write`` and hand back status, headers and a body reader.
