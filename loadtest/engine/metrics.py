@@ -26,7 +26,7 @@ class _ModelName(Protocol):
 
 
 class EngineState(Protocol):
-    """What the exposition reads from an engine (``loadtest.engine.model.EngineModel`` has it).
+    """What the exposition reads from an engine (``loadtest.engine.server.Engine`` has it).
 
     A protocol rather than an import of the engine: the engine imports this module, so the
     dependency runs one way only.

@@ -14,7 +14,7 @@ from typing import Any
 from proxy.backends.base import ModelsInfo
 from proxy.backends.registry import adapter_for
 from proxy.config import Config
-from proxy.gateway.model_catalog import ModelsLookup, build_catalog
+from proxy.gateway.models import ModelsLookup, build_catalog
 
 
 def lookup_from(models: Callable[[str], ModelsInfo | None]) -> ModelsLookup:

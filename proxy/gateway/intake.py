@@ -2,7 +2,7 @@
 
 Bad input is answered here, before any state is touched: a body over the limit is a 413, a
 model served nowhere a 404 (``model_not_found``), a request longer than the model's
-``max_model_len`` a 400 in vLLM's words (``proxy.gateway.model_catalog``), and, where no limit is
+``max_model_len`` a 400 in vLLM's words (``proxy.gateway.models``), and, where no limit is
 known, one larger than any backend's whole cache a 400 (``context_length_exceeded``).
 """
 
@@ -20,7 +20,7 @@ from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
 from proxy.gateway import retry_memory
 from proxy.gateway.context import RequestContext
-from proxy.gateway.model_catalog import check_length, route_model
+from proxy.gateway.models import check_length, route_model
 from proxy.gateway.sizing import size_request
 from proxy.routing.policy import Policy, classify
 from proxy.state.base import StoreUnavailable

@@ -38,7 +38,7 @@ from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.metrics import GatewayMetrics
-from proxy.gateway.model_catalog import CatalogCache, KindErrors, ModelsLookup
+from proxy.gateway.models import CatalogCache, KindErrors, ModelsLookup
 from proxy.gateway.queueing import BackendQueues
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.gateway.resilience_metrics import ResilienceCollector

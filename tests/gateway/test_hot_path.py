@@ -20,7 +20,7 @@ from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.gateway.affinity import Affinity, AffinityKey
 from proxy.gateway.client_watch import ClientWatch
 from proxy.gateway.ledger import ReservationLedger
-from proxy.gateway.model_catalog import CatalogCache
+from proxy.gateway.models import CatalogCache
 from proxy.routing.policy import RouteRequest
 from proxy.state.breaker import CircuitBreaker
 from proxy.state.memory import InProcessStore
