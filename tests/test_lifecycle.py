@@ -75,3 +75,40 @@ def test_a_component_without_a_stop_is_skipped_on_shutdown() -> None:
 def test_the_gateway_components_have_distinct_names() -> None:
     names = [c.name for c in GATEWAY_COMPONENTS]
     assert len(names) == len(set(names)) and names[0] == "tokenizers" and names[-1] == "ready"
+
+
+def test_a_gateway_whose_start_fails_half_way_stops_what_had_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real app's lifespan, one injected fault (discovery cannot start): the upstream
+    pool, the collector and the gateway that had started are all stopped again."""
+    import proxy.api.app as app_module
+    from proxy.api.app import create_app
+    from proxy.api.wiring import Wiring
+    from tests.support.gateway import gateway_cfg
+
+    seen: list[Wiring] = []
+
+    async def spy(w: Wiring) -> None:
+        seen.append(w)
+
+    async def broken(w: Wiring) -> None:
+        raise RuntimeError("discovery cannot start")
+
+    components = [Component("spy", spy)] + [
+        Component(c.name, broken, c.stop) if c.name == "discovery" else c
+        for c in GATEWAY_COMPONENTS
+    ]
+    monkeypatch.setattr(app_module, "GATEWAY_COMPONENTS", components)
+    app = create_app(gateway_cfg([{"name": "a", "url": "http://127.0.0.1:1"}]))
+
+    async def main() -> None:
+        async with app.router.lifespan_context(app):
+            raise AssertionError("the app must not start")
+
+    with pytest.raises(RuntimeError, match="discovery cannot start"):
+        asyncio.run(main())
+    (w,) = seen
+    assert w.upstream.session is None and w.upstream.pool is None
+    assert w.collector is not None and not w.collector.running
+    assert w.gateway.checker is None and not w.ops._rounds.running
