@@ -81,6 +81,11 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.drain.begin()
         super().handle_exit(sig, frame)
+        # uvicorn >= 0.29 raises the signal again once it has stopped, so the process dies
+        # of it (exit status -15). A finished drain is a clean stop: exit 0 instead.
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.drain.begin()

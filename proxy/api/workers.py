@@ -66,9 +66,19 @@ def worker_argv(argv: Sequence[str], reloads: bool) -> list[str]:
     return [sys.executable, "-m", "proxy.cli", *out, "--reuse-port", hup_flag(reloads)]
 
 
+def sockets_directory() -> str:
+    """A private directory for the workers' sockets: under TMPDIR, or /tmp when TMPDIR is too
+    long for a Unix socket's path (108 bytes on Linux, the name included)."""
+    found = tempfile.mkdtemp(prefix="kvroute-workers-")
+    if len(found) + len("/worker-4194304.sock") < 100:
+        return found
+    os.rmdir(found)
+    return tempfile.mkdtemp(prefix="kvroute-workers-", dir="/tmp")
+
+
 def supervise(argv: Sequence[str], workers: int, reloads: bool, drain_s: float) -> int:
     """Start ``workers`` copies of this serve command and wait; the first to exit ends them all."""
-    sockets_dir = tempfile.mkdtemp(prefix="kvroute-workers-")
+    sockets_dir = sockets_directory()
     env = {**os.environ, WORKER_DIR_ENV: sockets_dir}
     procs = [subprocess.Popen(worker_argv(argv, reloads), env=env) for _ in range(workers)]
     stopping = False
