@@ -115,7 +115,7 @@ def test_sighup_to_the_supervisor_reloads_every_worker(
 def test_admin_reload_reaches_every_worker_and_reports_each(
     two_workers: tuple[Any, str, Path, Path],
 ) -> None:
-    popen, url, cfg, tmp = two_workers
+    _, url, cfg, tmp = two_workers
     _edit(cfg, 23_456)
     r = httpx.post(url + "/admin/reload", headers=ADMIN, timeout=60)
     assert r.status_code == 200, r.text
