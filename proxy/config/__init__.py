@@ -108,7 +108,7 @@ ENV_OVERRIDES: dict[str, str] = {
     "KVROUTE_HOST": "listen.host",
     "KVROUTE_PORT": "listen.port",
     "KVROUTE_LONG_THRESHOLD_TOKENS": "routing.long_threshold_tokens",
-    # The image sets it (Dockerfile), so the drain and the orchestrator's grace agree.
+    # The drain on SIGTERM: keep it under the orchestrator's grace period (docs/operations.md).
     "KVROUTE_DRAIN_S": "shutdown.drain_s",
 }
 
