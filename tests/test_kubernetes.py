@@ -178,7 +178,10 @@ def test_gateway_deployment_is_production_shaped() -> None:
     assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     # /ready turns 503 the moment a shutdown begins (proxy.api.drain).
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert "livenessProbe" in c and c["livenessProbe"]["httpGet"]["path"] not in ("/health", "/ready")
+    assert "livenessProbe" in c and c["livenessProbe"]["httpGet"]["path"] not in (
+        "/health",
+        "/ready",
+    )
     assert "--reload-on-hup" in c["args"]
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     cfg = parse_config(yaml.safe_load((K8S / "base" / "kvroute.yaml").read_text()), environ={})
