@@ -44,9 +44,9 @@ def gateway(tmp_path: Path, slow_engine: Any) -> Iterator[Any]:
     """``start(*extra_args) -> (proc, url)``: a real ``kvroute serve`` on the slow engine."""
     started: list[Proc] = []
 
-    def start(*extra: str) -> tuple[Proc, str]:
+    def start(*extra: str, client: str = "lean") -> tuple[Proc, str]:
         cfg = tmp_path / "kvroute.yaml"
-        data = gateway_config([(EngineSpec("b0"), slow_engine.url)])
+        data = gateway_config([(EngineSpec("b0"), slow_engine.url)], upstream={"client": client})
         cfg.write_text(yaml.safe_dump(data, sort_keys=False))
         port = free_port()
         proc = Proc("gateway", _serve_argv(cfg, port, *extra), f"http://127.0.0.1:{port}")
@@ -114,8 +114,12 @@ def test_sigterm_mid_stream_lets_the_stream_finish(gateway: Any) -> None:
     assert proc.popen.wait(timeout=60) == 0
 
 
-def test_a_stream_longer_than_the_drain_ends_with_a_final_error_event(gateway: Any) -> None:
-    proc, url = gateway("--drain-s", "1")
+@pytest.mark.parametrize("client", ["lean", "aiohttp"])
+def test_a_stream_longer_than_the_drain_ends_with_a_final_error_event(
+    gateway: Any, client: str
+) -> None:
+    # Both upstream clients' readers must wake up for the interruption (upstream.client).
+    proc, url = gateway("--drain-s", "1", client=client)
     # 20 s at 50 tokens/s: far longer than the 1 s drain.
     with _stream(url, 1000) as r:
         assert r.status_code == 200

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from loadtest.local_fleet import EngineSpec, free_port, gateway_config, wait_http
+from proxy.api.worker_peers import combined
 from tests.support.gateway import wait_until
 from tests.support.redis_server import RedisInstance
 
@@ -141,3 +142,21 @@ def test_stopping_removes_the_workers_sockets(two_workers: tuple[Any, str, Path,
     popen.send_signal(signal.SIGTERM)
     assert popen.wait(timeout=60) == 0
     assert list(tmp.glob("kvroute-workers-*")) == []
+
+
+@pytest.mark.parametrize(
+    ("own", "others", "status", "result"),
+    [
+        ("ok", ["ok"], 200, "ok"),
+        ("unchanged", ["ok"], 200, "mixed"),
+        ("invalid", ["invalid"], 422, "invalid"),
+        ("ok", ["unreachable"], 502, "mixed"),
+        ("invalid", ["unreachable"], 502, "mixed"),
+    ],
+)
+def test_the_combined_answer_reports_the_worst_worker(
+    own: str, others: list[str], status: int, result: str
+) -> None:
+    body, code = combined({"result": own}, [{"worker": "2", "result": r} for r in others])
+    assert code == status and body["result"] == result
+    assert [w["result"] for w in body["workers"]] == [own, *others]
