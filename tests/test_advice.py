@@ -376,3 +376,14 @@ def test_staleness_is_judged_against_the_newest_report_as_routing_does() -> None
     stopped = fleet(node("a", 40_000, 2_000, age=20), node("b", 90_000, 90_000, age=20))
     assert {n.state for n in run(stopped, cfg).nodes} == {"stale"}
     assert not can_take_out(stopped, "a", NOW, cfg, 5.0)[0]
+
+
+def test_a_down_nodes_last_report_is_not_fleet_memory() -> None:
+    # One node up with 5,000 free; one down whose last report showed 90,000 free. A
+    # 20,000-token capacity failure is capacity: the down node's memory serves nobody.
+    snap = fleet(node("up", 5_000, 5_000), node("gone", 90_000, 90_000, up=False))
+    a = run(snap, failures=[cap_failure(20_000)])
+    assert a.action == "scale_up", a.reasons
+    assert a.fleet["capacity_tokens"] == CAP and a.fleet["free_tokens"] == 5_000
+    assert a.fleet["largest_node_free_tokens"] == 5_000
+    assert a.failures["capacity_still_short"] == 1

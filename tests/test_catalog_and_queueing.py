@@ -152,3 +152,14 @@ def test_the_slot_limit_is_learned_from_reports_or_configured() -> None:
     assert st.with_slots(rep(3, 0), None).max_num_seqs == 6  # kept
     assert st.with_slots(rep(3, 0), 16).max_num_seqs == 16  # configured wins
     assert st.with_slots(rep(3, 0, limit=32), 16).max_num_seqs == 32  # exported wins
+
+
+def test_expected_wait_counts_the_gateways_own_requests_in_flight() -> None:
+    # The same report (running 2, waiting 0) for both; the gateway has 12 requests of its own in
+    # flight on "a" (sent since that report) and 2 on "b". "a" must not win on its name.
+    busy_a = busy("a", running=2, inflight=12, reserved_tokens=12 * 1_000)
+    idle_b = busy("b", running=2, inflight=2, reserved_tokens=2 * 1_000)
+    rates = Rates()
+    assert expected_wait_s(busy_a, 500, 600, rates) > expected_wait_s(idle_b, 500, 600, rates)
+    order = rank_by_wait([busy_a, idle_b], 500, 600, "short", QueueingSettings())
+    assert [name for name, _ in order] == ["b", "a"]

@@ -175,6 +175,11 @@ def test_bad_input_is_answered_alike_on_both_paths(
     else:
         # No key needed: the body-less request is a 400 for its (empty) body.
         assert statuses == [200, 400, 400, 400, 400, 400, 413, 431]
+    # Each refused for its own reason (the key, then the duplicate Authorization header).
+    codes = [r.json()["error"].get("code") if r.status_code >= 400 else None for r in lean]
+    if keys:
+        assert codes[4] == "invalid_api_key", codes
+    assert codes[5] == "duplicate_authorization", codes
     for r in lean[1:]:
         if r.status_code >= 400:
             err = r.json()["error"]
@@ -231,6 +236,23 @@ def test_a_declared_body_over_the_limit_is_a_413(
         with _raw(port, _request(b"x" * 5000)) as s:
             ((head, body),) = _read_answers(s, 1)
     assert head.startswith(b"HTTP/1.1 413"), head
+    assert orjson.loads(body)["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("lean", ["1", "0"])
+def test_a_declared_body_over_the_limit_is_refused_before_it_is_sent(
+    engine: Any, lean: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the head goes out, declaring 1 MB against a 4 KB limit: the 413 must come on the
+    # declaration alone. A gateway that waits for the body answers 408 when its timeout ends.
+    monkeypatch.setenv("KVROUTE_LEAN", lean)
+    limits = {"max_body_bytes": 4096, "body_timeout_s": 5}
+    with run_gateway(_cfg(engine.url, limits=limits), run_collector=False) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = _request(b"x" * 1_000_000)[:-1_000_000]
+        with _raw(port, head) as s:
+            ((answer, body),) = _read_answers(s, 1)
+    assert answer.startswith(b"HTTP/1.1 413"), answer
     assert orjson.loads(body)["error"]["code"] == "request_too_large"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -42,6 +43,56 @@ def cfg() -> Config:
     return Config.model_validate(
         {"backends": [{"name": n, "url": f"http://127.0.0.1:1/{n}"} for n in ("a", "b")]}
     )
+
+
+class Outage(InProcessStore):
+    """The embedded store whose releases fail while ``down``: a store outage as the ledger meets it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = True
+
+    def check(self) -> None:
+        if self.down:
+            raise StoreUnavailable("the store is down")
+
+    async def release(self, name: str, reservation_id: str) -> None:
+        self.check()
+        await super().release(name, reservation_id)
+
+    async def release_many(self, items: list[tuple[str, str]]) -> None:
+        self.check()
+        await super().release_many(items)
+
+    async def forget(self, name: str, reservation_id: str, until: float) -> None:
+        self.check()
+        await super().forget(name, reservation_id, until)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["awaited", "batched"])
+async def test_a_release_that_fails_is_queued_and_retried_until_it_lands(at_once: bool) -> None:
+    store = Outage()
+    ledger = ReservationLedger(store, CircuitBreaker(100, 0.01), ttl_s=TTL, retry_interval_s=0.01)
+    now = time.time()
+    assert await store.reserve("a", "r1", 100, now, TTL, check_fit=False)
+    ledger.hold("a", "r1")
+    if at_once:
+        assert ledger.release_at_once("a", "r1")
+    else:
+        await ledger.release("a", "r1")
+    await until(lambda: bool(ledger.pending), "the failed release to be queued")
+    assert [r.id for r in await store.reservations("a", now)] == ["r1"]
+    store.down = False
+    await until(lambda: not ledger.pending, "the queued release to go through")
+    assert await store.reservations("a", now) == []
+    await ledger.close()
 
 
 async def test_cancelling_the_reader_that_owns_the_read_spares_the_others() -> None:

@@ -455,3 +455,15 @@ def test_reports_that_all_arrive_late_stale_no_node(policy: str) -> None:
     assert route(policy, stopped, 300) == []
     assert nothing_fits_reason(stopped, 300, NOW, stale_after_s=5.0)[0] == "unavailable"
     assert nothing_fits_reason(late, 300_000, NOW, stale_after_s=5.0)[0] == "capacity"
+
+
+def test_nodes_without_a_report_go_by_length_and_spread_by_what_is_in_flight() -> None:
+    # No report yet (before the first scrape, or a store that lost them): nothing to fit
+    # against, so the pool decides by length and the gateway's own in-flight count spreads.
+    policy = make_policy("kvroute", PolicySettings(long_threshold_tokens=3_000))
+    busy_g = NodeView("g0", pool="general", role="general", overlay=Overlay(inflight=3))
+    idle_g = NodeView("g1", pool="general", role="general", overlay=Overlay(inflight=1))
+    long_node = NodeView("a-long", pool="long", role="long")
+    snap = FleetSnapshot((busy_g, idle_g, long_node))
+    assert policy.rank(snap, RouteRequest(300, "short"), now=1.0) == ["g1", "g0", "a-long"]
+    assert policy.rank(snap, RouteRequest(4_000, "long"), now=1.0) == ["a-long", "g1", "g0"]

@@ -457,6 +457,53 @@ def test_slow_bodies_are_cut(backends: Callable[..., Backend]) -> None:
                 s.close()
 
 
+def trickle_until_answered(s: socket.socket, n_bytes: int, gap_s: float) -> tuple[bytes, int]:
+    """Send ``n_bytes`` one at a time, ``gap_s`` apart, until the server answers or closes.
+
+    Returns what the server sent and how many bytes of the body had gone out by then.
+    """
+    sent = 0
+    s.setblocking(False)
+    try:
+        while sent < n_bytes:
+            try:
+                if s.recv(1, socket.MSG_PEEK):
+                    break
+                break  # b"": the server closed the connection
+            except BlockingIOError:
+                pass
+            try:
+                s.send(b" ")
+            except OSError:
+                break
+            sent += 1
+            time.sleep(gap_s)
+    finally:
+        s.setblocking(True)
+    return reply(s, 10), sent
+
+
+def test_a_trickled_body_is_cut_by_the_whole_bodys_deadline(
+    backends: Callable[..., Backend],
+) -> None:
+    # One byte per 0.2 s resets any per-chunk timeout, so only a deadline for the whole body
+    # (0.5 s plus a second per 4 KB received) can cut it: after ~3 bytes, long before the
+    # 30 declared bytes (6 s) have arrived. A deadline that restarts on every chunk lets it in.
+    ok = backends("ok")
+    c = cfg([ok.url], limits={"body_timeout_s": 0.5, "body_min_rate_bytes_s": 4096})
+    with run_gateway(c, run_collector=False) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = b'{"model": "m"}'
+        s = slow_body(port, len(head) + 30, head)
+        try:
+            answer, sent = trickle_until_answered(s, 30, 0.2)
+        finally:
+            s.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"request_timeout" in answer
+        assert sent < 30, "the whole trickled body was accepted"
+
+
 def test_bytes_buffered_across_requests_are_bounded(backends: Callable[..., Backend]) -> None:
     ok = backends("ok")
     c = cfg([ok.url], limits={"max_buffered_body_bytes": 1 << 20, "body_timeout_s": 30})
