@@ -55,21 +55,17 @@ class Mutation:
 
 
 POLICY_PROPERTIES = (
-    "tests/test_policy.py::test_every_ranked_node_is_eligible_and_kvroute_ranks_only_fitting_nodes",
-    "tests/test_policy.py::test_kvroute_ranks_exactly_the_nodes_that_hold_the_request_at_the_edge",
+    "tests/routing/test_policy.py::test_every_ranked_node_is_eligible_and_kvroute_ranks_only_fitting_nodes",
+    "tests/routing/test_policy.py::test_kvroute_ranks_exactly_the_nodes_that_hold_the_request_at_the_edge",
 )
 NO_RESERVATION_LEFT = (
-    "tests/test_fuzz.py::test_fuzz_left_no_reservation",
-    "tests/test_gateway_e2e.py::test_redis_store_used_by_gateway_leaves_no_reservations",
+    "tests/api/test_fuzz.py::test_fuzz_left_no_reservation",
+    "tests/e2e/test_gateway_e2e.py::test_redis_store_used_by_gateway_leaves_no_reservations",
     "tests/faults/test_fault_suite.py::test_fault_baseline",
 )
-LEDGER_RETRY = (
-    "tests/test_ledger_and_cache.py::test_a_release_that_fails_is_queued_and_retried_until_it_lands"
-)
-NO_REPORT_RANKING = (
-    "tests/test_policy.py::test_nodes_without_a_report_go_by_length_and_spread_by_what_is_in_flight"
-)
-LIMITS_BOTH_PATHS = "tests/test_lean_path.py::test_bad_input_is_answered_alike_on_both_paths"
+LEDGER_RETRY = "tests/gateway/test_ledger_and_cache.py::test_a_release_that_fails_is_queued_and_retried_until_it_lands"
+NO_REPORT_RANKING = "tests/routing/test_policy.py::test_nodes_without_a_report_go_by_length_and_spread_by_what_is_in_flight"
+LIMITS_BOTH_PATHS = "tests/api/test_lean_path.py::test_bad_input_is_answered_alike_on_both_paths"
 
 MUTATIONS: tuple[Mutation, ...] = (
     # ---- every exit path releases the reservation
@@ -156,7 +152,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "pending-ignored",
         "the largest block ignores reservations made after the report",
-        (*POLICY_PROPERTIES, "tests/test_nothing_fits.py"),
+        (*POLICY_PROPERTIES, "tests/routing/test_nothing_fits.py"),
         "NodeView.usable_block",
         r"self\.report\.largest_free_block_tokens - self\.overlay\.pending_tokens",
         "self.report.largest_free_block_tokens",
@@ -165,7 +161,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "pending-ignored-in-free",
         "free memory ignores reservations made after the report",
-        ("tests/test_nothing_fits.py",),
+        ("tests/routing/test_nothing_fits.py",),
         "NodeView.usable_free",
         r"self\.report\.free_tokens - self\.overlay\.pending_tokens",
         "self.report.free_tokens",
@@ -174,7 +170,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "lazy-ignores-inflight",
         "a lazily allocating node's headroom ignores what is in flight at full demand",
-        ("tests/test_lazy.py",),
+        ("tests/core/test_lazy.py",),
         "NodeView.usable_block",
         r"lazy_headroom\(self\.report, self\.overlay\.reserved_tokens\)",
         "lazy_headroom(self.report, 0)",
@@ -185,7 +181,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "wait-ignores-inflight",
         "the expected wait ignores the gateway's own requests in flight",
         (
-            "tests/test_catalog_and_queueing.py::test_expected_wait_counts_the_gateways_own_requests_in_flight",
+            "tests/routing/test_catalog_and_queueing.py::test_expected_wait_counts_the_gateways_own_requests_in_flight",
         ),
         "expected_wait_s",
         r"queued = max\(waiting, ov\.inflight - running\)",
@@ -196,7 +192,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "wait-ignores-kv-deficit",
         "the expected wait ignores the part of the request that does not fit",
         (
-            "tests/test_catalog_and_queueing.py::test_expected_wait_grows_with_the_queue_and_the_kv_deficit",
+            "tests/routing/test_catalog_and_queueing.py::test_expected_wait_grows_with_the_queue_and_the_kv_deficit",
         ),
         "expected_wait_s",
         r"deficit = demand - n\.usable_block\(\)",
@@ -207,7 +203,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "outage-judged-on-memory",
         "nodes that could not take the request (down, draining) are judged on memory",
-        ("tests/test_nothing_fits.py",),
+        ("tests/routing/test_nothing_fits.py",),
         "judge",
         r"usable = \[n for n in nodes if reasons\[n\.name\] is None\]",
         "usable = list(nodes)",
@@ -216,7 +212,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "fragmentation-as-capacity",
         "a node with the memory but no block is reported as capacity",
-        ("tests/test_nothing_fits.py",),
+        ("tests/routing/test_nothing_fits.py",),
         "judge",
         r"^(\s*)elif room:$",
         r"\1elif False:",
@@ -225,7 +221,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "advice-down-node-memory",
         "advice counts a down node's last report as fleet memory",
-        ("tests/test_advice.py::test_a_down_nodes_last_report_is_not_fleet_memory",),
+        ("tests/ops/test_advice.py::test_a_down_nodes_last_report_is_not_fleet_memory",),
         "advise",
         r"reported = \[n for n in snapshot\.nodes if n\.up and n\.report is not None\]",
         "reported = [n for n in snapshot.nodes if n.report is not None]",
@@ -234,7 +230,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "advice-tie",
         "a tie of one capacity and one fragmentation failure goes to restart",
-        ("tests/test_advice.py",),
+        ("tests/ops/test_advice.py",),
         "advise",
         r"if current and len\(current\) >= len\(current_fixable\):",
         "if current and len(current) > len(current_fixable):",
@@ -243,7 +239,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "advice-block-size",
         "'still fragmented' ignores block size",
-        ("tests/test_advice.py::test_still_fragmented_counts_whole_blocks",),
+        ("tests/ops/test_advice.py::test_still_fragmented_counts_whole_blocks",),
         "advise.still_fragmented",
         r"r\.whole_blocks\(f\.demand\)",
         "f.demand",
@@ -252,7 +248,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "classify-503",
         "capacity phrases matched only on 500/507, not 503",
-        ("tests/test_classify.py",),
+        ("tests/upstream/test_classify.py",),
         "classify_response",
         r"if status in \(500, 503, 507\) and",
         "if status in (500, 507) and",
@@ -261,7 +257,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "classify-case",
         "capacity phrases matched without case folding",
-        ("tests/test_classify.py",),
+        ("tests/upstream/test_classify.py",),
         "classify_response",
         r"lowered = body\[:4096\]\.lower\(\)",
         "lowered = body[:4096]",
@@ -270,7 +266,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "classify-424",
         "TGI's 424 generation errors not read by the generic classifier (xfail rows)",
-        ("tests/test_classify.py::test_real_servers_errors_are_classified",),
+        ("tests/upstream/test_classify.py::test_real_servers_errors_are_classified",),
     ),
     # ---- degraded routing (Redis away)
     Mutation(
@@ -295,7 +291,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "admission-deadline",
         "the queue waits 10 x queue.max_wait_s",
-        ("tests/test_admission.py::test_queued_request_gets_503_after_max_wait_not_much_later",),
+        (
+            "tests/e2e/test_admission_queue_e2e.py::test_queued_request_gets_503_after_max_wait_not_much_later",
+        ),
         "place",
         r"ctx\.queue_deadline = time\.monotonic\(\) \+ ctx\.cfg\.queue\.max_wait_s",
         "ctx.queue_deadline = time.monotonic() + 10 * ctx.cfg.queue.max_wait_s",
@@ -304,7 +302,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "admission-unbounded",
         "queue.max_size ignored",
         (
-            "tests/test_admission.py::test_full_queue_answers_503_at_once_and_a_waiter_gets_through_when_memory_frees",
+            "tests/e2e/test_admission_queue_e2e.py::test_full_queue_answers_503_at_once_and_a_waiter_gets_through_when_memory_frees",
         ),
         "Admission.try_enter",
         r"if self\.depth >= self\.max_size:",
@@ -314,7 +312,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "vllm-dp-override",
         "data-parallel vLLM capacity not divided per engine",
-        ("tests/test_collector.py",),
+        ("tests/backends/test_collector.py",),
         "vllm:report",
         r"engine_capacity = total // engines",
         "engine_capacity = total",
@@ -323,7 +321,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "vllm-usage-as-free",
         "vLLM usage read as the free share",
-        ("tests/test_collector.py", "tests/test_collector_reports.py"),
+        ("tests/backends/test_collector.py", "tests/backends/test_collector_reports.py"),
         "_engine_free",
         r"return round\(\(1\.0 - usage\) \* blocks\) \* geo\.block_size",
         "return round(usage * blocks) * geo.block_size",
@@ -358,7 +356,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "limit-declared-body-size",
         "a declared Content-Length over the limit is read anyway",
         (
-            "tests/test_lean_path.py::test_a_declared_body_over_the_limit_is_refused_before_it_is_sent",
+            "tests/api/test_lean_path.py::test_a_declared_body_over_the_limit_is_refused_before_it_is_sent",
         ),
         "RequestGuard.check_declared",
         r"if declared is not None and declared > self\.max_body:",
@@ -367,7 +365,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "limit-body-deadline-per-chunk",
         "the body deadline restarts with every chunk (a trickle is never cut)",
-        ("tests/test_security.py::test_a_trickled_body_is_cut_by_the_whole_bodys_deadline",),
+        ("tests/api/test_security.py::test_a_trickled_body_is_cut_by_the_whole_bodys_deadline",),
         "RequestGuard.read_body",
         r"deadline = started \+ self\.body_timeout_s",
         "deadline = loop.time() + self.body_timeout_s",
@@ -375,7 +373,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "limit-concurrency",
         "limits.max_concurrent_requests ignored",
-        ("tests/test_lean_path.py::test_the_concurrency_limit_holds_on_the_lean_path",),
+        ("tests/api/test_lean_path.py::test_the_concurrency_limit_holds_on_the_lean_path",),
         "RequestGuard.with_body",
         r"if self\.inflight >= self\.max_concurrent:",
         "if False:",
@@ -383,7 +381,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "limit-body-budget",
         "limits.max_buffered_body_bytes ignored",
-        ("tests/test_security.py::test_bytes_buffered_across_requests_are_bounded",),
+        ("tests/api/test_security.py::test_bytes_buffered_across_requests_are_bounded",),
         "RequestGuard.take",
         r"if not self\.budget\.take\(len\(chunk\)\):",
         "if False:",
@@ -392,7 +390,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "log-authorization",
         "the request's headers (Authorization too) logged",
-        ("tests/test_logs.py",),
+        ("tests/api/test_logs.py",),
         "Gateway.handle",
         r"^(\s*)(request_id = safe_request_id\(.*\) or reservation_id)$",
         r'\1\2\n\1log.warning("request headers %s", dict(request.headers))',
