@@ -15,7 +15,7 @@ from proxy.api.drain import CLOSE_GRACE_S
 from proxy.cli import build_parser
 from proxy.config import ShutdownConfig, parse_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DRAIN_S = ShutdownConfig().drain_s
 
 
