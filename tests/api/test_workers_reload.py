@@ -53,7 +53,11 @@ def _answers(sock: Path) -> bool:
 
 
 @pytest.fixture
-def two_workers(tmp_path: Path, engine_factory: Any) -> Iterator[tuple[Any, str, Path, Path]]:
+def two_workers(
+    tmp_path: Path, engine_factory: Any, request: pytest.FixtureRequest
+) -> Iterator[tuple[Any, str, Path, Path]]:
+    """A supervisor and 2 workers; ``indirect`` parameters are extra ``serve`` flags."""
+    flags: tuple[str, ...] = getattr(request, "param", ())
     engine = engine_factory()
     redis = RedisInstance().start()
     cfg = tmp_path / "kvroute.yaml"
@@ -70,7 +74,7 @@ def two_workers(tmp_path: Path, engine_factory: Any) -> Iterator[tuple[Any, str,
     env["TMPDIR"] = str(sockets_tmp)
     argv = [
         sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg),
-        "--host", "127.0.0.1", "--port", str(port), "--workers", "2",
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "2", *flags,
     ]  # fmt: skip
     log = (tmp_path / "serve.log").open("wb")
     # No terminal (stdin, stdout, stderr): SIGHUP means reload, as under a supervisor.
@@ -135,6 +139,20 @@ def test_admin_reload_reaches_every_worker_and_reports_each(
     assert _generations(tmp) == [2, 2]
     # Without the admin key, no worker reloads.
     assert httpx.post(url + "/admin/reload", timeout=30).status_code == 401
+
+
+@pytest.mark.parametrize("two_workers", [("--stop-on-hup",)], indirect=True)
+def test_with_stop_on_hup_a_hangup_stops_the_supervisor_and_its_workers(
+    two_workers: tuple[Any, str, Path, Path],
+) -> None:
+    popen, _, _, tmp = two_workers
+    workers = [int(s.stem.removeprefix("worker-")) for s in _worker_sockets(tmp)]
+    popen.send_signal(signal.SIGHUP)
+    assert popen.wait(timeout=60) == 0
+    for pid in workers:
+        status = Path(f"/proc/{pid}/status")
+        assert not status.exists() or "zombie" in status.read_text()
+    assert list(tmp.glob("kvroute-workers-*")) == []
 
 
 def test_stopping_removes_the_workers_sockets(two_workers: tuple[Any, str, Path, Path]) -> None:
