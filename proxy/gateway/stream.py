@@ -105,10 +105,9 @@ class StreamRelay:
             while chunk := await next_chunk(self.resp, idle, self.ctx.deadline):
                 yield chunk
                 if self.interrupted:
-                    break
-            if self.interrupted:
-                yield self._shutdown_event()
-                return
+                    yield self._shutdown_event()
+                    return
+            # The body's end, even if interrupt() came just after it: the stream is whole.
             self.outcome = "success"
             health.success(backend)
         except BodyTimeout as exc:
