@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
+from proxy.api.drain import Drain, ready
 from proxy.api.entry import internal_error
 from proxy.api.gateway_app import GatewayApp
 from proxy.api.lifecycle import started
@@ -40,16 +41,20 @@ def create_app(
     run_collector: bool = True,
     config_path: str | None = None,
     freeze_heap: bool = False,
+    reload_on_hup: bool = True,
 ) -> FastAPI:
     """Build the gateway app. A store passed in is used as is (tests); else one is opened from config.
     With ``config_path``, SIGHUP and ``POST /admin/reload`` re-read that file (proxy.api.reload).
     With ``freeze_heap`` (``kvroute serve``: one app per process), what startup built is
-    frozen out of the garbage collector's walks once it is ready (proxy.api.heap)."""
+    frozen out of the garbage collector's walks once it is ready (proxy.api.heap).
+    ``reload_on_hup`` false: SIGHUP is left to the server, which stops (proxy.api.hangup)."""
     holder = ConfigHolder(cfg, config_path)
+    # Shutdown state (proxy.api.drain): /ready, and the streams a drain's end interrupts.
+    drain = Drain(lambda: holder.current.shutdown.drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        wiring = Wiring(app, holder, store, run_collector, freeze_heap)
+        wiring = Wiring(app, holder, store, run_collector, freeze_heap, reload_on_hup, drain)
         async with started(GATEWAY_COMPONENTS, wiring):
             yield
 
@@ -63,6 +68,8 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
+    app.state.drain = drain
+    app.add_api_route("/ready", ready, methods=["GET"], include_in_schema=False)
 
     def follow_reloads(fn: Callable[[Config], None]) -> None:
         holder.subscribe(lambda old, new: fn(new))

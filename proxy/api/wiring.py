@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
+from proxy.api.drain import Drain
 from proxy.api.heap import freeze_startup_heap
 from proxy.api.kind_check import KindCheck
 from proxy.api.lifecycle import Component
@@ -60,7 +61,7 @@ class Runtime:
 class Wiring:
     """What startup builds, part by part; an attribute exists once its component started.
 
-    The first five come from ``create_app``; the rest are set by the components below.
+    The arguments come from ``create_app``; the rest are set by the components below.
     """
 
     store: StateStore
@@ -82,6 +83,8 @@ class Wiring:
         given_store: StateStore | None = None,
         run_collector: bool = True,
         freeze_heap: bool = False,
+        reload_on_hup: bool = True,
+        drain: Drain | None = None,
     ) -> None:
         self.app = app
         self.holder = holder
@@ -89,6 +92,10 @@ class Wiring:
         self.given_store = given_store
         self.run_collector = run_collector
         self.freeze_heap = freeze_heap
+        # False: SIGHUP is left to the server, which stops (proxy.api.hangup).
+        self.reload_on_hup = reload_on_hup
+        # Shutdown state (proxy.api.drain): the streams a drain's end interrupts.
+        self.drain = drain
         self.sighup = contextlib.ExitStack()
 
 
@@ -158,6 +165,8 @@ async def start_gateway(w: Wiring) -> None:
     w.gateway = Gateway(w.cfg, st, w.fleet, policy_for(w.cfg), w.upstream, w.metrics, st.now)
     w.gateway.kind_errors = kind_errors  # each backend kind's adapter reads its errors
     await w.gateway.start()  # active health checks (proxy.upstream.health)
+    if w.drain is not None:
+        w.drain.streams = w.gateway.live_streams
 
 
 async def close_gateway(w: Wiring) -> None:
@@ -237,7 +246,8 @@ async def start_reloads(w: Wiring) -> None:
         prepare=[load_sizer],
         adjust=keep_discovered(w.discovery),
     )
-    w.sighup.enter_context(w.reloader.on_sighup())
+    if w.reload_on_hup:
+        w.sighup.enter_context(w.reloader.on_sighup())
 
 
 async def stop_reloads(w: Wiring) -> None:

@@ -166,20 +166,19 @@ def _still_fragmented(snapshot: FleetSnapshot, f: Failure) -> bool:
 def _fleet_numbers(
     snapshot: FleetSnapshot, now: float, stale_after_s: float, judged: float, demand: int
 ) -> dict[str, float]:
-    reported = [n.report for n in snapshot.nodes if n.up and n.report is not None]
-    cap_total = sum(r.capacity_tokens for r in reported)
-    free_total = sum(r.free_tokens for r in reported)
-    usable = [n.usable_free() for n in snapshot.nodes if n.up and n.report is not None]
+    # A down node's last report is not fleet memory.
+    reporting = [n for n in snapshot.nodes if n.up and n.report is not None]
+    reports = [n.report for n in reporting if n.report is not None]
+    cap_total = sum(r.capacity_tokens for r in reports)
+    free_total = sum(r.free_tokens for r in reports)
     return {
         "nodes": len(snapshot.nodes),
         "healthy_nodes": sum(1 for n in snapshot.nodes if healthy(n, now, stale_after_s, judged)),
         "capacity_tokens": cap_total,
         "free_tokens": free_total,
         "free_fraction": round(free_total / cap_total, 4) if cap_total else 0.0,
-        "largest_free_block_tokens": max(
-            (r.largest_free_block_tokens for r in reported), default=0
-        ),
-        "largest_node_free_tokens": max(usable, default=0),
+        "largest_free_block_tokens": max((r.largest_free_block_tokens for r in reports), default=0),
+        "largest_node_free_tokens": max((n.usable_free() for n in reporting), default=0),
         "effective_demand_tokens": demand,
         "effective_utilisation": round(demand / cap_total, 4) if cap_total else 0.0,
     }
