@@ -25,6 +25,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from starlette.requests import Request
 
@@ -58,6 +59,16 @@ def affinity_settings(p: PrefixConfig) -> AffinitySettings:
     )
 
 
+class ExactSource(Protocol):
+    """What an engine says it holds (``proxy.backends.kv_events``), where it says so."""
+
+    def cached(self, backend: str, hashes: Sequence[int], now: float) -> int | None: ...
+
+    def held_tokens(self, backend: str) -> int: ...
+
+    def placed(self, backend: str, now: float) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class AffinityKey:
     """What a request brings to affinity: its prompt's block hashes and its session."""
@@ -81,6 +92,9 @@ class Affinity:
         self._session_header = self.cfg.session_header.lower()
         # Set by the app when replicas share placements through Redis (routing.prefix.share).
         self.share: PrefixShare | None = None
+        # Set by the app when backends publish KV-cache events (docs/kv-events.md): their
+        # exact index answers while live, the approximate one otherwise.
+        self.exact: ExactSource | None = None
         self._next_expiry = 0.0
         # Each node's last reported start time: a restarted server's cache is empty.
         self._started: dict[str, float] = {}
@@ -135,21 +149,38 @@ class Affinity:
             return base
         self._observe(view, now)
         cached: dict[str, int] = {}
+        exact: dict[str, int] = {}
         if key.hashes:
             for n in view.nodes:
-                blocks = self.index.match(n.name, key.hashes, now)
-                if blocks:
-                    cached[n.name] = blocks * self.cfg.block_tokens
+                tokens = self._cached_on(n.name, key.hashes, now, exact)
+                if tokens:
+                    cached[n.name] = tokens
         indexed = None
         if (
             self.cfg.spread_new
             and len(key.hashes) * self.cfg.block_tokens >= self.cfg.min_saving_tokens
         ):
-            bt = self.cfg.block_tokens
-            indexed = {n.name: self.index.size(n.name) * bt for n in view.nodes}
+            indexed = {n.name: self._held_on(n.name, exact) for n in view.nodes}
         session_node = self._session_node(key.session, now)
         # Field by field, not ``dataclasses.replace`` (per request; replace inspects the fields).
         return RouteRequest(base.demand, base.cls, base.exclude, cached, session_node, indexed)
+
+    def _cached_on(
+        self, node: str, hashes: Sequence[int], now: float, exact: dict[str, int]
+    ) -> int:
+        """Tokens of the prompt ``node`` holds: its own events' word while live, else the guess."""
+        if self.exact is not None:
+            told = self.exact.cached(node, hashes, now)
+            if told is not None:
+                exact[node] = told
+                return told
+        return self.index.match(node, hashes, now) * self.cfg.block_tokens
+
+    def _held_on(self, node: str, exact: dict[str, int]) -> int:
+        """Tokens ``node`` holds cached, by the same source ``_cached_on`` used."""
+        if self.exact is not None and node in exact:
+            return self.exact.held_tokens(node)
+        return self.index.size(node) * self.cfg.block_tokens
 
     def demand_on(self, req: RouteRequest, view: FleetSnapshot, name: str) -> int:
         """What to reserve on ``name``: the demand, less its cached prefix where it is reused."""
@@ -165,6 +196,8 @@ class Affinity:
         if key is None:
             return
         self.learn(backend, key.hashes, key.session, now)
+        if self.exact is not None and key.hashes:
+            self.exact.placed(backend, now)
         if self.share is not None:
             # Other replicas learn it from the shared stream (proxy.state.prefix_share).
             self.share.publish(backend, key.hashes, key.session, now)
