@@ -19,8 +19,10 @@ What is done with the sequence (``on_message``):
 * a number not above the last one *seen on this socket*: the publisher restarted (its
   counter starts again at 0, and its cache is empty): the index is dropped, and the new
   publisher's history is replayed from 0;
-* the first message after connecting: history before it is replayed from 0 (the buffer
-  holds the last 10,000 batches by default, usually the whole cache's making).
+* the first message after connecting, or after the publisher disconnected (a restart whose
+  counter already passed ours looks like no gap at all): the index is rebuilt from a replay
+  from 0 (the buffer holds the last 10,000 batches by default, usually the whole cache's
+  making; what it no longer holds is left out, which only under-states the cache).
 
 Nothing here is on a request's path: routing reads the index the feed fills, never the
 socket. A socket error closes the socket and reconnects after a pause (``session`` is the
@@ -29,6 +31,7 @@ round of a ``PeriodicTask``); ZeroMQ itself reconnects to a publisher that comes
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
@@ -60,6 +63,7 @@ class FeedStats:
     replays_ok: int = 0
     replays_short: int = 0
     restarts: int = 0
+    disconnects: int = 0
     last_message_at: float = 0.0
     #: True once the index mirrors the engine (a message or a replay got through).
     synced: bool = False
@@ -88,11 +92,14 @@ class RankFeed:
         self.stats = FeedStats()
         self._applied: int | None = None
         self._seen_on_sub: int | None = None
+        self._disconnected = False
 
     async def session(self) -> None:
         """One SUB connection, followed until a socket error (a ``PeriodicTask`` round)."""
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        watch = asyncio.get_running_loop().create_task(self._watch_disconnects(monitor))
         try:
             sub.connect(self.endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -103,7 +110,19 @@ class RankFeed:
             self.stats.synced = False
             raise
         finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await watch
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _watch_disconnects(self, monitor: zmq.asyncio.Socket) -> None:
+        """The publisher went away: whatever comes next may be a new process (see ``on_message``)."""
+        while True:
+            await monitor.recv_multipart()
+            self.stats.disconnects += 1
+            self._disconnected = True
 
     def on_error(self, exc: Exception) -> None:
         log.warning("kv events from %s: %s; reconnecting", self.endpoint, exc)
@@ -118,6 +137,12 @@ class RankFeed:
         except MalformedEvent:
             self.stats.malformed += 1
             return
+        if self._disconnected:
+            # After a disconnect the publisher may be a new process whose counter already
+            # passed ours: nothing tells a blip from a restart, so rebuild from its replay.
+            self._disconnected = False
+            self._seen_on_sub = None
+            self._reset()
         before, self._seen_on_sub = self._seen_on_sub, seq
         if before is not None and seq <= before:
             # A publisher's counter only grows: this is a new publisher (engine restart).

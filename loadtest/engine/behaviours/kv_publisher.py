@@ -92,13 +92,16 @@ class KvPublisher:
         if self._router is not None:
             self._task = asyncio.get_running_loop().create_task(self._serve_replay())
 
-    def publish(self, events: list[msgspec.Struct]) -> None:
+    def publish(self, events: list[msgspec.Struct], drop: bool = False) -> None:
+        """Send one batch; ``drop`` (tests) buffers it for replay but loses it on the PUB."""
         if not events:
             return
         payload = ks.batch_bytes(self.encoding, events, self.rank, time.time())
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
+        if drop:
+            return
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart(
                 [self._topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
