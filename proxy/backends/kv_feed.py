@@ -103,6 +103,8 @@ class RankFeed:
         try:
             sub.connect(self.endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            if self._applied is None:
+                await self._initial_replay()
             while True:
                 frames = await sub.recv_multipart()
                 await self.on_message(frames)
@@ -116,6 +118,18 @@ class RankFeed:
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _initial_replay(self) -> None:
+        """What the engine holds already: an idle engine publishes nothing to learn it from."""
+        if self.replay_endpoint is None:
+            return
+        got = await self._ask_replay(0)
+        if got is None:
+            return
+        self._apply_replayed(got)
+        # Even an empty answer is the engine's word: nothing stored yet.
+        self.stats.synced = True
+        self.stats.last_message_at = self.clock()
 
     async def _watch_disconnects(self, monitor: zmq.asyncio.Socket) -> None:
         """The publisher went away: whatever comes next may be a new process (see ``on_message``)."""

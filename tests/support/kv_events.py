@@ -31,7 +31,9 @@ def free_ports(n: int) -> int:
     raise RuntimeError("no consecutive free ports")
 
 
-def options(replay: bool = True, encoding: str = "map", buffer_steps: int = 10_000) -> KvEventsOptions:
+def options(
+    replay: bool = True, encoding: str = "map", buffer_steps: int = 10_000
+) -> KvEventsOptions:
     base = free_ports(4)
     return KvEventsOptions(
         endpoint=f"tcp://127.0.0.1:{base}",
