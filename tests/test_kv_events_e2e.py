@@ -74,7 +74,10 @@ def test_affinity_follows_a_prompt_cached_by_a_client_that_bypassed_the_gateway(
                 before = blocks_on(gw, target)
                 r = httpx.post(urls[target] + "/v1/completions", json=body, timeout=30)
                 assert r.status_code == 200
-                wait_until(lambda: blocks_on(gw, target) > before, what=f"{target}'s events")
+                wait_until(
+                    lambda t=target, n=before: blocks_on(gw, t) > n,  # type: ignore[misc]
+                    what=f"{target}'s events",
+                )
                 r = httpx.post(gw + "/v1/completions", json=body, timeout=30)
                 assert r.status_code == 200
                 assert r.headers["x-kvroute-backend"] == target, (i, target)
