@@ -18,6 +18,12 @@ from tests.support.gateway import gateway_cfg, run_gateway, wait_until
 from tests.support.kv_events import free_ports
 
 FAST = {"speedup": 20, "block_size": 16, "capacity_tokens": 200_000}
+CASES = [
+    ("b", "/v1/completions"),
+    ("a", "/v1/completions"),
+    ("b", "/v1/chat/completions"),
+    ("a", "/v1/chat/completions"),
+]
 
 
 def document(seed: int, words: int = 2_500) -> str:
@@ -61,23 +67,31 @@ def test_affinity_follows_a_prompt_cached_by_a_client_that_bypassed_the_gateway(
             }
             for n, u in urls.items()
         ]
-        with run_gateway(gateway_cfg(backends)) as gw:
+        # chat_render: the simulated engine's template, so chat hashes match its events.
+        cfg = gateway_cfg(backends, routing={"prefix": {"chat_render": {}}})
+        with run_gateway(cfg) as gw:
             wait_until(
                 lambda: all(
                     b["report"] and b["prefix_source"] == "events" for b in fleet(gw).values()
                 ),
                 what="both backends scraped and on events",
             )
-            for i, target in enumerate(["b", "a", "b"]):
-                prompt = document(i)
-                body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+            for i, (target, path) in enumerate(CASES):
+                body: dict[str, Any] = {"model": "sim-model", "max_tokens": 1}
+                if path == "/v1/completions":
+                    body["prompt"] = document(i)
+                else:
+                    body["messages"] = [
+                        {"role": "system", "content": document(i)},
+                        {"role": "user", "content": f"question {i}?"},
+                    ]
                 before = blocks_on(gw, target)
-                r = httpx.post(urls[target] + "/v1/completions", json=body, timeout=30)
+                r = httpx.post(urls[target] + path, json=body, timeout=30)
                 assert r.status_code == 200
                 wait_until(
                     lambda t=target, n=before: blocks_on(gw, t) > n,  # type: ignore[misc]
                     what=f"{target}'s events",
                 )
-                r = httpx.post(gw + "/v1/completions", json=body, timeout=30)
+                r = httpx.post(gw + path, json=body, timeout=30)
                 assert r.status_code == 200
-                assert r.headers["x-kvroute-backend"] == target, (i, target)
+                assert r.headers["x-kvroute-backend"] == target, (i, target, path)

@@ -182,3 +182,21 @@ def test_config_names_the_bad_key() -> None:
     assert b.kv_events.resolve("10.0.0.7") == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558")
     assert for_rank("tcp://10.0.0.7:5557", 3) == "tcp://10.0.0.7:5560"
     assert for_rank("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+
+
+def test_chat_rendered_the_servers_way_has_the_simulated_engines_ids() -> None:
+    from loadtest.engine.behaviours.prefix_cache import prompt_blocks
+    from proxy.config.kv_events import ChatRender
+    from proxy.core.prefix_prompt import IdsCache
+    from proxy.core.prefix_render import rendered_ids
+    from proxy.core.tokens import encoding
+
+    messages = [
+        {"role": "system", "content": "a long shared document " * 40},
+        {"role": "user", "content": [{"type": "text", "text": "what does it say?"}]},
+    ]
+    _hashes, engine_ids = prompt_blocks({"messages": messages}, BS)
+    ours = rendered_ids(messages, ChatRender(), "cl100k", encoding().ids, 10**6, IdsCache())
+    assert list(ours[: len(engine_ids)]) == list(engine_ids)
+    with pytest.raises(ValidationError, match="content"):
+        ChatRender(message="<|{role}|>")

@@ -82,3 +82,38 @@ def for_rank(endpoint: str, rank: int) -> str:
         return f"{endpoint}_dp{rank}"
     base, _, port = endpoint.rpartition(":")
     return f"{base}:{int(port) + rank}"
+
+
+class ChatRender(_Strict):
+    """How the servers render a chat for their prefix cache, so hashes match their blocks.
+
+    The gateway's default rendering (role markers, then text) is its own: fine for the
+    approximate index, which only compares the gateway's requests with each other, but a
+    server's KV-cache events carry the token ids of *its* rendering. With this set, chat
+    prompts are hashed as ``begin`` + ``message`` per message + ``generation``, each piece
+    tokenized on its own (as the simulated engine does; a real server tokenizes the whole
+    string, which matches wherever its template puts special tokens or newlines between
+    messages). ``{role}`` and ``{content}`` are filled in.
+    """
+
+    begin: str = ""
+    message: str = Field(default="<|{role}|>\n{content}\n")
+    generation: str = "<|assistant|>\n"
+    models: tuple[str, ...] = Field(
+        default=(), description="the models rendered so; empty: every model"
+    )
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> ChatRender:
+        if "{content}" not in self.message:
+            raise ValueError("chat_render.message must contain {content}")
+        try:
+            self.message.format(role="user", content="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"chat_render.message: only {{role}} and {{content}} may be used ({e})"
+            ) from None
+        return self
+
+    def applies_to(self, model: str) -> bool:
+        return not self.models or model in self.models

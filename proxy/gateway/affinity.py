@@ -33,6 +33,7 @@ from proxy.config import Config, PrefixConfig
 from proxy.core.fleet import FleetSnapshot, NodeView
 from proxy.core.prefix import PrefixIndex, PrefixIndexConfig
 from proxy.core.prefix_prompt import IdsCache
+from proxy.core.prefix_render import rendered_hashes
 from proxy.core.validation import ParsedRequest
 from proxy.gateway.sizing import hash_spec, prefix_hashes, sizer_for, take_hashes
 from proxy.routing.affinity import AffinitySettings, demand_on, utilisation
@@ -115,6 +116,12 @@ class Affinity:
         if spec is None:
             return AffinityKey((), session)
         hashes = take_hashes(parsed, spec)
+        render = self.cfg.chat_render
+        if render is not None and parsed.endpoint == "chat" and render.applies_to(parsed.model):
+            # Hashed the servers' way, so that their KV-cache events match (docs/kv-events.md).
+            if sum(len(m) for m in _texts(parsed)) > _THREAD_ABOVE_CHARS:
+                return AffinityKey(await asyncio.to_thread(self.rendered_of, parsed), session)
+            return AffinityKey(self.rendered_of(parsed), session)
         if hashes is None:
             # Sized with another config (a reload in between): hash here.
             chars = sum(len(m) for m in _texts(parsed))
@@ -132,6 +139,21 @@ class Affinity:
             return ()
         # The sizer keeps no ids when its config had prefix affinity off: this one's cache.
         return prefix_hashes(sizer, parsed, spec, sizer.ids or self.ids_cache)
+
+    def rendered_of(self, parsed: ParsedRequest) -> tuple[int, ...]:
+        """The chat's block hashes in the servers' rendering (``routing.prefix.chat_render``)."""
+        sizer = sizer_for(self._full_cfg)
+        counter = sizer.model(parsed.model).counter
+        encode = getattr(counter, "ids", None)
+        messages = parsed.body.get("messages")
+        render = self.cfg.chat_render
+        if encode is None or render is None or not isinstance(messages, list):
+            return ()
+        c = self.cfg
+        cache = sizer.ids or self.ids_cache
+        return rendered_hashes(
+            messages, render, counter.id, encode, c.max_prompt_tokens, c.block_tokens, cache
+        )
 
     def _session_of(self, request: Request, parsed: ParsedRequest) -> str | None:
         key = header(request.headers, self._session_header)
