@@ -109,10 +109,17 @@ class KvEventFeeds:
             return 0
         return sum(r.feed.index.hashes() * r.feed.index.block_tokens for r in b.ranks.values())
 
-    def placed(self, backend: str, now: float) -> None:
-        """A request went to ``backend``: its events should follow (the staleness check)."""
+    def placed(self, backend: str, hashes: Sequence[int], now: float) -> None:
+        """A request went to ``backend``: events should follow (the staleness check).
+
+        Only a prompt with blocks the engine lacks makes it store (and publish) anything: a
+        fully cached one does not count, or an idle engine's repeats would look stale.
+        """
         b = self._backends.get(backend)
-        if b is not None and not b.unanswered_since:
+        if b is None or b.unanswered_since or not hashes:
+            return
+        held = max((r.feed.index.match(hashes).any_blocks for r in b.ranks.values()), default=0)
+        if held < len(hashes):
             b.unanswered_since = now
 
     def feeds(self) -> list[tuple[str, int, RankFeed]]:

@@ -60,6 +60,11 @@ class KvEventsSettings(_Strict):
         gt=0,
         description="no event this long after a request was placed there: back to the approximate index",
     )
+    pending_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="a placement counts as cached there this long before its events arrive",
+    )
     offloaded_weight: float = Field(
         default=0.5, ge=0.0, le=1.0, description="a block in an offload tier counts this much"
     )

@@ -67,7 +67,7 @@ class ExactSource(Protocol):
 
     def held_tokens(self, backend: str) -> int: ...
 
-    def placed(self, backend: str, now: float) -> None: ...
+    def placed(self, backend: str, hashes: Sequence[int], now: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +194,10 @@ class Affinity:
         if self.exact is not None:
             told = self.exact.cached(node, hashes, now)
             if told is not None:
+                # What this gateway placed there moments ago is being computed: the engine
+                # publishes its blocks only once it admits the request.
+                pending = self.index.match(node, hashes, now, self.cfg.events.pending_s)
+                told = max(told, pending * self.cfg.block_tokens)
                 exact[node] = told
                 return told
         return self.index.match(node, hashes, now) * self.cfg.block_tokens
@@ -219,7 +223,7 @@ class Affinity:
             return
         self.learn(backend, key.hashes, key.session, now)
         if self.exact is not None and key.hashes:
-            self.exact.placed(backend, now)
+            self.exact.placed(backend, key.hashes, now)
         if self.share is not None:
             # Other replicas learn it from the shared stream (proxy.state.prefix_share).
             self.share.publish(backend, key.hashes, key.session, now)
