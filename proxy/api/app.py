@@ -395,7 +395,7 @@ def create_app(
                             snapshot_json(snap, r.store.now(), r.cfg),
                             r.gateway.health.snapshot(),
                         ),
-                        request.app.state.kv_events,
+                        getattr(request.app.state, "kv_events", None),
                         r.store.now(),
                     ),
                 }
