@@ -95,3 +95,6 @@ def test_affinity_follows_a_prompt_cached_by_a_client_that_bypassed_the_gateway(
                 r = httpx.post(gw + path, json=body, timeout=30)
                 assert r.status_code == 200
                 assert r.headers["x-kvroute-backend"] == target, (i, target, path)
+            metrics = httpx.get(gw + "/metrics", timeout=5).text
+            assert 'kvroute_kv_event_live{backend="a"} 1.0' in metrics
+            assert 'kvroute_kv_events_total{backend="b",rank="0"}' in metrics

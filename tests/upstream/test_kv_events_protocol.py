@@ -188,3 +188,57 @@ async def test_garbage_frames_are_counted_and_skipped_and_the_feed_goes_on() -> 
             assert feed.stats.malformed == 6
     finally:
         ctx.destroy(linger=0)
+
+
+async def test_a_backend_whose_events_stop_falls_back_and_a_moved_endpoint_is_followed() -> None:
+    opts = options()
+    backend: dict[str, object] = {
+        "name": "x",
+        "url": "http://127.0.0.1:9",
+        "kind": "vllm",
+        "kv_events": {"endpoint": opts.endpoint, "replay_endpoint": opts.replay_endpoint},
+    }
+    current = {"cfg": gateway_cfg([backend], routing={"prefix": {"events": {"reconcile_s": 0.05}}})}
+    loop = asyncio.get_running_loop()
+    feeds = KvEventFeeds(lambda: current["cfg"], lambda: None, loop.time)
+    pub = KvPublisher(opts, 0)
+    pub.start()
+    feeds.start()
+    moved: KvPublisher | None = None
+    try:
+        await wait_for(lambda: feeds.source("x", loop.time()) == "events", "synced by replay")
+        stale = current["cfg"].routing.prefix.events.stale_after_s
+        # A placement of blocks the engine lacks must be answered by events...
+        t0 = loop.time()
+        feeds.placed("x", block_hashes(DOC_A, BS), t0)
+        assert feeds.source("x", t0 + stale / 2) == "events"
+        # ...or the backend is back on the approximate index.
+        assert feeds.source("x", t0 + stale + 1) == "approximate"
+        assert feeds.cached("x", block_hashes(DOC_A, BS), t0 + stale + 1) is None
+        pub.publish([ks.stored("map", keys("a"), None, DOC_A, BS)])
+        await wait_for(lambda: feeds.source("x", loop.time()) == "events", "answered")
+        # The backend moves to new endpoints (a reload or discovery): the feed follows.
+        moved_opts = options()
+        moved = KvPublisher(moved_opts, 0)
+        moved.start()
+        backend["kv_events"] = {
+            "endpoint": moved_opts.endpoint,
+            "replay_endpoint": moved_opts.replay_endpoint,
+        }
+        current["cfg"] = gateway_cfg(
+            [backend], routing={"prefix": {"events": {"reconcile_s": 0.05}}}
+        )
+        await wait_for(
+            lambda: [f.endpoint for _n, _r, f in feeds.feeds()] == [moved_opts.endpoint],
+            "re-pointed",
+        )
+        moved.publish([ks.stored("map", keys("b"), None, DOC_B, BS)])
+        await wait_for(
+            lambda: feeds.cached("x", block_hashes(DOC_B, BS), loop.time()) == 4 * BS,
+            "the moved engine's events",
+        )
+    finally:
+        await feeds.stop()
+        await pub.close()
+        if moved is not None:
+            await moved.close()
