@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_bench_scripts import run_module
+from tests.loadtest.test_bench_scripts import run_module
 
 pytestmark = pytest.mark.timeout(150)
 
