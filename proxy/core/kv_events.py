@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import msgspec
+import numpy as np
 
 #: An engine's name for a block: an int (older vLLM) or bytes (a digest, newer vLLM).
 BlockKey = int | bytes
@@ -169,7 +170,7 @@ def _stored(got: dict[str, Any]) -> BlockStored:
         raise MalformedEvent("block_size is not a positive integer")
     if not isinstance(ids, list) or len(ids) != len(keys) * size:
         raise MalformedEvent("token_ids do not fill the stored blocks")
-    if not all(_is_int(t) and 0 <= t < 2**63 for t in ids):
+    if not _token_ids(ids):
         raise MalformedEvent("token_ids are not non-negative integers")
     lora = got.get("lora_id") is not None or got.get("lora_name") is not None
     return BlockStored(keys, parent, tuple(ids), size, _medium(got), lora, _group(got))
@@ -205,6 +206,17 @@ def _group(got: dict[str, Any]) -> int:
     if not _is_int(group) or group < 0:
         raise MalformedEvent("group_idx is not a non-negative integer")
     return int(group)
+
+
+def _token_ids(ids: list[Any]) -> bool:
+    """Non-negative 64-bit integers, checked in one numpy pass (a 32k-token store: ~1 ms, not
+    ~30 ms of a Python loop on the event loop). numpy infers int64 only for a list of ints
+    that fit; floats, strings, bools alone or values past 2**63 give another dtype."""
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError, OverflowError):
+        return False
+    return arr.dtype == np.int64 and arr.ndim == 1 and not bool((arr < 0).any())
 
 
 def _is_int(value: Any) -> TypeGuard[int]:

@@ -90,12 +90,14 @@ def test_bad_and_unknown_events_are_skipped_not_fatal() -> None:
         ["BlockStored", [1.5], None, DOC[:BS], BS, None, "GPU"],  # a float hash
         ["BlockStored", [b"x" * 65], None, DOC[:BS], BS, None, "GPU"],  # a huge hash
         ["BlockStored", [1], None, [-1] * BS, BS, None, "GPU"],  # negative ids
+        ["BlockStored", [1], None, [0.5] * BS, BS, None, "GPU"],  # float ids
+        ["BlockStored", [1], None, [2**63] * BS, BS, None, "GPU"],  # past 64 bits
         {"type": "SomethingNew", "x": 1},
         "not an event",
         ["BlockRemoved", [7], "GPU"],
     ]
     batch = decode_batch(msgspec.msgpack.encode([1.0, events]))
-    assert batch.skipped == 6
+    assert batch.skipped == 8
     assert batch.events == (BlockRemoved((7,), "GPU", 0),)
 
 
