@@ -202,3 +202,13 @@ def test_chat_rendered_the_servers_way_has_the_simulated_engines_ids() -> None:
     assert list(ours[: len(engine_ids)]) == list(engine_ids)
     with pytest.raises(ValidationError, match="content"):
         ChatRender(message="<|{role}|>")
+
+
+def test_discovery_gives_every_backend_its_kv_event_ports_on_its_own_host() -> None:
+    from proxy.backends.discovery import backend
+    from proxy.config import DiscoveryConfig
+
+    d = DiscoveryConfig(type="dns", name="vllm.svc", kv_events={"port": 5557, "replay_port": 5600})  # type: ignore[arg-type]
+    b = backend(d, "pod-a", "10.1.2.3", 8000)
+    assert b.kv_events is not None
+    assert b.kv_events.resolve(b.url.host or "") == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5600")
