@@ -13,7 +13,8 @@ after another, drives with wrk (bodies cycled by Lua, ``big_prompts_load``):
   full encode). Added = target - direct.
 
 Targets: ``direct`` (backend 0), ``vllm-router --policy round_robin`` (where on PATH), and
-``kvroute serve`` with each ``--workers`` count given. Each row prints req/s and its ratio
+``kvroute serve`` (embedded store); with ``--workers`` counts above 1, also ``kvroute serve``
+on a local Redis with 1 and with each of those workers counts (several workers need it). Each row prints req/s and its ratio
 to vllm-router's, p50/p99, errors, and the target's CPU ms per request.
 
     python -m loadtest.bench.big_prompts --quick --json out/big_prompts.json
@@ -68,9 +69,13 @@ def start_targets(bench: Bench, workers: list[int]) -> list[Target]:
     router = bench.vllm_router()
     if router is not None:
         targets.append(router)
-    for w in workers:
-        name = "kvroute" if w == 1 else f"kvroute-w{w}"
-        targets.append(bench.kvroute(name, redis=False, workers=w))
+    if 1 in workers:
+        targets.append(bench.kvroute("kvroute", redis=False))
+    if any(w > 1 for w in workers):
+        # More than one worker needs the shared store: 1 worker on Redis is their baseline.
+        for w in sorted({1, *workers}):
+            name = "kvroute-redis" if w == 1 else f"kvroute-redis-w{w}"
+            targets.append(bench.kvroute(name, redis=True, workers=w))
     return targets
 
 
@@ -176,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         targets = start_targets(bench, workers)
         result["targets"] = {t.name: t.note for t in targets}
         result["skipped"] = bench.skipped
+        for name, why in bench.skipped.items():
+            print(f"skipped {name}: {why}")
         result["load"] = load_cases(args, bench, targets)
         if "lone" in args.cases.split(","):
             result["lone"] = lone_cases(args, targets)
