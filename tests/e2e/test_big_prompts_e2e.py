@@ -17,8 +17,8 @@ import openai
 
 from loadtest.workload import make_prompt
 from proxy.core.chunk_cuts import cut_points
+from tests.core.test_sizing import MSG, PRIME, t
 from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_until
-from tests.test_sizing import MSG, PRIME, t
 
 
 def _metric(url: str, line_start: str) -> float:
