@@ -38,7 +38,13 @@ from loadtest.bench.big_prompts_load import (
     unique_document_bodies,
     write_bodies,
 )
-from loadtest.bench.overhead_load import cpu_seconds, find_wrk, request_body, run_wrk
+from loadtest.bench.overhead_load import (
+    CHAT_PATH,
+    cpu_seconds,
+    find_wrk,
+    request_body,
+    run_wrk,
+)
 from loadtest.bench.overhead_report import loadavg
 from loadtest.bench.overhead_targets import Bench, Target
 from loadtest.workload import make_prompt
@@ -56,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lone", type=int, default=20, help="30k-token prompts per lone case")
     p.add_argument("--cases", default="shared,unique,tiny,lone")
     p.add_argument("--vllm-router", default=None, help="path to vllm-router (default: PATH)")
+    p.add_argument("--no-vllm-router", action="store_true", help="leave vllm-router out")
     p.add_argument("--quick", action="store_true", help="3 s per point, 10 lone prompts")
     p.add_argument("--json", type=Path, default=None)
     # What Bench (loadtest.bench.overhead_targets) reads.
@@ -66,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def start_targets(bench: Bench, workers: list[int]) -> list[Target]:
     targets = [bench.direct()]
-    router = bench.vllm_router()
+    router = None if bench.args.no_vllm_router else bench.vllm_router()
     if router is not None:
         targets.append(router)
     if 1 in workers:
@@ -121,7 +128,7 @@ def load_cases(args: argparse.Namespace, bench: Bench, targets: list[Target]) ->
                 point(
                     t,
                     lambda url, c=conc: run_wrk(
-                        wrk, url, request_body(False), c, args.duration, bench.workdir
+                        wrk, url + CHAT_PATH, request_body(False), c, args.duration, bench.workdir
                     ),
                 )
                 for t in targets
