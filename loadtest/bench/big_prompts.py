@@ -46,7 +46,8 @@ from loadtest.bench.overhead_load import (
     run_wrk,
 )
 from loadtest.bench.overhead_report import loadavg
-from loadtest.bench.overhead_targets import Bench, Target
+from loadtest.bench.overhead_targets import Bench, Target, wait_post_ok
+from loadtest.local_fleet import Proc, free_port
 from loadtest.workload import make_prompt
 
 
@@ -63,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", default="shared,unique,tiny,lone")
     p.add_argument("--vllm-router", default=None, help="path to vllm-router (default: PATH)")
     p.add_argument("--no-vllm-router", action="store_true", help="leave vllm-router out")
+    p.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="also run `kvroute serve` from this source tree (e.g. a checkout of main) as "
+        "kvroute-baseline: the before/after ratio measured in the same run",
+    )
     p.add_argument("--quick", action="store_true", help="3 s per point, 10 lone prompts")
     p.add_argument("--json", type=Path, default=None)
     # What Bench (loadtest.bench.overhead_targets) reads.
@@ -76,6 +84,8 @@ def start_targets(bench: Bench, workers: list[int]) -> list[Target]:
     router = None if bench.args.no_vllm_router else bench.vllm_router()
     if router is not None:
         targets.append(router)
+    if bench.args.baseline_src is not None:
+        targets.append(baseline(bench, bench.args.baseline_src.resolve()))
     if 1 in workers:
         targets.append(bench.kvroute("kvroute", redis=False))
     if any(w > 1 for w in workers):
@@ -84,6 +94,18 @@ def start_targets(bench: Bench, workers: list[int]) -> list[Target]:
             name = "kvroute-redis" if w == 1 else f"kvroute-redis-w{w}"
             targets.append(bench.kvroute(name, redis=True, workers=w))
     return targets
+
+
+def baseline(bench: Bench, src: Path) -> Target:
+    """``kvroute serve`` imported from ``src`` (its ``proxy`` first on sys.path), embedded store."""
+    port = free_port()
+    cfg = bench.gateway_config_path("kvroute-baseline", redis=False)
+    boot = f"import sys; sys.path.insert(0, {str(src)!r}); from proxy.cli import main; sys.exit(main())"
+    argv = [sys.executable, "-c", boot, "serve", "--config", str(cfg), "--port", str(port)]
+    argv += ["--log-level", "warning"]
+    p = bench.start(Proc("kvroute-baseline", argv, f"http://127.0.0.1:{port}"), env=bench.env())
+    wait_post_ok(p.url, proc=p)
+    return Target("kvroute-baseline", p.url, [p], f"kvroute serve from {src}")
 
 
 def point(target: Target, run: Any) -> dict[str, Any]:
