@@ -133,6 +133,12 @@ class SizingConfig(_Strict):
     )
     cache_entries: int = Field(default=16_384, ge=0)
     cache_min_chars: int = Field(default=256, ge=0)
+    chunk_cache_mb: int = Field(
+        default=64,
+        ge=0,
+        description="memory for token ids of long texts' chunks, reused wherever a chunk recurs "
+        "(docs/big-prompts.md); 0: off",
+    )
     threads: int = Field(
         default=1,
         ge=1,
