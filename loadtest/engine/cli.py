@@ -132,6 +132,13 @@ def add_behaviour_arguments(parser: argparse.ArgumentParser) -> None:
         help="vllm/sglang/tgi: prefill prompts one after another (one GPU's compute) "
         "instead of all at full speed at once",
     )
+    parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vllm: publish KV-cache events as vLLM does, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -194,6 +201,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         seed=args.seed,
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         serial_prefill=getattr(args, "serial_prefill", False),
+        kv_events_config=getattr(args, "kv_events_config", None),
     )
 
 

@@ -19,8 +19,10 @@ from starlette.responses import Response
 
 from proxy.api.cache import Coalesced
 from proxy.api.fleet_view import snapshot_json, with_health
+from proxy.api.kv_events_view import with_prefix_source
 from proxy.api.model_listing import fleet_models
 from proxy.api.wiring import Runtime
+from proxy.backends.kv_events import KvEventFeeds
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -88,7 +90,7 @@ async def health(request: Request) -> Response:
     return _json(body, 200 if status != "no_backends" else 503)
 
 
-async def fleet_json(r: Runtime) -> bytes:
+async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
     """``/fleet``: the live state (operators want it, not the router's cache)."""
     snap = await r.fleet.snapshot(force=True)
     return orjson.dumps(
@@ -103,8 +105,10 @@ async def fleet_json(r: Runtime) -> bytes:
                 "held": len(r.gateway.ledger.held),
                 "pending_releases": len(r.gateway.ledger.pending),
             },
-            "backends": with_health(
-                snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
+            "backends": with_prefix_source(
+                with_health(snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()),
+                kv_events,
+                r.store.now(),
             ),
         }
     )
@@ -127,7 +131,8 @@ def read_router() -> APIRouter:
     @router.get("/fleet")
     async def fleet(request: Request) -> Response:
         r = rt(request)
-        payload = await live.get("fleet", lambda: fleet_json(r))
+        kv_events = getattr(request.app.state, "kv_events", None)
+        payload = await live.get("fleet", lambda: fleet_json(r, kv_events))
         return Response(payload, media_type="application/json")
 
     return router

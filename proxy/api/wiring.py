@@ -26,6 +26,8 @@ from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
 from proxy.backends.discovery import Discovery, make_discovery
+from proxy.backends.kv_events import KvEventFeeds
+from proxy.backends.kv_events_metrics import KvEventsCollector
 from proxy.config import BackendConfig, Config
 from proxy.gateway.metrics import GatewayMetrics
 from proxy.gateway.sizing import load_sizer
@@ -70,6 +72,7 @@ class Wiring:
     upstream: Upstream
     gateway: Gateway
     share: PrefixShare | None
+    kv_events: KvEventFeeds
     collector: Collector | None
     runtime: Runtime
     ops: Maintenance
@@ -189,6 +192,21 @@ async def close_prefix_share(w: Wiring) -> None:
         await w.share.close()
 
 
+async def start_kv_events(w: Wiring) -> None:
+    # KV-cache events, where backends publish them (docs/kv-events.md).
+    holder, fleet, gateway = w.holder, w.fleet, w.gateway
+    w.kv_events = feeds = KvEventFeeds(lambda: holder.current, lambda: fleet.latest, w.store.now)
+    if w.cfg.routing.prefix.events.enabled:
+        gateway.affinity.exact = feeds
+        w.metrics.registry.register(KvEventsCollector(feeds))
+        feeds.start()
+    w.app.state.kv_events = feeds if gateway.affinity.exact is not None else None
+
+
+async def stop_kv_events(w: Wiring) -> None:
+    await w.kv_events.stop()
+
+
 async def start_collector(w: Wiring) -> None:
     owner = owner_id(w.app)
     w.collector = collector = Collector(w.cfg, w.store, owner) if w.run_collector else None
@@ -276,6 +294,7 @@ GATEWAY_COMPONENTS: list[Component[Wiring]] = [
     Component("upstream pool", start_upstream, close_upstream),
     Component("gateway", start_gateway, close_gateway),
     Component("prefix share", start_prefix_share, close_prefix_share),
+    Component("kv events", start_kv_events, stop_kv_events),
     Component("collector", start_collector, stop_collector),
     Component("maintenance", start_maintenance, stop_maintenance),
     Component("discovery", start_discovery, stop_discovery),
