@@ -22,10 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prefix": ("prefix", "prefix-cache affinity on a shared-document workload"),
     "prefix-replicas": ("prefix_replicas", "two gateway replicas, sharing the prefix index or not"),
     "queueing": ("queueing", "queueing (vLLM-like) backends near saturation, by policy"),
-    "kv-events": (
-        "kv_events",
-        "prefix routing on vLLM's KV-cache events vs the gateway's own guess",
-    ),
+    "kv-events": ("kv_events", "prefix routing on vLLM's KV-cache events vs its own guess"),
     "big-prompts": ("big_prompts", "big prompts at high concurrency: sizing, the chunk cache"),
     "soak": ("soak", "a long run under the problem's mix: the gateway's memory, files, tasks"),
     "locust": ("locustfile", "locust users against a local fleet (arguments after --)"),
