@@ -108,6 +108,10 @@ def _check_config(args: argparse.Namespace) -> int:
         store = f"sentinel master {cfg.store.sentinel.master!r}"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
     found = "" if cfg.discovery.type == "static" else f" + {cfg.discovery.type} discovery"
+    from proxy.config.tokenizer_check import tokenizer_warnings
+
+    for warning in tokenizer_warnings(cfg):
+        print(warning, file=sys.stderr)
     print(
         f"{args.file}: OK: {len(cfg.backends)} backend{'' if len(cfg.backends) == 1 else 's'}{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
     )

@@ -87,17 +87,24 @@ class StreamRelay:
         self.resp = resp
         self.started = started
         self.outcome: RequestResult = "client_disconnect"
+        # The last two chunks: the final usage chunk (the server's prompt count) is in them.
+        self.tail: tuple[bytes, bytes] = (b"", b"")
 
     async def body(self, first: bytes, on_close: OnceCallback) -> AsyncIterator[bytes]:
         """Relay the stream; a failure after the first byte ends it with an SSE error event."""
         backend, health = self.backend, self.gw.health
         idle = self.ctx.cfg.upstream.idle_timeout_s
+        self.tail = (b"", first)
         try:
             yield first
             while chunk := await next_chunk(self.resp, idle, self.ctx.deadline):
+                self.tail = (self.tail[1], chunk)
                 yield chunk
             self.outcome = "success"
             health.success(backend)
+            self.gw.token_counts.observe(
+                self.ctx.parsed.model, self.ctx.counted_prompt_tokens, b"".join(self.tail)
+            )
         except BodyTimeout as exc:
             self.outcome = "upstream_timeout"
             if exc.phase == "idle":
