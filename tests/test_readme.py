@@ -71,9 +71,9 @@ def test_its_numbers_are_the_measured_ones() -> None:
     assert "306 µs with\nRedis" in results or "306 µs with Redis" in results
     # The simulator's table: each policy's failure rate and replicas, as docs/results.md has them.
     sim = (ROOT / "docs" / "results.md").read_text()
-    rows = re.findall(
-        r"\| \**(\w+)\** \| \**([\d.]+%)\** \| \**(\d+)\** \|", results
-    ):
+    rows = re.findall(r"\| \**(\w+)\** \| \**([\d.]+%)\** \| \**(\d+)\** \|", results)
+    assert [r[0] for r in rows] == ["kvroute", "round_robin"], rows
+    for name, fail, replicas in rows:
         row = next(line for line in sim.splitlines() if re.match(rf"\| \**{name}\b", line))
         cells = [c.strip(" *") for c in row.strip("|").split("|")]
         assert (cells[1], cells[-1]) == (fail, replicas), (name, row)
