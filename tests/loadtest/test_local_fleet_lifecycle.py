@@ -21,7 +21,7 @@ import pytest
 from loadtest.local_fleet import EngineSpec, LocalFleet, free_port
 from tests.support.gateway import wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's"
 )
