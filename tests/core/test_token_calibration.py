@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from proxy.config import parse_config
@@ -87,3 +91,19 @@ def test_check_config_names_vllm_models_without_a_tokenizer() -> None:
     assert len(warnings) == 1 and "'meta-llama/Llama-3.1-8B' (backend a)" in warnings[0]
     assert "models.meta-llama/Llama-3.1-8B.tokenizer_file" in warnings[0]
     assert is_openai_model("openai/gpt-4o-mini") and not is_openai_model("llama-3")
+
+
+def test_check_config_prints_the_warning_and_still_passes(tmp_path: Path) -> None:
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text(
+        "backends: [{name: a, url: 'http://127.0.0.1:9', kind: vllm, models: [llama-3]}]\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "check-config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "warning: model 'llama-3' (backend a) has no tokenizer configured" in res.stderr
+    assert ": OK: 1 backend" in res.stdout
