@@ -760,6 +760,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vllm/sglang/tgi: count prompts as this many tokens per token of the gateway's "
         "default (cl100k) count, as a server with another tokenizer does (default 1.0)",
     )
+    parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vllm: publish KV-cache events as vLLM does, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -823,6 +830,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         serial_prefill=getattr(args, "serial_prefill", False),
         tokenizer_ratio=getattr(args, "tokenizer_ratio", 1.0),
+        kv_events_config=getattr(args, "kv_events_config", None),
     )
 
 
