@@ -23,7 +23,9 @@ from proxy.config.backends import PoolConfig as PoolConfig
 from proxy.config.base import BackendKind as BackendKind
 from proxy.config.base import PolicyName as PolicyName
 from proxy.config.base import PoolRole as PoolRole
+from proxy.config.base import ServingRole as ServingRole
 from proxy.config.base import _Strict as _Strict
+from proxy.config.disaggregation import DisaggregationConfig as DisaggregationConfig
 from proxy.config.ops import HookType as HookType
 from proxy.config.ops import MaintenanceConfig as MaintenanceConfig
 from proxy.config.ops import RestartHookConfig as RestartHookConfig
@@ -69,6 +71,7 @@ class Config(_Strict):
     maintenance: MaintenanceConfig = MaintenanceConfig()
     sizing: SizingConfig = SizingConfig()
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     log: LogConfig = LogConfig()
 
     @model_validator(mode="after")

@@ -221,7 +221,8 @@ async def whole_answer(
     ctx.backend = backend
     # Off the answer's path (a Redis round trip).
     gw.release_later(ctx, backend)
-    gw.metrics.labelled(gw.metrics.requests, ctx.cls, backend, "success").inc()
-    gw.metrics.labelled(gw.metrics.duration, ctx.cls).observe(time.perf_counter() - started)
+    if ctx.counts_request:
+        gw.metrics.labelled(gw.metrics.requests, ctx.cls, backend, "success").inc()
+        gw.metrics.labelled(gw.metrics.duration, ctx.cls).observe(time.perf_counter() - started)
     headers = ctx.answer_headers(backend, response_headers(resp.headers))
     return Response(body, status_code=resp.status, headers=headers)
