@@ -36,6 +36,7 @@ import orjson
 from aiohttp import web
 
 from loadtest.engine.allocators import ContiguousAllocator, PagedAllocator, make_allocator
+from loadtest.engine.behaviours import disaggregation
 from loadtest.engine.metrics import EngineCollector, exposition
 from loadtest.engine.protocol import (
     SSE_DONE,
@@ -753,6 +754,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vllm/sglang/tgi: prefill prompts one after another (one GPU's compute) "
         "instead of all at full speed at once",
     )
+    disaggregation.add_arguments(parser)
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -815,6 +817,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         seed=args.seed,
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         serial_prefill=getattr(args, "serial_prefill", False),
+        pd=disaggregation.role_config_from_args(args),
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from proxy.config import BackendConfig
@@ -103,6 +103,10 @@ class TwoStep:
     prefill_backend: str = ""
     # Every prefill attempt of this request (one per placement).
     prefill_attempts: int = 0
+    # Prompt tokens each backend probably caches (conditional disaggregation reads it).
+    cached: Mapping[str, int] = field(default_factory=dict)
+    # Prefill servers left out for this request (step 2 lost the KV they held).
+    prefill_exclude: set[str] = field(default_factory=set)
     # Set once: the request went straight to a decode server (conditional disaggregation).
     skipped: bool = False
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import orjson
@@ -58,7 +59,7 @@ log = logging.getLogger("kvroute.gateway")
 CLIENT_LEFT = 499
 
 
-def begin(ctx: RequestContext) -> None:
+def begin(gw: Gateway, ctx: RequestContext) -> None:
     """Prefill-only servers never take an ordinary request; a disaggregated fleet takes two steps."""
     backends = ctx.cfg.backends
     only = prefill_only(backends)
@@ -76,6 +77,8 @@ def begin(ctx: RequestContext) -> None:
         ruled_out=ruled_out,
         prefill_only=only,
         decode_only=not_prefill(backends),
+        # Read before the decode placement records the prompt as cached where it goes.
+        cached=_cached(gw, ctx),
     )
 
 
@@ -84,11 +87,8 @@ async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Re
     two = ctx.two_step
     if two is None or two.step == "decode":
         return None
-    if not worth_two_steps(
-        ctx.prompt_tokens,
-        _cached_on(gw, ctx, decode),
-        ctx.cfg.disaggregation.min_uncached_prompt_tokens,
-    ):
+    threshold = ctx.cfg.disaggregation.min_uncached_prompt_tokens
+    if not worth_two_steps(ctx.prompt_tokens, two.cached.get(decode, 0), threshold):
         two.skipped = True
         gw.metrics.two_step.labels("prefill", "skipped").inc()
         return None
@@ -142,6 +142,7 @@ def _prefill_context(gw: Gateway, ctx: RequestContext, two: TwoStep) -> RequestC
         upstream_headers=ctx.upstream_headers,
         cfg=ctx.cfg,
         policy=PrefillWaitPolicy(ctx.policy.settings, rates),
+        exclude=set(two.prefill_exclude),
         ruled_out=two.ruled_out | two.decode_only,
         decided=True,
         affinity=ctx.affinity,
@@ -156,11 +157,15 @@ def _prefilled(
     if answer.status_code == CLIENT_LEFT:
         gw.metrics.two_step.labels("prefill", "client_disconnect").inc()
         return answer
-    if answer.status_code >= 400:
-        # The client's own mistake, relayed as in one step (or the last allocation failure).
+    if 400 <= answer.status_code < 500 and answer.status_code != 429:
+        # The client's own mistake, relayed as in one step.
         gw.metrics.two_step.labels("prefill", "failed").inc()
         answer.headers["x-kvroute-failed-step"] = "prefill"
         return answer
+    if answer.status_code >= 400:
+        # The last prefill server could not allocate it: the decode server prefills.
+        _no_prefill(gw, ctx, two, answer)
+        return None
     try:
         params = transfer_params(orjson.loads(answer.body))
     except orjson.JSONDecodeError:
@@ -201,6 +206,8 @@ def after_divert(gw: Gateway, ctx: RequestContext, decode: str) -> None:
         return
     # Anything else may have lost the KV on its way (the prefill server died, the pull broke).
     gw.metrics.two_step.labels("decode", "failed").inc()
+    # Step 1 again, elsewhere: that server may be gone (if none is left, the decode prefills).
+    two.prefill_exclude.add(two.prefill_backend)
     two.params = None
     ctx.parsed = dataclasses.replace(ctx.parsed, raw=two.raw)
 
@@ -220,8 +227,8 @@ def finish(gw: Gateway, ctx: RequestContext, answer: Response) -> Response:
     return answer
 
 
-def _cached_on(gw: Gateway, ctx: RequestContext, decode: str) -> int:
-    """Prompt tokens ``decode`` probably caches already (prefix affinity's index)."""
+def _cached(gw: Gateway, ctx: RequestContext) -> Mapping[str, int]:
+    """Prompt tokens each backend probably caches already (prefix affinity's index)."""
     request = RouteRequest(ctx.demand, ctx.cls)
     view = gw.local.apply(ctx.snap)
-    return gw.affinity.route_request(ctx.affinity, request, view, gw.clock()).cached.get(decode, 0)
+    return gw.affinity.route_request(ctx.affinity, request, view, gw.clock()).cached

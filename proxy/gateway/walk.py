@@ -167,7 +167,7 @@ class Gateway:
         self._request_ended()
 
     async def _route(self, ctx: RequestContext) -> Response:
-        disaggregated.begin(ctx)
+        disaggregated.begin(self, ctx)
         try:
             while True:
                 # 4. rank candidates, 5. reserve on the best that accepts (or wait, or give up)
