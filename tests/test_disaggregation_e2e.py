@@ -16,6 +16,13 @@ from tests.support.gateway import gateway_cfg, run_gateway, wait_until
 FAST = {"speedup": 20, "block_size": 16}
 # A prompt well over the conditional-disaggregation threshold set below (64 tokens).
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 40
+
+
+def long_prompt(i: int) -> str:
+    """Another long prompt (a decode server that served one caches it: no prefill needed)."""
+    return f"request {i}: " + LONG_PROMPT
+
+
 SHORT_PROMPT = "hi there"
 
 
@@ -28,6 +35,10 @@ def pd_backends(urls: dict[str, str]) -> list[dict[str, Any]]:
 def pd_cfg(urls: dict[str, str], **sections: Any) -> Any:
     sections.setdefault("disaggregation", {"min_uncached_prompt_tokens": 64})
     return gateway_cfg(pd_backends(urls), **sections)
+
+
+def dead_backend(url: str) -> dict[str, Any]:
+    return {"name": "p0", "url": url, "kind": "vllm", "role": "prefill"}
 
 
 def state(url: str) -> dict[str, Any]:
@@ -109,10 +120,12 @@ def test_a_dead_prefill_server_and_a_lost_transfer_move_step_1_elsewhere() -> No
     with engines(*specs) as urls:
         with run_gateway(pd_cfg(urls)) as gw:
             wait_until(lambda: all_reported(gw, 4), what="reports")
-            for _ in range(2):
-                r = ask(gw, LONG_PROMPT)
+            for i in range(2):
+                r = ask(gw, long_prompt(i))
                 assert r.status_code == 200, r.text
                 assert r.headers["x-kvroute-prefill-backend"] == "p2"
+                # p1 first (no backlog anywhere: by name), its KV gone before the pull.
+                assert r.headers["x-kvroute-prefill-attempts"] == "2"
             assert state(urls["p2"])["kv_pulled"] == 2
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
     # A prefill server that is not running at all: connection refused, the next one serves.
@@ -124,14 +137,12 @@ def test_a_dead_prefill_server_and_a_lost_transfer_move_step_1_elsewhere() -> No
         ("vllm", "d1", {"pd_role": "decode", **FAST}),
     ]
     with engines(*specs) as urls:
-        backends = pd_backends(urls) + [
-            {"name": "p0", "url": dead_url, "kind": "vllm", "role": "prefill"}
-        ]
+        backends = [*pd_backends(urls), dead_backend(dead_url)]
         cfg = gateway_cfg(backends, disaggregation={"min_uncached_prompt_tokens": 64})
         with run_gateway(cfg) as gw:
             wait_until(lambda: all_reported(gw, 2), what="reports")
-            for _ in range(3):
-                r = ask(gw, LONG_PROMPT)
+            for i in range(3):
+                r = ask(gw, long_prompt(i))
                 assert r.status_code == 200, r.text
                 assert r.headers["x-kvroute-prefill-backend"] == "p1"
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
@@ -142,9 +153,7 @@ def test_every_prefill_server_down_the_decode_server_prefills_itself() -> None:
     dead.terminate()
     dead.wait(10)
     with engines(("vllm", "d1", {"pd_role": "decode", **FAST})) as urls:
-        backends = pd_backends(urls) + [
-            {"name": "p0", "url": dead_url, "kind": "vllm", "role": "prefill"}
-        ]
+        backends = [*pd_backends(urls), dead_backend(dead_url)]
         cfg = gateway_cfg(backends, disaggregation={"min_uncached_prompt_tokens": 64})
         with run_gateway(cfg) as gw:
             wait_until(lambda: all_reported(gw, 1), what="reports")
@@ -188,9 +197,10 @@ def test_decode_servers_refusing_out_of_memory_keep_the_prefill_and_it_times_out
             wait_until(lambda: nothing_held(gw, urls), what="hold timed out")
             assert state(urls["p1"])["kv_expired"] == 1
             metrics = httpx.get(gw + "/metrics").text
-            assert 'kvroute_two_step_total{result="refused",step="decode"} 2.0' in metrics
+            assert 'kvroute_two_step_total{result="refused",step="decode"} 1.0' in metrics
+            assert 'kvroute_two_step_total{result="failed",step="decode"} 1.0' in metrics
             # The refusals are over: the next request runs both steps.
-            r = ask(gw, LONG_PROMPT)
+            r = ask(gw, long_prompt(1))
             assert r.status_code == 200 and r.headers["x-kvroute-prefill-backend"] == "p1"
 
 
