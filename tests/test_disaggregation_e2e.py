@@ -5,6 +5,7 @@ gateway holds no reservation."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import httpx
@@ -225,3 +226,35 @@ def test_a_client_that_leaves_during_either_step_leaves_nothing_behind(slow: str
             metrics = httpx.get(gw + "/metrics").text
             line = f'kvroute_two_step_total{{result="client_disconnect",step="{slow}"}} 1.0'
             assert line in metrics
+
+
+def test_a_decode_step_that_fits_nowhere_holds_at_the_gateway_rather_than_preempt() -> None:
+    # Two decode servers of 4096 tokens; each request's whole KV is ~3000 tokens: one each.
+    decode = {"pd_role": "decode", "capacity_tokens": 4096, "speedup": 20, "block_size": 16}
+    specs = [
+        ("vllm", "p1", {"pd_role": "prefill", **FAST}),
+        ("vllm", "d1", decode),
+        ("vllm", "d2", decode),
+    ]
+    with engines(*specs) as urls:
+        backends = pd_backends(urls)
+        for b in backends:
+            # A fast decode rate: without the hold, the gateway would hand the third request
+            # to a decode server's queue at once (its expected wait is short), and it would
+            # preempt there as the running request grows.
+            b["decode_tokens_per_s"] = 10_000
+        cfg = gateway_cfg(
+            backends,
+            disaggregation={"min_uncached_prompt_tokens": 64},
+            queue={"max_wait_s": 60},
+        )
+        with run_gateway(cfg) as gw:
+            wait_until(lambda: all_reported(gw, 3), what="reports")
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                futures = [pool.submit(ask, gw, long_prompt(i), 2_600) for i in range(3)]
+                answers = [f.result() for f in futures]
+            assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+            assert {a.headers["x-kvroute-backend"] for a in answers} == {"d1", "d2"}
+            for name in ("d1", "d2"):
+                assert sum(e["preemptions"] for e in state(urls[name])["engines"]) == 0
+            wait_until(lambda: nothing_held(gw, urls), what="nothing held")
