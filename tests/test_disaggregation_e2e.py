@@ -257,4 +257,8 @@ def test_a_decode_step_that_fits_nowhere_holds_at_the_gateway_rather_than_preemp
             assert {a.headers["x-kvroute-backend"] for a in answers} == {"d1", "d2"}
             for name in ("d1", "d2"):
                 assert sum(e["preemptions"] for e in state(urls[name])["engines"]) == 0
+            # The third one was prefilled while it waited for a decode server.
+            metrics = httpx.get(gw + "/metrics").text
+            assert 'kvroute_two_step_total{result="while_holding",step="prefill"} 1.0' in metrics
+            assert 'kvroute_two_step_total{result="ok",step="prefill"} 3.0' in metrics
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")

@@ -82,6 +82,30 @@ def begin(gw: Gateway, ctx: RequestContext) -> None:
     )
 
 
+async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | None:
+    """Step 1 before the decode placement when no decode server fits now.
+
+    The decode step will hold at the gateway until one fits; step 1 does not need it, so the
+    prompt is computed meanwhile (the prefill server holds the blocks a little longer, well
+    within its pull timeout). A Response ends the request (nothing reserved yet).
+    """
+    two = ctx.two_step
+    if two is None or two.step == "decode":
+        return None
+    avoid = gw.health.avoid() | ctx.ruled_out | ctx.exclude
+    request = RouteRequest(ctx.demand, ctx.cls, avoid)
+    if ctx.policy.rank(gw.local.apply(ctx.snap), request, gw.clock()):
+        # A decode server fits now: reserve it first, then prefill for it.
+        return None
+    cached = max((v for n, v in two.cached.items() if n not in two.prefill_only), default=0)
+    if not worth_two_steps(
+        ctx.prompt_tokens, cached, ctx.cfg.disaggregation.min_uncached_prompt_tokens
+    ):
+        return None
+    gw.metrics.two_step.labels("prefill", "while_holding").inc()
+    return await _prefill(gw, ctx, two)
+
+
 async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Response | None:
     """Step 1 for a request placed on ``decode``; a Response ends the request (reservation freed)."""
     two = ctx.two_step

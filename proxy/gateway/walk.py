@@ -170,6 +170,10 @@ class Gateway:
         disaggregated.begin(self, ctx)
         try:
             while True:
+                # A two-step request that must wait for a decode server prefills meanwhile.
+                early = await disaggregated.prefill_while_holding(self, ctx)
+                if early is not None:
+                    return early
                 # 4. rank candidates, 5. reserve on the best that accepts (or wait, or give up)
                 placed = await placement.place(self, ctx)
                 if isinstance(placed, Response):
