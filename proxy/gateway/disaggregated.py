@@ -3,7 +3,8 @@
 The walk places the decode step first, as any request: by fit, since the decode server holds
 the prompt and the whole output for the whole generation (lazy growth and every reservation
 in flight counted, prefix affinity and fragmentation as for any request). With that
-reservation held, step 1 runs here: a prefill server chosen by expected prefill wait
+reservation held, step 1 runs here (or before the decode placement, when no decode server
+fits yet and the decode step will hold: the prompt is computed while it waits): a prefill server chosen by expected prefill wait
 (``proxy.routing.prefill_wait``) computes the prompt and returns ``kv_transfer_params``
 (``proxy.core.two_step``); the walk then forwards step 2 to the decode server it reserved,
 with those params in the body. Step 1 is itself a one-step request on a sub-context: the
