@@ -189,6 +189,7 @@ def test_decode_servers_refusing_out_of_memory_keep_the_prefill_and_it_times_out
             assert r.status_code == 503, r.text
             assert "out of memory" in r.json()["error"]["message"]
             assert r.headers["x-kvroute-failed-step"] == "decode"
+            assert r.headers["x-kvroute-failure-cause"] == "allocation_failure"
             # Both decode servers were given the one prefill (refused before any pull).
             assert r.headers["x-kvroute-attempts"] == "2"
             assert r.headers["x-kvroute-prefill-attempts"] == "1"

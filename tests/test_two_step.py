@@ -13,6 +13,7 @@ from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.core.two_step import (
     TwoStep,
     decode_body,
+    failure_cause,
     prefill_body,
     prefill_only,
     transfer_params,
@@ -113,3 +114,14 @@ def test_prefill_goes_where_the_backlog_over_the_rate_is_shortest_cache_hits_sub
     assert fast.rank(snap, cached, 0.0) == ["a", "b"]
     # Never refuses for memory: a node with no room still ranks (it queues).
     assert fast.rank(snap, RouteRequest(10**9, "long"), 0.0) != []
+
+
+def test_a_failed_steps_cause_is_the_errors_own_code_else_the_status_and_the_walks() -> None:
+    named = b'{"error": {"message": "x", "code": "no_backend_fits_capacity"}}'
+    assert failure_cause(503, named, allocation=False) == "no_backend_fits_capacity"
+    unnamed = b'{"error": {"message": "KV cache out of memory", "code": null}}'
+    assert failure_cause(503, unnamed, allocation=True) == "allocation_failure"
+    assert failure_cause(503, unnamed, allocation=False) == "overload"
+    assert failure_cause(504, b"", allocation=False) == "timeout"
+    assert failure_cause(502, b"not json", allocation=False) == "upstream_error"
+    assert failure_cause(400, b"[1]", allocation=False) == "client_error"

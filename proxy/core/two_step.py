@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import orjson
+
 from proxy.config import BackendConfig
 
 Step = Literal["prefill", "decode"]
@@ -84,6 +86,25 @@ def worth_two_steps(prompt_tokens: int, cached_on_decode: int, threshold: int) -
     prefill server; a shorter one (or one mostly cached on a decode server) costs less there
     than a transfer does."""
     return prompt_tokens - cached_on_decode >= threshold
+
+
+def failure_cause(status: int, body: bytes, allocation: bool) -> str:
+    """Why a step failed, for ``x-kvroute-failure-cause``: the error's own code where the
+    answer names one (kvroute's answers always do), else what its status and the walk say."""
+    try:
+        error = orjson.loads(body).get("error") if body else None
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and code:
+        return code
+    if allocation:
+        return "allocation_failure"
+    if status in (429, 503):
+        return "overload"
+    if status == 504:
+        return "timeout"
+    return "client_error" if status < 500 else "upstream_error"
 
 
 @dataclass(slots=True)

@@ -38,8 +38,10 @@ import orjson
 from starlette.responses import Response
 
 from proxy.core.two_step import (
+    Step,
     TwoStep,
     decode_body,
+    failure_cause,
     not_prefill,
     prefill_body,
     prefill_only,
@@ -185,7 +187,7 @@ def _prefilled(
     if 400 <= answer.status_code < 500 and answer.status_code != 429:
         # The client's own mistake, relayed as in one step.
         gw.metrics.two_step.labels("prefill", "failed").inc()
-        answer.headers["x-kvroute-failed-step"] = "prefill"
+        _name_failure(answer, "prefill", allocation=False)
         return answer
     if answer.status_code >= 400:
         # The last prefill server could not allocate it: the decode server prefills.
@@ -248,8 +250,17 @@ def finish(gw: Gateway, ctx: RequestContext, answer: Response) -> Response:
         gw.metrics.two_step.labels("decode", "ok" if two.params is not None else "alone").inc()
     else:
         gw.metrics.two_step.labels("decode", "failed").inc()
-        answer.headers["x-kvroute-failed-step"] = "decode"
+        allocation = bool(ctx.failed_on) and ctx.failed_on[-1] in ctx.no_room
+        _name_failure(answer, "decode", allocation)
     return answer
+
+
+def _name_failure(answer: Response, step: Step, allocation: bool) -> None:
+    """The failed step and its cause, in the answer's headers."""
+    answer.headers["x-kvroute-failed-step"] = step
+    answer.headers["x-kvroute-failure-cause"] = failure_cause(
+        answer.status_code, bytes(answer.body), allocation
+    )
 
 
 def _cached(gw: Gateway, ctx: RequestContext) -> Mapping[str, int]:
