@@ -3,7 +3,7 @@
 Until the first event arrives nothing has reached the client, so a stream that stalls,
 breaks or is not server-sent events can still divert. After it, a failure cannot be
 retried: the stream ends with a final SSE error event that names the cause (idle gap, total
-time, broken off). Whatever happens, the upstream connection is closed (the backend sees the
+time, broken off, or the gateway's drain time over at shutdown). Whatever happens, the upstream connection is closed (the backend sees the
 cancel) or returned to the pool, and the reservation released, exactly once.
 """
 
@@ -87,6 +87,14 @@ class StreamRelay:
         self.resp = resp
         self.started = started
         self.outcome: RequestResult = "client_disconnect"
+        # Set by interrupt() when a shutdown's drain time is over (proxy.gateway.live_streams).
+        self.interrupted = False
+        gw.live_streams.add(self)
+
+    def interrupt(self) -> None:
+        """End the stream now with the shutdown event: wake the pending read with an error."""
+        self.interrupted = True
+        self.resp.content.set_exception(ConnectionAbortedError("the gateway is shutting down"))
 
     async def body(self, first: bytes, on_close: OnceCallback) -> AsyncIterator[bytes]:
         """Relay the stream; a failure after the first byte ends it with an SSE error event."""
@@ -96,6 +104,10 @@ class StreamRelay:
             yield first
             while chunk := await next_chunk(self.resp, idle, self.ctx.deadline):
                 yield chunk
+                if self.interrupted:
+                    yield self._shutdown_event()
+                    return
+            # The body's end, even if interrupt() came just after it: the stream is whole.
             self.outcome = "success"
             health.success(backend)
         except BodyTimeout as exc:
@@ -107,6 +119,10 @@ class StreamRelay:
             )
             yield sse_error_event(f"backend {backend}: {exc}", code=f"upstream_{exc.phase}_timeout")
         except UpstreamBroken as exc:
+            if self.interrupted:
+                # The break is ours (interrupt()), not the backend's: no health failure.
+                yield self._shutdown_event()
+                return
             self.outcome = "upstream_error"
             health.failure(backend)
             log.warning(
@@ -119,6 +135,20 @@ class StreamRelay:
         finally:
             await on_close()
 
+    def _shutdown_event(self) -> bytes:
+        """The last event of a stream the gateway's shutdown cut (not the backend's fault)."""
+        self.outcome = "shutdown"
+        log.warning(
+            "request %s: stream from %s ended: the gateway's drain time is over",
+            self.ctx.request_id,
+            self.backend,
+        )
+        return sse_error_event(
+            "the gateway is shutting down and its drain time is over; retry the request",
+            type="server_error",
+            code="gateway_shutting_down",
+        )
+
     async def close(self) -> None:
         """Return or drop the upstream connection, count the request, release the reservation."""
         if self.outcome != "success":
@@ -130,4 +160,5 @@ class StreamRelay:
         metrics = self.gw.metrics
         metrics.labelled(metrics.requests, cls, self.backend, self.outcome).inc()
         metrics.labelled(metrics.duration, cls).observe(time.perf_counter() - self.started)
+        self.gw.live_streams.discard(self)
         self.gw.release_later(self.ctx, self.backend)
