@@ -22,7 +22,7 @@ from proxy.core.two_step import (
 from proxy.routing.policy import RouteRequest
 from proxy.routing.prefill_wait import PrefillWaitPolicy
 from proxy.routing.queueing import Rates
-from tests.test_discovery import POOLS, endpoint_slice
+from tests.backends.test_discovery import POOLS, endpoint_slice
 
 
 def cfg_with(roles: dict[str, Any]) -> Any:
