@@ -754,6 +754,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vllm/sglang/tgi: prefill prompts one after another (one GPU's compute) "
         "instead of all at full speed at once",
     )
+    parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vllm: publish KV-cache events as vLLM does, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
+    )
     disaggregation.add_arguments(parser)
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
@@ -817,6 +824,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         seed=args.seed,
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         serial_prefill=getattr(args, "serial_prefill", False),
+        kv_events_config=getattr(args, "kv_events_config", None),
         pd=disaggregation.role_config_from_args(args),
     )
 

@@ -126,6 +126,7 @@ def backend(
         kind=cfg.kind,
         capacity_tokens=cfg.capacity_tokens,
         role=role,
+        kv_events=cfg.kv_events,
     )
 
 

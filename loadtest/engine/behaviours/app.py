@@ -24,7 +24,8 @@ from prometheus_client.registry import Collector
 
 from loadtest.engine.behaviours import disaggregation
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
-from loadtest.engine.behaviours.prefix_cache import prompt_block_hashes
+from loadtest.engine.behaviours.kv_publisher import KvEventsOptions, attach_publishers
+from loadtest.engine.behaviours.prefix_cache import prompt_blocks
 from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
 from loadtest.engine.metrics import exposition
 from loadtest.engine.protocol import (
@@ -61,6 +62,7 @@ class BehaviourConfig:
     seed: int = 0
     prefix_caching: bool = True  # vLLM's automatic prefix caching (on by default in V1)
     serial_prefill: bool = False  # prefill one prompt after another (see scheduler.py)
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (kv_publisher.py)
     # Disaggregated serving: prefill, decode or both (``disaggregation.py``).
     pd: disaggregation.RoleConfig = dataclasses.field(default_factory=disaggregation.RoleConfig)
 
@@ -76,6 +78,8 @@ class BehaviourConfig:
         for key in ("capacity_tokens", "block_size", "max_num_seqs", "data_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        if self.kv_events_config is not None:
+            KvEventsOptions.parse(self.kv_events_config)  # a bad flag fails at start, named
         if self.capacity_tokens < self.block_size:
             raise ValueError("capacity_tokens must hold at least one block")
         if self.max_model_len is not None and not 0 < self.max_model_len <= self.capacity_tokens:
@@ -114,6 +118,7 @@ class Front:
             )
             for _ in range(config.data_parallel)
         ]
+        self.publishers = attach_publishers(config.kv_events_config, self.cores)
         self.max_model_len = config.max_model_len or self.cores[0].capacity_tokens
         self.started_at = time.time()
         self._ids = secrets.token_hex(4)
@@ -132,10 +137,14 @@ class Front:
     async def start(self) -> None:
         for c in self.cores:
             c.start()
+        for pub in self.publishers:
+            pub.start()
 
     async def stop(self) -> None:
         for c in self.cores:
             await c.stop()
+        for pub in self.publishers:
+            await pub.close()
         await self.roles.close()
 
     # --- handlers ---------------------------------------------------------------------------
@@ -170,9 +179,11 @@ class Front:
         if arrival.answer is not None:
             return arrival.answer
         core = min(self.cores, key=lambda c: c.load())
-        hashes = await self._prompt_hashes(body, prompt) if core.prefix is not None else ()
+        hashes, ids = (
+            await self._prompt_hashes(body, prompt) if core.prefix is not None else ((), ())
+        )
         now = asyncio.get_running_loop().time()
-        req = SimRequest(prompt, p.max_tokens, now, hashes=hashes)
+        req = SimRequest(prompt, p.max_tokens, now, hashes=hashes, block_ids=ids)
         req.keep_blocks = arrival.hold
         req.transfer_tokens_per_s = arrival.transfer_tokens_per_s
         core.submit(req, now)
@@ -198,14 +209,18 @@ class Front:
             core.abort(req)
             self.roles.unheld(core, req)
 
-    async def _prompt_hashes(self, body: dict[str, Any], prompt: int) -> tuple[int, ...]:
-        """The prompt's block hashes (big prompts off the loop), never more blocks than it has."""
+    async def _prompt_hashes(
+        self, body: dict[str, Any], prompt: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The prompt's block hashes and their token ids (big prompts off the loop), never
+        more blocks than it has."""
         bs = self.config.block_size
         if prompt > 2_000:
-            hashes = await asyncio.to_thread(prompt_block_hashes, body, bs)
+            hashes, ids = await asyncio.to_thread(prompt_blocks, body, bs)
         else:
-            hashes = prompt_block_hashes(body, bs)
-        return hashes[: prompt // bs]
+            hashes, ids = prompt_blocks(body, bs)
+        n = min(len(hashes), prompt // bs)
+        return hashes[:n], ids[: n * bs]
 
     async def _stream(
         self, request: web.Request, req: SimRequest, p: Parsed, completion_id: str
