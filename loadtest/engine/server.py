@@ -36,6 +36,7 @@ import orjson
 from aiohttp import web
 
 from loadtest.engine.allocators import ContiguousAllocator, PagedAllocator, make_allocator
+from loadtest.engine.behaviours import disaggregation
 from loadtest.engine.metrics import EngineCollector, exposition
 from loadtest.engine.protocol import (
     SSE_DONE,
@@ -767,6 +768,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
     )
+    disaggregation.add_arguments(parser)
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -831,6 +833,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         serial_prefill=getattr(args, "serial_prefill", False),
         tokenizer_ratio=getattr(args, "tokenizer_ratio", 1.0),
         kv_events_config=getattr(args, "kv_events_config", None),
+        pd=disaggregation.role_config_from_args(args),
     )
 
 

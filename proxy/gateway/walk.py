@@ -30,7 +30,7 @@ from proxy.config import Config
 from proxy.core.redact import safe_request_id
 from proxy.core.validation import Endpoint
 from proxy.errors import ApiError
-from proxy.gateway import attempt, intake, placement
+from proxy.gateway import attempt, disaggregated, intake, placement
 from proxy.gateway.admission import Admission
 from proxy.gateway.affinity import Affinity
 from proxy.gateway.context import RequestContext
@@ -173,18 +173,28 @@ class Gateway:
         self._request_ended()
 
     async def _route(self, ctx: RequestContext) -> Response:
+        disaggregated.begin(self, ctx)
         try:
             while True:
+                # A two-step request that must wait for a decode server prefills meanwhile.
+                early = await disaggregated.prefill_while_holding(self, ctx)
+                if early is not None:
+                    return early
                 # 4. rank candidates, 5. reserve on the best that accepts (or wait, or give up)
                 placed = await placement.place(self, ctx)
                 if isinstance(placed, Response):
-                    return placed
+                    return disaggregated.finish(self, ctx, placed)
+                # A two-step request: step 1 on a prefill server, for the decode placed here.
+                ended = await disaggregated.prefill_if_wanted(self, ctx, placed)
+                if ended is not None:
+                    return ended
                 # 6. forward + relay; 7. the reservation is released whatever the outcome
                 answer = await attempt.forward(self, ctx, placed)
                 if answer is not None:
-                    return answer
+                    return disaggregated.finish(self, ctx, answer)
                 # diverted before the first byte: try the next candidate
                 await placement.move_on(self, ctx, placed)
+                disaggregated.after_divert(self, ctx, placed)
         finally:
             self.budget.release(ctx.retries)
 

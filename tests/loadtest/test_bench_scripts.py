@@ -215,3 +215,16 @@ def test_tree_ab_smoke() -> None:
     assert len(rounds) == 2, out
     assert all(line.endswith("errors 0") for line in rounds), out
     assert "paired B/A: req/s x" in out and "CPU per request x" in out
+
+
+def test_bench_pd_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "pd.json"
+    run_module(
+        "loadtest.bench.pd",
+        "--duration", "2", "--rate", "3", "--speedup", "20", "--routers", "kvroute",
+        "--json", str(out_json),
+    )  # fmt: skip
+    (row,) = json.loads(out_json.read_text())
+    assert row["router"] == "kvroute" and row["requests"] > 0 and row["failed"] == 0, row
+    assert row["decode_preemptions"] >= 0 and row["ttft_p99"] is not None
+    assert set(row["decode_kv_mean"]) == {"d0", "d1"} and row["prefill_held_at_end"] == 0
