@@ -755,6 +755,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instead of all at full speed at once",
     )
     parser.add_argument(
+        "--tokenizer-ratio",
+        type=float,
+        default=1.0,
+        help="vllm/sglang/tgi: count prompts as this many tokens per token of the gateway's "
+        "default (cl100k) count, as a server with another tokenizer does (default 1.0)",
+    )
+    parser.add_argument(
         "--kv-events-config",
         default=None,
         help="vllm: publish KV-cache events as vLLM does, e.g. "
@@ -824,6 +831,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         seed=args.seed,
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         serial_prefill=getattr(args, "serial_prefill", False),
+        tokenizer_ratio=getattr(args, "tokenizer_ratio", 1.0),
         kv_events_config=getattr(args, "kv_events_config", None),
         pd=disaggregation.role_config_from_args(args),
     )

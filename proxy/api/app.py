@@ -37,6 +37,7 @@ from proxy.api.kind_check import KindCheck
 from proxy.api.kv_events_view import with_prefix_source
 from proxy.api.limits import RequestGuard
 from proxy.api.models import fleet_models, kind_errors, lookup_from
+from proxy.api.node_counts import node_counts, with_counts
 from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
@@ -398,14 +399,19 @@ def create_app(
                         "held": len(r.gateway.ledger.held),
                         "pending_releases": len(r.gateway.ledger.pending),
                     },
-                    "backends": with_prefix_source(
-                        with_health(
-                            snapshot_json(snap, r.store.now(), r.cfg),
-                            r.gateway.health.snapshot(),
+                    "backends": with_counts(
+                        with_prefix_source(
+                            with_health(
+                                snapshot_json(snap, r.store.now(), r.cfg),
+                                r.gateway.health.snapshot(),
+                            ),
+                            getattr(request.app.state, "kv_events", None),
+                            r.store.now(),
                         ),
-                        getattr(request.app.state, "kv_events", None),
-                        r.store.now(),
+                        node_counts(r.gateway.metrics.requests, r.gateway.metrics.attempts),
                     ),
+                    # Prompt counts against the servers' usage, per model (proxy.gateway.token_counts).
+                    "token_counts": r.gateway.token_counts.view(),
                 }
             )
 

@@ -220,6 +220,7 @@ async def whole_answer(
     gw.metrics.labelled(gw.metrics.attempts, backend, "ok").inc()
     gw.health.success(backend)
     ctx.backend = backend
+    gw.token_counts.observe(ctx.parsed.model, ctx.counted_prompt_tokens, body)
     # Off the answer's path (a Redis round trip).
     gw.release_later(ctx, backend)
     if ctx.counts_request:

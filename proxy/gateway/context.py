@@ -85,6 +85,9 @@ class RequestContext:
     cfg: Config
     policy: Policy
     exclude: set[str] = field(default_factory=set)
+    # The gateway's own prompt count before any learned correction (``proxy.gateway.token_counts``
+    # compares it with the server's usage; 0: not counted).
+    counted_prompt_tokens: int = 0
     # Backends that do not serve the request's model or whose max_model_len is too small.
     ruled_out: frozenset[str] = frozenset()
     # Nodes known to have failed to allocate this request (its attempts, or the client's

@@ -44,6 +44,7 @@ from proxy.gateway.queueing import BackendQueues
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.gateway.resilience_metrics import ResilienceCollector
 from proxy.gateway.retry_budget import RetryBudget
+from proxy.gateway.token_counts import TokenCounts
 from proxy.routing.policy import Policy
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
@@ -127,6 +128,8 @@ class Gateway:
         # the app wires the adapters in. Unset, the generic verdict stands.
         self.kind_errors: KindErrors = lambda kind, status, body: None
         self.queues = BackendQueues(cfg, metrics.registry)
+        # The servers' usage.prompt_tokens against the gateway's counts, per model.
+        self.token_counts = TokenCounts(cfg, metrics.registry)
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
 
@@ -215,6 +218,7 @@ class Gateway:
         """Follow a changed backend list (discovery). URLs of removed backends are kept, so a
         request already placed on one still reaches it; probes cover the current list only."""
         self.cfg = cfg
+        self.token_counts.reconfigure(cfg)
         self.urls.update({b.name: b.plain_url for b in cfg.backends})
         self.credentials.update({b.name: b.credential() for b in cfg.backends})
         self.health.retain([b.name for b in cfg.backends])

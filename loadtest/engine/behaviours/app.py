@@ -62,6 +62,9 @@ class BehaviourConfig:
     seed: int = 0
     prefix_caching: bool = True  # vLLM's automatic prefix caching (on by default in V1)
     serial_prefill: bool = False  # prefill one prompt after another (see scheduler.py)
+    # The server's tokenizer counts this many tokens per token of the gateway's default count
+    # (1.3: a Llama model behind a gateway that counts with cl100k). Shows in usage and KV.
+    tokenizer_ratio: float = 1.0
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (kv_publisher.py)
     # Disaggregated serving: prefill, decode or both (``disaggregation.py``).
     pd: disaggregation.RoleConfig = dataclasses.field(default_factory=disaggregation.RoleConfig)
@@ -78,6 +81,8 @@ class BehaviourConfig:
         for key in ("capacity_tokens", "block_size", "max_num_seqs", "data_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        if not self.tokenizer_ratio > 0:
+            raise ValueError(f"tokenizer_ratio must be positive, got {self.tokenizer_ratio}")
         if self.kv_events_config is not None:
             KvEventsOptions.parse(self.kv_events_config)  # a bad flag fails at start, named
         if self.capacity_tokens < self.block_size:
@@ -168,6 +173,8 @@ class Front:
             if status:
                 return self._answer(status, err)
         prompt = await count_prompt_async(body)
+        if self.config.tokenizer_ratio != 1.0:
+            prompt = max(1, round(prompt * self.config.tokenizer_ratio))
         explicit = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
         if not explicit:
             p = dataclasses.replace(
