@@ -143,6 +143,10 @@ def _check_config(args: argparse.Namespace) -> int:
         store = f"sentinel master {cfg.store.sentinel.master!r}"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
     found = "" if cfg.discovery.type == "static" else f" + {cfg.discovery.type} discovery"
+    from proxy.config.tokenizer_check import tokenizer_warnings
+
+    for warning in tokenizer_warnings(cfg):
+        print(warning, file=sys.stderr)
     print(
         f"{args.file}: OK: {len(cfg.backends)} backend{'' if len(cfg.backends) == 1 else 's'}{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
     )
@@ -211,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, help_ in (
         ("engine", "run a simulated inference engine whose KV cache fragments"),
-        ("demo", "run the demo: engines + gateway + the problem statement's workload"),
+        (
+            "demo",
+            "run the demo: engines + gateway + a 70% chat / 30% document workload, vs round robin",
+        ),
         ("local-fleet", "start the simulated engines a config file expects (one per backend)"),
         ("simulate", "simulate a fleet over days of uptime, per routing policy"),
         ("tune", "search config knobs in simulation and recommend values"),

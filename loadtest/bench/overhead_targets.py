@@ -109,6 +109,7 @@ class Bench:
             with contextlib.suppress(Exception):
                 p.stop(timeout_s=5)
         self.started.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def start_backends(self) -> None:
         for i in range(self.args.backends):

@@ -133,12 +133,23 @@ def add_behaviour_arguments(parser: argparse.ArgumentParser) -> None:
         "instead of all at full speed at once",
     )
     parser.add_argument(
+        "--tokenizer-ratio",
+        type=float,
+        default=1.0,
+        help="vllm/sglang/tgi: count prompts as this many tokens per token of the gateway's "
+        "default (cl100k) count, as a server with another tokenizer does (default 1.0)",
+    )
+    parser.add_argument(
         "--kv-events-config",
         default=None,
         help="vllm: publish KV-cache events as vLLM does, e.g. "
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
     )
+    # Imported here: the behaviours package imports this module's server (a cycle at import).
+    from loadtest.engine.behaviours import disaggregation
+
+    disaggregation.add_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -184,7 +195,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
-    from loadtest.engine.behaviours import BehaviourConfig
+    from loadtest.engine.behaviours import BehaviourConfig, disaggregation
 
     return BehaviourConfig(
         behaviour=args.behaviour,
@@ -201,7 +212,9 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         seed=args.seed,
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         serial_prefill=getattr(args, "serial_prefill", False),
+        tokenizer_ratio=getattr(args, "tokenizer_ratio", 1.0),
         kv_events_config=getattr(args, "kv_events_config", None),
+        pd=disaggregation.role_config_from_args(args),
     )
 
 

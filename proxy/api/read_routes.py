@@ -21,6 +21,7 @@ from proxy.api.cache import Coalesced
 from proxy.api.fleet_view import snapshot_json, with_health
 from proxy.api.kv_events_view import with_prefix_source
 from proxy.api.model_listing import fleet_models
+from proxy.api.node_counts import node_counts, with_counts
 from proxy.api.wiring import Runtime
 from proxy.backends.kv_events import KvEventFeeds
 
@@ -105,11 +106,18 @@ async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
                 "held": len(r.gateway.ledger.held),
                 "pending_releases": len(r.gateway.ledger.pending),
             },
-            "backends": with_prefix_source(
-                with_health(snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()),
-                kv_events,
-                r.store.now(),
+            "backends": with_counts(
+                with_prefix_source(
+                    with_health(
+                        snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
+                    ),
+                    kv_events,
+                    r.store.now(),
+                ),
+                node_counts(r.gateway.metrics.requests, r.gateway.metrics.attempts),
             ),
+            # Prompt counts against the servers' usage, per model (proxy.gateway.token_counts).
+            "token_counts": r.gateway.token_counts.view(),
         }
     )
 

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 
 from proxy.config import BackendConfig, Config, DiscoveryConfig
+from proxy.config.base import ServingRole
 from proxy.tasks import stop_task
 
 log = logging.getLogger("kvroute.discovery")
@@ -113,7 +114,12 @@ class Discovery(abc.ABC):
 
 
 def backend(
-    cfg: DiscoveryConfig, name: str, host: str, port: int, pool: str | None = None
+    cfg: DiscoveryConfig,
+    name: str,
+    host: str,
+    port: int,
+    pool: str | None = None,
+    role: ServingRole = "both",
 ) -> BackendConfig:
     """A discovered backend with the discovery section's kind, pool and capacity settings."""
     shown = f"[{host}]" if ":" in host else host
@@ -123,6 +129,7 @@ def backend(
         pool=pool or cfg.pool,
         kind=cfg.kind,
         capacity_tokens=cfg.capacity_tokens,
+        role=role,
         kv_events=cfg.kv_events,
     )
 

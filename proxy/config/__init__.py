@@ -23,7 +23,9 @@ from proxy.config.backends import PoolConfig as PoolConfig
 from proxy.config.base import BackendKind as BackendKind
 from proxy.config.base import PolicyName as PolicyName
 from proxy.config.base import PoolRole as PoolRole
+from proxy.config.base import ServingRole as ServingRole
 from proxy.config.base import _Strict as _Strict
+from proxy.config.disaggregation import DisaggregationConfig as DisaggregationConfig
 from proxy.config.kv_events import KvEventsEndpoint as KvEventsEndpoint
 from proxy.config.kv_events import KvEventsSettings as KvEventsSettings
 from proxy.config.ops import HookType as HookType
@@ -72,6 +74,7 @@ class Config(_Strict):
     maintenance: MaintenanceConfig = MaintenanceConfig()
     sizing: SizingConfig = SizingConfig()
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     log: LogConfig = LogConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
 

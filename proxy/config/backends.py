@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import Field, HttpUrl, model_validator
 
-from proxy.config.base import BackendKind, PoolRole, _Strict
+from proxy.config.base import BackendKind, PoolRole, ServingRole, _Strict
 from proxy.config.kv_events import KvEventsEndpoint
 
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
@@ -27,6 +27,11 @@ class BackendConfig(_Strict):
     kind: BackendKind = "vllm"
     capacity_tokens: int | None = Field(
         default=None, gt=0, description="override the reported KV capacity"
+    )
+    role: ServingRole = Field(
+        default="both",
+        description="disaggregated serving: prefill (step 1 only, never ordinary requests), "
+        "decode (step 2 and ordinary requests) or both",
     )
     metrics_path: str = "/metrics"
     api_key: str | None = Field(
@@ -130,6 +135,10 @@ class DiscoveryConfig(KubernetesApiConfig):
         default="kvroute.io/pool", description="kubernetes: the slice label naming the pool"
     )
     pool: str = Field(default="general", description="the pool when no pool label says otherwise")
+    role_label: str = Field(
+        default="kvroute.io/role",
+        description="kubernetes: the slice label naming the serving role (prefill, decode, both)",
+    )
     kind: BackendKind = "vllm"
     name: str | None = Field(default=None, description="dns: the name to resolve (A or SRV)")
     interval_s: float = Field(

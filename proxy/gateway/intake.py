@@ -119,7 +119,10 @@ async def open_request(
     deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
     served, catalog = route_model(gw, parsed, cfg)
     sized = await size_request(parsed, cfg, served.limit)
-    prompt_tokens, demand = sized.prompt_tokens, sized.total
+    # As the servers count them, where answers taught the gateway its tokenizer is off.
+    counted = sized.prompt_tokens
+    prompt_tokens = gw.token_counts.correct(parsed.model, counted)
+    demand = sized.total - counted + prompt_tokens
     too_small = check_length(catalog, served, parsed, prompt_tokens)
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
@@ -143,6 +146,7 @@ async def open_request(
         started=started,
         deadline=deadline,
         prompt_tokens=prompt_tokens,
+        counted_prompt_tokens=counted,
         demand=demand,
         cls=cls,
         snap=snap,

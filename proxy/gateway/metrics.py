@@ -188,6 +188,12 @@ class GatewayMetrics:
         self.active = Gauge(
             "kvroute_active_requests", "Requests being handled by this gateway", registry=r
         )
+        self.two_step = Counter(
+            "kvroute_two_step",
+            "Steps of disaggregated requests (docs/disaggregation.md) by step and result",
+            ["step", "result"],
+            registry=r,
+        )
 
     def labelled(self, metric: M, *values: str) -> M:
         """``metric.labels(*values)``, looked up once per label set: prometheus_client

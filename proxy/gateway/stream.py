@@ -87,6 +87,8 @@ class StreamRelay:
         self.resp = resp
         self.started = started
         self.outcome: RequestResult = "client_disconnect"
+        # The last two chunks: the final usage chunk (the server's prompt count) is in them.
+        self.tail: tuple[bytes, bytes] = (b"", b"")
         # Set by interrupt() when a shutdown's drain time is over (proxy.gateway.live_streams).
         self.interrupted = False
         gw.live_streams.add(self)
@@ -100,9 +102,11 @@ class StreamRelay:
         """Relay the stream; a failure after the first byte ends it with an SSE error event."""
         backend, health = self.backend, self.gw.health
         idle = self.ctx.cfg.upstream.idle_timeout_s
+        self.tail = (b"", first)
         try:
             yield first
             while chunk := await next_chunk(self.resp, idle, self.ctx.deadline):
+                self.tail = (self.tail[1], chunk)
                 yield chunk
                 if self.interrupted:
                     yield self._shutdown_event()
@@ -110,6 +114,9 @@ class StreamRelay:
             # The body's end, even if interrupt() came just after it: the stream is whole.
             self.outcome = "success"
             health.success(backend)
+            self.gw.token_counts.observe(
+                self.ctx.parsed.model, self.ctx.counted_prompt_tokens, b"".join(self.tail)
+            )
         except BodyTimeout as exc:
             self.outcome = "upstream_timeout"
             if exc.phase == "idle":

@@ -244,3 +244,16 @@ def test_every_subcommand_is_a_module_with_main_and_documented() -> None:
         source = (ROOT / "loadtest" / "bench" / f"{module}.py").read_text()
         assert "\ndef main(argv" in source, name
         assert f"python -m loadtest.bench {name}" in docs, name
+
+
+def test_bench_pd_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "pd.json"
+    run_module(
+        "loadtest.bench.pd",
+        "--duration", "2", "--rate", "3", "--speedup", "20", "--routers", "kvroute",
+        "--json", str(out_json),
+    )  # fmt: skip
+    (row,) = json.loads(out_json.read_text())
+    assert row["router"] == "kvroute" and row["requests"] > 0 and row["failed"] == 0, row
+    assert row["decode_preemptions"] >= 0 and row["ttft_p99"] is not None
+    assert set(row["decode_kv_mean"]) == {"d0", "d1"} and row["prefill_held_at_end"] == 0

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from loadtest.engine.behaviours import disaggregation
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
 from loadtest.engine.behaviours.kv_publisher import KvEventsOptions, attach_publishers
 from loadtest.engine.behaviours.prefix_cache import prompt_blocks
@@ -61,7 +62,12 @@ class BehaviourConfig:
     seed: int = 0
     prefix_caching: bool = True  # vLLM's automatic prefix caching (on by default in V1)
     serial_prefill: bool = False  # prefill one prompt after another (see scheduler.py)
+    # The server's tokenizer counts this many tokens per token of the gateway's default count
+    # (1.3: a Llama model behind a gateway that counts with cl100k). Shows in usage and KV.
+    tokenizer_ratio: float = 1.0
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (kv_publisher.py)
+    # Disaggregated serving: prefill, decode or both (``disaggregation.py``).
+    pd: disaggregation.RoleConfig = dataclasses.field(default_factory=disaggregation.RoleConfig)
 
     def __post_init__(self) -> None:
         if self.behaviour not in DIALECTS:
@@ -75,6 +81,8 @@ class BehaviourConfig:
         for key in ("capacity_tokens", "block_size", "max_num_seqs", "data_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        if not self.tokenizer_ratio > 0:
+            raise ValueError(f"tokenizer_ratio must be positive, got {self.tokenizer_ratio}")
         if self.kv_events_config is not None:
             KvEventsOptions.parse(self.kv_events_config)  # a bad flag fails at start, named
         if self.capacity_tokens < self.block_size:
@@ -121,13 +129,15 @@ class Front:
         self._ids = secrets.token_hex(4)
         self._next = 0
         self._headers = {"x-engine-name": config.name}
+        self.roles = disaggregation.Roles(config.pd, f"{config.name}-{self._ids}", config.speedup)
 
     @property
     def facts(self) -> ServerFacts:
         return ServerFacts(self.config.model, self.max_model_len, self.started_at, self.cores)
 
     def state(self) -> dict[str, Any]:
-        return {"behaviour": self.config.behaviour, "engines": [c.state() for c in self.cores]}
+        engines = [c.state() for c in self.cores]
+        return {"behaviour": self.config.behaviour, "engines": engines, **self.roles.state()}
 
     async def start(self) -> None:
         for c in self.cores:
@@ -140,6 +150,7 @@ class Front:
             await c.stop()
         for pub in self.publishers:
             await pub.close()
+        await self.roles.close()
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -162,6 +173,8 @@ class Front:
             if status:
                 return self._answer(status, err)
         prompt = await count_prompt_async(body)
+        if self.config.tokenizer_ratio != 1.0:
+            prompt = max(1, round(prompt * self.config.tokenizer_ratio))
         explicit = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
         if not explicit:
             p = dataclasses.replace(
@@ -169,12 +182,17 @@ class Front:
             )
         if prompt + p.max_tokens > self.max_model_len:
             return self._answer(*self.dialect.too_long(self.facts, prompt, p.max_tokens, explicit))
+        arrival = await self.roles.arrive(body)
+        if arrival.answer is not None:
+            return arrival.answer
         core = min(self.cores, key=lambda c: c.load())
         hashes, ids = (
             await self._prompt_hashes(body, prompt) if core.prefix is not None else ((), ())
         )
         now = asyncio.get_running_loop().time()
         req = SimRequest(prompt, p.max_tokens, now, hashes=hashes, block_ids=ids)
+        req.keep_blocks = arrival.hold
+        req.transfer_tokens_per_s = arrival.transfer_tokens_per_s
         core.submit(req, now)
         self._next += 1
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
@@ -185,13 +203,18 @@ class Front:
                 req.changed.clear()
                 await req.changed.wait()
             text = generated_text(self._next + self.config.seed, p.max_tokens)
+            answer = full_body(completion_id, int(time.time()), p, text, prompt)
+            if arrival.hold and not req.aborted:
+                params = self.roles.hold(request, core, req)
+                answer = disaggregation.with_params(answer, params)
             return web.Response(
-                body=full_body(completion_id, int(time.time()), p, text, prompt),
+                body=answer,
                 content_type=JSON,
                 headers=self._headers,
             )
         finally:
             core.abort(req)
+            self.roles.unheld(core, req)
 
     async def _prompt_hashes(
         self, body: dict[str, Any], prompt: int
@@ -312,6 +335,7 @@ def build_app(config: BehaviourConfig) -> web.Application:
     r.add_get("/health", front.health)
     r.add_get("/metrics", front.metrics)
     r.add_get("/admin/state", front.admin_state)
+    disaggregation.add_routes(app, front.roles)
     if config.behaviour == "vllm":
         r.add_post("/sleep", front.sleep)
         r.add_post("/wake_up", front.wake_up)
