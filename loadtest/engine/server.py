@@ -753,6 +753,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vllm/sglang/tgi: prefill prompts one after another (one GPU's compute) "
         "instead of all at full speed at once",
     )
+    parser.add_argument(
+        "--die-after-tokens",
+        type=int,
+        default=None,
+        help="vllm/sglang/tgi: reset every stream's connection after this many tokens "
+        "(mid-stream failures; POST /admin/fault sets one at run time)",
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -815,6 +822,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         seed=args.seed,
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         serial_prefill=getattr(args, "serial_prefill", False),
+        die_after_tokens=getattr(args, "die_after_tokens", None),
     )
 
 

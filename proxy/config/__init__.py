@@ -24,6 +24,7 @@ from proxy.config.base import BackendKind as BackendKind
 from proxy.config.base import PolicyName as PolicyName
 from proxy.config.base import PoolRole as PoolRole
 from proxy.config.base import _Strict as _Strict
+from proxy.config.continuation import ContinuationConfig as ContinuationConfig
 from proxy.config.ops import HookType as HookType
 from proxy.config.ops import MaintenanceConfig as MaintenanceConfig
 from proxy.config.ops import RestartHookConfig as RestartHookConfig
@@ -62,6 +63,7 @@ class Config(_Strict):
     retry: RetryConfig = RetryConfig()
     queue: QueueConfig = QueueConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    continuation: ContinuationConfig = ContinuationConfig()
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()

@@ -13,13 +13,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 
+from proxy.core.stream_transcript import Rewrite, Transcript
 from proxy.errors import BodyTimeout, UpstreamBroken, sse_error_event
+from proxy.gateway import continuation
 from proxy.gateway.answers import broken_answer
 from proxy.gateway.context import RequestContext, RequestResult
+from proxy.gateway.continuation_metrics import BreakCause
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.upstream.classify import looks_like_sse
 from proxy.upstream.client import UpstreamAnswer, next_chunk, response_headers
@@ -39,6 +43,29 @@ async def start_stream(
     ttfb_deadline: float,
 ) -> Response | None:
     """Wait for the first event before answering: until then a failure can still go to another backend."""
+    first = await first_event(gw, ctx, backend, resp, ttfb_deadline)
+    if first is None:
+        return None
+    ctx.backend = backend
+    relay = StreamRelay(gw, ctx, backend, resp, started)
+    relay.transcript = continuation.transcript_for(gw, ctx, backend)
+    # RelayResponse runs close() even if the client left before the first chunk was pulled
+    # (then the generator never starts and its own finally would never run).
+    on_close = OnceCallback(relay.close)
+    return RelayResponse(
+        relay.body(first, on_close),
+        on_close,
+        status_code=resp.status,
+        headers=ctx.answer_headers(backend, response_headers(resp.headers)),
+        media_type=resp.headers.get("content-type", "text/event-stream"),
+        deadline=ctx.deadline,
+    )
+
+
+async def first_event(
+    gw: Gateway, ctx: RequestContext, backend: str, resp: UpstreamAnswer, ttfb_deadline: float
+) -> bytes | None:
+    """The stream's first bytes, or None (diverted) when they do not come in time or are not SSE."""
     loop = asyncio.get_running_loop()
     try:
         first = await next_chunk(resp, max(0.001, ttfb_deadline - loop.time()), ctx.deadline)
@@ -55,23 +82,25 @@ async def start_stream(
         broken_answer(gw, ctx, backend, resp, "bad_response", message)
         return None
     gw.metrics.labelled(gw.metrics.attempts, backend, "ok").inc()
-    ctx.backend = backend
-    relay = StreamRelay(gw, ctx, backend, resp, started)
-    # RelayResponse runs close() even if the client left before the first chunk was pulled
-    # (then the generator never starts and its own finally would never run).
-    on_close = OnceCallback(relay.close)
-    return RelayResponse(
-        relay.body(first, on_close),
-        on_close,
-        status_code=resp.status,
-        headers=ctx.answer_headers(backend, response_headers(resp.headers)),
-        media_type=resp.headers.get("content-type", "text/event-stream"),
-        deadline=ctx.deadline,
-    )
+    return first
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """How a stream broke after its first byte, and the final event today's gateway sends."""
+
+    cause: BreakCause
+    message: str
+    final_event: bytes
 
 
 class StreamRelay:
-    """One stream being relayed; ``outcome`` is how it ended (until it ends: the client left)."""
+    """One stream being relayed; ``outcome`` is how it ended (until it ends: the client left).
+
+    ``transcript`` (set when the stream may be continued, ``proxy.gateway.continuation``)
+    reads what the client received; ``backend``/``resp`` are the part being relayed now, and
+    ``holds`` whether its reservation is still to be released.
+    """
 
     def __init__(
         self,
@@ -87,15 +116,42 @@ class StreamRelay:
         self.resp = resp
         self.started = started
         self.outcome: RequestResult = "client_disconnect"
+        self.transcript: Transcript | None = None
+        self.holds = True
+        self.broken: Break | None = None
+        # The request was counted already (a continuation's placement gave the final answer).
+        self.counted = False
 
     async def body(self, first: bytes, on_close: OnceCallback) -> AsyncIterator[bytes]:
-        """Relay the stream; a failure after the first byte ends it with an SSE error event."""
-        backend, health = self.backend, self.gw.health
-        idle = self.ctx.cfg.upstream.idle_timeout_s
+        """Relay the stream; a failure after the first byte is continued elsewhere where it
+        may be, else it ends the stream with an SSE error event."""
         try:
-            yield first
-            while chunk := await next_chunk(self.resp, idle, self.ctx.deadline):
-                yield chunk
+            async for piece in self.relay_part(first):
+                yield piece
+            if self.broken is not None:
+                async for piece in continuation.carry_on(self, self.broken):
+                    yield piece
+        finally:
+            await on_close()
+
+    async def relay_part(
+        self, first: bytes, rewrite: Rewrite | None = None
+    ) -> AsyncIterator[bytes]:
+        """Relay ``self.resp`` to its end; a break is left in ``self.broken``, nothing yielded for it."""
+        backend, health, transcript = self.backend, self.gw.health, self.transcript
+        idle = continuation.stall_timeout(self.ctx, transcript is not None)
+        self.broken = None
+        try:
+            chunk = first
+            while chunk:
+                out = chunk if transcript is None else transcript.feed(chunk, rewrite)
+                if out:
+                    yield out
+                if transcript is not None and transcript.error is not None:
+                    raise UpstreamBroken(f"error event: {transcript.error}")
+                chunk = await next_chunk(self.resp, idle, self.ctx.deadline)
+            if transcript is not None and not (transcript.done or transcript.complete):
+                raise UpstreamBroken("the stream ended before its last event")
             self.outcome = "success"
             health.success(backend)
         except BodyTimeout as exc:
@@ -105,19 +161,34 @@ class StreamRelay:
             log.warning(
                 "request %s: stream from %s timed out (%s)", self.ctx.request_id, backend, exc.phase
             )
-            yield sse_error_event(f"backend {backend}: {exc}", code=f"upstream_{exc.phase}_timeout")
+            event = sse_error_event(
+                f"backend {backend}: {exc}", code=f"upstream_{exc.phase}_timeout"
+            )
+            self.broken = Break(
+                "stall" if exc.phase == "idle" else "total_timeout", str(exc), event
+            )
         except UpstreamBroken as exc:
             self.outcome = "upstream_error"
             health.failure(backend)
             log.warning(
                 "request %s: stream from %s broke off: %s", self.ctx.request_id, backend, exc.cause
             )
-            yield sse_error_event(
+            event = sse_error_event(
                 f"backend {backend} stopped streaming ({exc.cause})",
                 code="upstream_stream_broken",
             )
-        finally:
-            await on_close()
+            if transcript is not None and transcript.error is not None:
+                # The backend's own error event, as it would have reached the client.
+                self.broken = Break("error_event", transcript.error, transcript.withheld or event)
+            else:
+                self.broken = Break(continuation.break_cause(exc.cause), exc.cause, event)
+
+    def drop_part(self) -> None:
+        """The part being relayed broke: drop its connection and free its reservation, once."""
+        self.resp.close()
+        if self.holds:
+            self.holds = False
+            self.gw.release_later(self.ctx, self.backend)
 
     async def close(self) -> None:
         """Return or drop the upstream connection, count the request, release the reservation."""
@@ -128,6 +199,9 @@ class StreamRelay:
             self.resp.release()
         cls = self.ctx.cls
         metrics = self.gw.metrics
-        metrics.labelled(metrics.requests, cls, self.backend, self.outcome).inc()
+        if not self.counted:
+            metrics.labelled(metrics.requests, cls, self.backend, self.outcome).inc()
         metrics.labelled(metrics.duration, cls).observe(time.perf_counter() - self.started)
-        self.gw.release_later(self.ctx, self.backend)
+        if self.holds:
+            self.holds = False
+            self.gw.release_later(self.ctx, self.backend)

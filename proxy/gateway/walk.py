@@ -34,6 +34,7 @@ from proxy.gateway import attempt, intake, placement
 from proxy.gateway.admission import Admission
 from proxy.gateway.affinity import Affinity
 from proxy.gateway.context import RequestContext
+from proxy.gateway.continuation_metrics import ContinuationMetrics
 from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.local_view import LocalReservations
@@ -124,6 +125,7 @@ class Gateway:
         # the app wires the adapters in. Unset, the generic verdict stands.
         self.kind_errors: KindErrors = lambda kind, status, body: None
         self.queues = BackendQueues(cfg, metrics.registry)
+        self.continuation_metrics = ContinuationMetrics(metrics.registry)
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
 

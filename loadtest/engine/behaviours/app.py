@@ -23,6 +23,14 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
+from loadtest.engine.behaviours.faults import (
+    FaultRequestError,
+    MidStreamFault,
+    StreamJournal,
+    StreamRecord,
+    error_event,
+    parse_fault,
+)
 from loadtest.engine.behaviours.prefix_cache import prompt_block_hashes
 from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
 from loadtest.engine.metrics import exposition
@@ -60,6 +68,8 @@ class BehaviourConfig:
     seed: int = 0
     prefix_caching: bool = True  # vLLM's automatic prefix caching (on by default in V1)
     serial_prefill: bool = False  # prefill one prompt after another (see scheduler.py)
+    # Every stream's connection is reset after this many tokens (faults.py: ``die``).
+    die_after_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.behaviour not in DIALECTS:
@@ -116,6 +126,10 @@ class Front:
         self._ids = secrets.token_hex(4)
         self._next = 0
         self._headers = {"x-engine-name": config.name}
+        self.fault: MidStreamFault | None = None
+        if config.die_after_tokens is not None:
+            self.fault = MidStreamFault("die", config.die_after_tokens)
+        self.journal = StreamJournal()
 
     @property
     def facts(self) -> ServerFacts:
@@ -169,7 +183,7 @@ class Front:
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
         try:
             if p.stream:
-                return await self._stream(request, req, p, completion_id)
+                return await self._stream(request, req, p, completion_id, body)
             while not req.done:
                 req.changed.clear()
                 await req.changed.wait()
@@ -192,7 +206,12 @@ class Front:
         return hashes[: prompt // bs]
 
     async def _stream(
-        self, request: web.Request, req: SimRequest, p: Parsed, completion_id: str
+        self,
+        request: web.Request,
+        req: SimRequest,
+        p: Parsed,
+        completion_id: str,
+        body: dict[str, Any],
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={
@@ -203,13 +222,21 @@ class Front:
         )
         await resp.prepare(request)
         created = int(time.time())
+        fault = self.fault.take() if self.fault is not None else None
+        record = self.journal.open(body)
         sent = 0
         with contextlib.suppress(ConnectionError, RuntimeError):
             while sent < p.max_tokens:
+                if fault is not None and sent >= fault.after_tokens:
+                    await _strike(request, resp, fault, record)
+                    return resp
                 req.changed.clear()
                 if req.generated <= sent:
                     await req.changed.wait()
                 new = req.generated - sent
+                if fault is not None:
+                    # Exactly ``after_tokens`` reach the client before the fault strikes.
+                    new = min(new, fault.after_tokens - sent)
                 if new <= 0:
                     continue
                 if sent == 0 and p.chat:
@@ -221,10 +248,12 @@ class Front:
                         completion_id, created, p, text, "length" if sent >= p.max_tokens else None
                     )
                 )
+                record.text.append(text)
             if p.include_usage:
                 await resp.write(usage_chunk(completion_id, created, p, req.prompt_tokens))
             await resp.write(SSE_DONE)
             await resp.write_eof()
+            record.end = "done"
         return resp
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -271,6 +300,41 @@ class Front:
     async def admin_state(self, request: web.Request) -> web.StreamResponse:
         return self._answer(200, orjson.dumps(self.state()))
 
+    async def admin_fault(self, request: web.Request) -> web.StreamResponse:
+        """``POST /admin/fault``: strike streams mid-answer (faults.py); GET: the fault now."""
+        if request.method == "POST":
+            try:
+                self.fault = parse_fault(orjson.loads(await request.read() or b"{}"))
+            except (FaultRequestError, orjson.JSONDecodeError) as exc:
+                return self._answer(400, error_body(str(exc), "invalid_request_error", "mode"))
+        f = self.fault
+        state = {"mode": "none"} if f is None else {"mode": f.mode, "after_tokens": f.after_tokens}
+        return self._answer(200, orjson.dumps(state | {"count": None if f is None else f.count}))
+
+    async def admin_streams(self, request: web.Request) -> web.StreamResponse:
+        """``GET /admin/streams``: the recent streams' bodies and texts (faults.StreamJournal)."""
+        return self._answer(200, orjson.dumps(self.journal.as_json()))
+
+
+async def _strike(
+    request: web.Request, resp: web.StreamResponse, fault: MidStreamFault, record: StreamRecord
+) -> None:
+    """Cut this stream as ``fault`` says: reset, stall until the client leaves, or an error event."""
+    if fault.mode == "die":
+        record.end = "died"
+        if request.transport is not None:
+            request.transport.abort()
+        return
+    if fault.mode == "stall":
+        record.end = "stalled"
+        # Until the client gives up (the handler is cancelled then).
+        await asyncio.Event().wait()
+        return
+    record.end = "error"
+    await resp.write(error_event("the engine failed while generating (simulated)"))
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+
 
 FRONT_KEY = web.AppKey("front", Front)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
@@ -297,6 +361,8 @@ def build_app(config: BehaviourConfig) -> web.Application:
     r.add_get("/health", front.health)
     r.add_get("/metrics", front.metrics)
     r.add_get("/admin/state", front.admin_state)
+    r.add_route("*", "/admin/fault", front.admin_fault)
+    r.add_get("/admin/streams", front.admin_streams)
     if config.behaviour == "vllm":
         r.add_post("/sleep", front.sleep)
         r.add_post("/wake_up", front.wake_up)
