@@ -54,6 +54,12 @@ def fields_of(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     return fields
 
 
+def continued_fields(scope: Scope) -> dict[str, str]:
+    """A stream continued on other backends (proxy.gateway.continuation) names them too."""
+    continued = scope.get(CONTINUED_ON)
+    return {"continued_on": ",".join(continued)} if continued else {}
+
+
 class AccessLog:
     """ASGI middleware; a no-op pass-through unless the config enables it."""
 
@@ -96,10 +102,7 @@ class AccessLog:
         try:
             await self.app(scope, tap_receive, tap_send)
         finally:
-            # A stream continued on other backends (proxy.gateway.continuation) names them too.
-            continued = scope.get(CONTINUED_ON)
-            if continued:
-                fields["continued_on"] = ",".join(continued)
+            fields.update(continued_fields(scope))
             self.write(scope["path"], bytes(head), fields, status, time.perf_counter() - started)
 
     def write(

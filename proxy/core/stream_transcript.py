@@ -80,6 +80,19 @@ class Transcript:
         self.withheld = b""
         self.usage: dict[str, Any] | None = None
 
+    def next_part(self) -> None:
+        """A continuation's events follow: the last part's break and leftovers are history."""
+        self._pending = b""
+        self.error = None
+        self.withheld = b""
+        self.done = False
+
+    def final_error_event(self) -> bytes:
+        """The withheld error event as the client gets it when nothing continues: with ``[DONE]``."""
+        if b"[DONE]" in self.withheld:
+            return self.withheld
+        return self.withheld.rstrip(b"\r\n") + b"\n\ndata: [DONE]\n\n"
+
     @property
     def text(self) -> str:
         return "".join(self.parts)

@@ -35,7 +35,7 @@ from proxy.config import Config
 from proxy.core.continuation import Splice, continuation_body, not_continuable
 from proxy.core.stream_transcript import Transcript
 from proxy.core.tokens import count_text
-from proxy.core.validation import parse_request
+from proxy.core.validation import ParsedRequest, parse_request
 from proxy.errors import ApiError, upstream_answer
 from proxy.gateway import attempt, placement, stream
 from proxy.gateway.context import RequestContext
@@ -113,6 +113,8 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
     gw, ctx, transcript = relay.gw, relay.ctx, relay.transcript
     metrics = gw.continuation_metrics
     retries_before = ctx.retries
+    # Each continuation is built from what the client asked (plus all it has received).
+    original = ctx.parsed
     splice: Splice | None = None
     done = 0
     try:
@@ -131,7 +133,7 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
             if splice is None:
                 splice = Splice(ctx.parsed.endpoint, transcript.identity, backends=[relay.backend])
             splice.causes.append(broken.cause)
-            resumed = await _resume(relay, broken, transcript, splice)
+            resumed = await _resume(relay, broken, original, transcript, splice)
             if isinstance(resumed, bytes):
                 yield resumed
                 return
@@ -144,6 +146,7 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
             ctx.request.scope.setdefault(CONTINUED_ON, []).append(resumed.backend)
             relay.resp, relay.backend, relay.holds = resumed.resp, resumed.backend, True
             ctx.backend = resumed.backend
+            transcript.next_part()
             async for piece in relay.relay_part(resumed.first, splice.rewrite):
                 yield piece
             broken = relay.broken
@@ -158,14 +161,18 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
 
 
 async def _resume(
-    relay: StreamRelay, broken: Break, transcript: Transcript, splice: Splice
+    relay: StreamRelay,
+    broken: Break,
+    original: ParsedRequest,
+    transcript: Transcript,
+    splice: Splice,
 ) -> Resumed | bytes | None:
     """The next part's stream; bytes when nothing is left to generate (the final chunk)."""
     ctx = relay.ctx
     relay.drop_part()
     sent = await _tokens_sent(transcript)
     splice.earlier_tokens = sent
-    body = continuation_body(ctx.parsed.body, ctx.parsed.endpoint, transcript.text, sent)
+    body = continuation_body(original.body, original.endpoint, transcript.text, sent)
     if body is None:
         relay.outcome = "success"
         return _last_chunk(ctx, transcript) + _DONE

@@ -179,7 +179,8 @@ class StreamRelay:
             )
             if transcript is not None and transcript.error is not None:
                 # The backend's own error event, as it would have reached the client.
-                self.broken = Break("error_event", transcript.error, transcript.withheld or event)
+                final = transcript.final_error_event()
+                self.broken = Break("error_event", transcript.error, final)
             else:
                 self.broken = Break(continuation.break_cause(exc.cause), exc.cause, event)
 

@@ -221,15 +221,33 @@ class Front:
             }
         )
         await resp.prepare(request)
-        created = int(time.time())
         fault = self.fault.take() if self.fault is not None else None
         record = self.journal.open(body)
+        try:
+            await self._relay_tokens(request, resp, req, p, completion_id, fault, record)
+        finally:
+            if record.end == "running":
+                # The client went away (the handler cancelled, or a write failed).
+                record.end = "cancelled"
+        return resp
+
+    async def _relay_tokens(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        req: SimRequest,
+        p: Parsed,
+        completion_id: str,
+        fault: MidStreamFault | None,
+        record: StreamRecord,
+    ) -> None:
+        created = int(time.time())
         sent = 0
         with contextlib.suppress(ConnectionError, RuntimeError):
             while sent < p.max_tokens:
                 if fault is not None and sent >= fault.after_tokens:
                     await _strike(request, resp, fault, record)
-                    return resp
+                    return
                 req.changed.clear()
                 if req.generated <= sent:
                     await req.changed.wait()
@@ -254,7 +272,6 @@ class Front:
             await resp.write(SSE_DONE)
             await resp.write_eof()
             record.end = "done"
-        return resp
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         with_len = self.config.behaviour != "tgi"
