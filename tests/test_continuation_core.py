@@ -155,7 +155,7 @@ def test_the_continuation_section_names_a_bad_key_and_value() -> None:
     base: dict[str, Any] = {"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]}
     cfg = parse_config(base, "test", environ={})
     assert cfg.continuation.covers("vllm", "m") and not cfg.continuation.covers("tgi", "m")
-    with pytest.raises(ConfigError, match="continuation.max_continuations"):
+    with pytest.raises(ConfigError, match=r"continuation\.max_continuations"):
         parse_config({**base, "continuation": {"max_continuations": -1}}, "test", environ={})
-    with pytest.raises(ConfigError, match="continuation.kinds"):
+    with pytest.raises(ConfigError, match=r"continuation\.kinds"):
         parse_config({**base, "continuation": {"kinds": ["vllm", "nginx"]}}, "test", environ={})
