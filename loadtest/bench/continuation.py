@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.bench.queueing import start_gateway, start_vllm_router
@@ -64,6 +65,8 @@ class SystemRun:
     system: str
     outcomes: list[Outcome]
     wall_s: float
+    # What the gateway counted: breaks by cause and action, continuations, budget refusals.
+    gateway: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         n = len(self.outcomes)
@@ -83,7 +86,24 @@ class SystemRun:
             "added_p99_s": _pct(added, 0.99),
             "typical_gap_s": typical,
             "wall_s": self.wall_s,
+            "gateway": self.gateway,
         }
+
+
+def gateway_counters(url: str) -> dict[str, float]:
+    """The gateway's own count of breaks, continuations and retry-budget refusals."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    wanted = (
+        "kvroute_stream_breaks_total",
+        "kvroute_continuations_total",
+        "kvroute_retry_budget_exhausted_total",
+    )
+    return {
+        s.name + json.dumps(s.labels, sort_keys=True): float(s.value)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name in wanted
+    }
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -237,10 +257,15 @@ def run_system(system: str, requests: list[Request], args: argparse.Namespace) -
                 router, url = start_vllm_router(exe, policy, list(urls.values()), Path(tmp))
             else:
                 cfg = gateway_config(urls, continuation=system == "kvroute")
+                if args.budget_percent is not None:
+                    cfg["retry"] = {"budget_percent": args.budget_percent}
                 router, url = start_gateway(cfg, Path(tmp))
             started = time.monotonic()
             outcomes = asyncio.run(drive(url, requests, args, fleet))
-            return SystemRun(system, outcomes, time.monotonic() - started)
+            run = SystemRun(system, outcomes, time.monotonic() - started)
+            if not system.startswith("vllm-router:"):
+                run.gateway = gateway_counters(url)
+            return run
     finally:
         if router is not None:
             stop(router)
@@ -276,6 +301,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--capacity", type=int, default=200_000, help="KV tokens per engine")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--vllm-router", default=None, help="vllm-router executable")
+    p.add_argument(
+        "--systems",
+        default=None,
+        help="comma-separated subset of kvroute, kvroute-no-continuation, vllm-router:round_robin",
+    )
+    p.add_argument(
+        "--budget-percent",
+        type=float,
+        default=None,
+        help="the gateways' retry.budget_percent (default: kvroute's own default)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
@@ -302,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         systems.append("vllm-router:round_robin")
     else:
         print("vllm-router not found: its row is skipped", file=sys.stderr)
+    if args.systems:
+        systems = [s for s in args.systems.split(",") if s in systems]
     rows = []
     for system in systems:
         rows.append(run_system(system, requests, args).summary())

@@ -36,10 +36,10 @@ from proxy.core.continuation import Splice, continuation_body, not_continuable
 from proxy.core.stream_transcript import Transcript
 from proxy.core.tokens import count_text
 from proxy.core.validation import ParsedRequest, parse_request
-from proxy.errors import ApiError, upstream_answer
+from proxy.errors import ApiError
 from proxy.gateway import attempt, placement, stream
 from proxy.gateway.context import RequestContext
-from proxy.gateway.continuation_metrics import BreakAction, BreakCause
+from proxy.gateway.continuation_metrics import BreakAction, BreakCause, Unplaced
 from proxy.gateway.sizing import size_request
 from proxy.upstream.client import UpstreamAnswer
 
@@ -134,11 +134,14 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
                 splice = Splice(ctx.parsed.endpoint, transcript.identity, backends=[relay.backend])
             splice.causes.append(broken.cause)
             resumed = await _resume(relay, broken, original, transcript, splice)
+            # As for any retry, the budget's slot is held until the answer starts, no longer.
+            gw.budget.release(ctx.retries - retries_before)
+            retries_before = ctx.retries
             if isinstance(resumed, bytes):
                 yield resumed
                 return
-            if resumed is None:
-                metrics.ended("no_backend")
+            if isinstance(resumed, str):
+                metrics.ended(resumed)
                 yield broken.final_event
                 return
             done += 1
@@ -166,8 +169,9 @@ async def _resume(
     original: ParsedRequest,
     transcript: Transcript,
     splice: Splice,
-) -> Resumed | bytes | None:
-    """The next part's stream; bytes when nothing is left to generate (the final chunk)."""
+) -> Resumed | bytes | Unplaced:
+    """The next part's stream; bytes when nothing is left to generate (the final chunk);
+    else why no backend took it."""
     ctx = relay.ctx
     relay.drop_part()
     sent = await _tokens_sent(transcript)
@@ -188,12 +192,8 @@ async def _resume(
         await _resize(ctx, body)
     except ApiError as exc:
         log.warning("request %s: continuation refused: %s", ctx.request_id, exc)
-        return None
-    resumed = await _place(relay, broken)
-    if resumed is None:
-        # placement's answer (give_up, nothing_fits) counted the request already.
-        relay.counted = True
-    return resumed
+        return "refused"
+    return await _place(relay, broken)
 
 
 async def _tokens_sent(transcript: Transcript) -> int:
@@ -214,27 +214,47 @@ async def _resize(ctx: RequestContext, body: dict[str, object]) -> None:
     ctx.prompt_tokens, ctx.demand = sized.prompt_tokens, sized.total
 
 
-async def _place(relay: StreamRelay, broken: Break) -> Resumed | None:
-    """Place and start the continuation (the walk's place/attempt/move_on loop); None: nobody can."""
+async def _place(relay: StreamRelay, broken: Break) -> Resumed | Unplaced:
+    """Place and start the continuation (the walk's place/attempt/move_on loop)."""
     gw, ctx = relay.gw, relay.ctx
     ctx.exclude.add(relay.backend)
     ctx.exclude |= {b.name for b in ctx.cfg.backends if b.kind not in ctx.cfg.continuation.kinds}
     ctx.failed_on.append(relay.backend)
-    # A failure on record: the next placement is a retry, within the retry budget.
-    ctx.failure = upstream_answer("broken", f"backend {relay.backend}: {broken.message}")
+    if not await _budget_slot(gw, ctx):
+        return "budget_exhausted"
+    # The slot is taken: this first placement is not charged again (later diverts are).
+    ctx.failure = None
     ctx.snap = await gw.fleet.snapshot()
     while True:
         placed = await placement.place(gw, ctx)
         if isinstance(placed, Response):
-            return None
+            # placement's answer (give_up, nothing_fits) counted the request already.
+            relay.counted = True
+            return "no_backend"
         got = await attempt.send(gw, ctx, placed, _first_event)
         if isinstance(got, Resumed):
             return got
         if isinstance(got, Response):
             # An answer that is not a stream (the backend refused the continuation).
             relay.counted = True
-            return None
+            return "refused"
         await placement.move_on(gw, ctx, placed)
+
+
+async def _budget_slot(gw: Gateway, ctx: RequestContext) -> bool:
+    """A retry-budget slot for the continuation, waited for within ``queue.max_wait_s``.
+
+    The budget caps retries in flight (each holds its slot until its answer starts); when a
+    backend dies, all its streams break at once, and refusing the ones over the cap would
+    lose them. Waiting a moment for a slot keeps the cap and loses nothing: slots free
+    within a first-event time. Only the final refusal counts as budget exhaustion.
+    """
+    wait_s = min(ctx.cfg.queue.max_wait_s, ctx.deadline - asyncio.get_running_loop().time())
+    if not await gw.budget.acquire_within(lambda: gw.active, wait_s):
+        gw.metrics.retries.labels("budget_exhausted").inc()
+        return False
+    ctx.retries += 1
+    return True
 
 
 async def _first_event(

@@ -10,8 +10,10 @@ from prometheus_client import CollectorRegistry, Counter
 BreakCause = Literal["reset", "stall", "error_event", "ended_early", "total_timeout"]
 # What the gateway did about it (kvroute_stream_breaks_total{action}).
 BreakAction = Literal["continued", "not_continuable", "limit_reached", "off", "complete"]
+# Why no backend took a continuation.
+Unplaced = Literal["no_backend", "budget_exhausted", "refused"]
 # How one continuation ended (kvroute_continuations_total{outcome}).
-ContinuationOutcome = Literal["completed", "broke_again", "no_backend", "client_left"]
+ContinuationOutcome = Literal["completed", "broke_again", "client_left"] | Unplaced
 
 
 class ContinuationMetrics:
