@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,8 @@ class Outcome:
     complete: bool
     continued: bool = False
     backend: str = ""
+    # Why it did not complete: "http:<status>:<code>", "stream:<code>", "cut" (no [DONE]).
+    failure: str = ""
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)
 
@@ -86,6 +89,7 @@ class SystemRun:
             "added_p99_s": _pct(added, 0.99),
             "typical_gap_s": typical,
             "wall_s": self.wall_s,
+            "failures": dict(Counter(o.failure for o in self.outcomes if not o.complete)),
             "gateway": self.gateway,
         }
 
@@ -144,7 +148,8 @@ async def one(client: httpx.AsyncClient, url: str, req: Request, body: dict[str,
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
             out.backend = resp.headers.get("x-kvroute-backend", "")
             if resp.status_code != 200:
-                await resp.aread()
+                err = json.loads(await resp.aread()).get("error") or {}
+                out.failure = f"http:{resp.status_code}:{err.get('code')}"
                 return out
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -156,6 +161,7 @@ async def one(client: httpx.AsyncClient, url: str, req: Request, body: dict[str,
                 obj = json.loads(data)
                 if "error" in obj:
                     failed = True
+                    out.failure = f"stream:{(obj['error'] or {}).get('code')}"
                     continue
                 meta = obj.get("metadata") or {}
                 out.continued = out.continued or "kvroute_continuations" in meta
@@ -167,9 +173,12 @@ async def one(client: httpx.AsyncClient, url: str, req: Request, body: dict[str,
                             out.gaps.append(now - last)
                         last = now
                         out.tokens += 1
-    except (httpx.HTTPError, json.JSONDecodeError):
+    except (httpx.HTTPError, json.JSONDecodeError, AttributeError) as exc:
+        out.failure = out.failure or type(exc).__name__
         return out
     out.complete = finished and done and not failed
+    if not out.complete and not out.failure:
+        out.failure = "cut"
     return out
 
 
