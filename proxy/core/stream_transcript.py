@@ -111,6 +111,19 @@ class Transcript:
         if self.error is not None:
             self.withheld += data
             return b""
+        if rewrite is None and not self._pending and _plain(data):
+            # The usual chunk: whole ``data:`` events, nothing held back. Relayed as it came.
+            pieces = data.split(b"\n\n")
+            for i in range(len(pieces) - 1):
+                if not self._read_data(pieces[i][6:]):
+                    # The error event and what follows are withheld.
+                    cut = sum(len(p) + 2 for p in pieces[:i])
+                    self.withheld = data[cut:]
+                    return data[:cut]
+            return data
+        return self._feed_events(data, rewrite)
+
+    def _feed_events(self, data: bytes, rewrite: Rewrite | None) -> bytes:
         events, self._pending = split_events(self._pending + data)
         out: list[bytes] = []
         for i, raw in enumerate(events):
@@ -127,9 +140,11 @@ class Transcript:
     def _read(self, event: bytes) -> bool:
         """Take one event into account; False for an error event (withheld from then on)."""
         data = event_data(event)
-        if data is None:
-            return True
-        if data.strip() == b"[DONE]":
+        return True if data is None else self._read_data(data)
+
+    def _read_data(self, data: bytes) -> bool:
+        """One event's ``data``; False for an error event."""
+        if data.startswith(b"[DONE]") or data.strip() == b"[DONE]":
             self.done = True
             return True
         try:
@@ -164,10 +179,9 @@ class Transcript:
             self.blocker = "logprobs"
         if self.endpoint == "chat":
             delta = choice.get("delta") or {}
-            if delta.get("tool_calls") or delta.get("function_call"):
-                self.blocker = "tool_call"
-            if delta.get("reasoning_content") or delta.get("reasoning"):
-                self.blocker = "reasoning"
+            # Usually {"content": ...} alone: the other keys are looked at only when present.
+            if len(delta) > 1 or "content" not in delta:
+                self._read_delta_extras(delta)
             text = delta.get("content")
         else:
             text = choice.get("text")
@@ -176,3 +190,20 @@ class Transcript:
             self.text_events += 1
         if choice.get("finish_reason") is not None:
             self.finish_reason = str(choice["finish_reason"])
+
+    def _read_delta_extras(self, delta: dict[str, Any]) -> None:
+        if delta.get("tool_calls") or delta.get("function_call"):
+            self.blocker = "tool_call"
+        if delta.get("reasoning_content") or delta.get("reasoning"):
+            self.blocker = "reasoning"
+
+
+def _plain(data: bytes) -> bool:
+    """Whole one-line ``data: `` events only, ``\\n\\n``-separated (vLLM's and SGLang's way)."""
+    return (
+        data.startswith(b"data: ")
+        and data.endswith(b"\n\n")
+        and b"\r" not in data
+        and data.count(b"\n") == 2 * data.count(b"\n\n")
+        and data.count(b"data: ") == data.count(b"\n\n")
+    )
