@@ -117,6 +117,8 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
     original = ctx.parsed
     splice: Splice | None = None
     done = 0
+    # A continuation under way (placed or relaying) and not yet counted by its outcome.
+    running = False
     try:
         while broken is not None:
             action = _action(relay, broken, done)
@@ -133,14 +135,17 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
             if splice is None:
                 splice = Splice(ctx.parsed.endpoint, transcript.identity, backends=[relay.backend])
             splice.causes.append(broken.cause)
+            running = True
             resumed = await _resume(relay, broken, original, transcript, splice)
             # As for any retry, the budget's slot is held until the answer starts, no longer.
             gw.budget.release(ctx.retries - retries_before)
             retries_before = ctx.retries
             if isinstance(resumed, bytes):
+                running = False
                 yield resumed
                 return
             if isinstance(resumed, str):
+                running = False
                 metrics.ended(resumed)
                 yield broken.final_event
                 return
@@ -153,9 +158,10 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
             async for piece in relay.relay_part(resumed.first, splice.rewrite):
                 yield piece
             broken = relay.broken
+            running = False
             metrics.ended("completed" if broken is None else "broke_again")
     except (asyncio.CancelledError, GeneratorExit):
-        if done or splice is not None:
+        if running:
             metrics.ended("client_left")
         raise
     finally:
