@@ -42,7 +42,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.bench.overhead_targets import find_vllm_router
-from loadtest.bench.queueing import start_gateway, start_vllm_router
+from loadtest.bench.queueing import start_gateway
 from loadtest.local_fleet import free_port
 from loadtest.workload import Request, bimodal, chat_overhead_tokens, make_prompt
 
@@ -127,6 +127,33 @@ def start_engine(name: str, port: int, args: argparse.Namespace) -> subprocess.P
         proc.kill()
         raise RuntimeError(f"engine {name} did not start: {line!r}")
     return proc
+
+
+def start_vllm_router(
+    exe: str, policy: str, urls: list[str], workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """vllm-router in front of the engines, its metrics on a free port of its own (its default,
+    29000, may be taken by another run on the box); ready once a request gets a 200."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    port = free_port()
+    argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    argv += ["--prometheus-port", str(free_port()), "--log-level", "warning"]
+    argv += ["--worker-urls", *urls]
+    log_path = workdir / "vllm-router.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=5)
+            if r.status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop(proc)
+    raise RuntimeError(f"vllm-router did not serve: {log_path.read_text()[-400:]!r}")
 
 
 def gateway_config(urls: dict[str, str], continuation: bool) -> dict[str, Any]:
@@ -351,7 +378,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         systems = [s for s in args.systems.split(",") if s in systems]
     rows = []
     for system in systems:
-        rows.append(run_system(system, requests, args).summary())
+        try:
+            rows.append(run_system(system, requests, args).summary())
+        except RuntimeError as exc:
+            print(f"{system}: skipped: {exc}", file=sys.stderr)
+            continue
         print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if args.json is not None:
