@@ -52,7 +52,7 @@ async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | 
     # A client that leaves cancels the attempt at once: its cleanup drops the upstream
     # connection and frees the reservation.
     with ClientWatch(ctx.request.receive):
-        return await send(gw, ctx, backend, start_stream)
+        return await send_attempt(gw, ctx, backend, start_stream)
     # Reached only when the watch suppressed its own cancellation: the client went away.
     return _client_left(gw, ctx, backend)
 
@@ -73,7 +73,7 @@ def headers_deadline(gw: Gateway, ctx: RequestContext, now: float) -> float:
     return min(now + limit, ctx.deadline)
 
 
-async def send(
+async def send_attempt(
     gw: Gateway, ctx: RequestContext, backend: str, stream_step: StreamStep[T]
 ) -> Response | T | None:
     """Send ``ctx.parsed`` to ``backend``: an answer, ``stream_step``'s result, or None (divert).

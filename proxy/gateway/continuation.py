@@ -237,7 +237,7 @@ async def _place(relay: StreamRelay, broken: Break) -> Resumed | Unplaced:
             # placement's answer (give_up, nothing_fits) counted the request already.
             relay.counted = True
             return "no_backend"
-        got = await attempt.send(gw, ctx, placed, _first_event)
+        got = await attempt.send_attempt(gw, ctx, placed, _first_event)
         if isinstance(got, Resumed):
             return got
         if isinstance(got, Response):

@@ -194,3 +194,18 @@ def test_tree_ab_smoke() -> None:
     assert len(rounds) == 2, out
     assert all(line.endswith("errors 0") for line in rounds), out
     assert "paired B/A: req/s x" in out and "CPU per request x" in out
+
+
+def test_bench_continuation_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "c.json"
+    run_module(
+        "loadtest.bench.continuation",
+        "--duration", "3", "--rate", "3", "--kill-at", "1", "--down", "0.5",
+        "--systems", "kvroute", "--json", str(out_json),
+    )  # fmt: skip
+    rows = load(out_json)["rows"]
+    assert [r["system"] for r in rows] == ["kvroute"]
+    row = rows[0]
+    assert row["streams"] > 0 and 0 <= row["completed"] <= row["streams"]
+    for key in ("completed_pct", "continued", "added_p50_s", "added_p99_s", "failures", "gateway"):
+        assert key in row, key
