@@ -29,6 +29,7 @@ from starlette.routing import Route
 from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
 from proxy.api.cache import Coalesced
+from proxy.api.drain import Drain, ready
 from proxy.api.fleet_view import snapshot_json, with_health
 from proxy.api.heap import freeze_startup_heap
 from proxy.api.hot import GatewayApp
@@ -141,12 +142,16 @@ def create_app(
     run_collector: bool = True,
     config_path: str | None = None,
     freeze_heap: bool = False,
+    reload_on_hup: bool = True,
 ) -> FastAPI:
     """Build the gateway app. A store passed in is used as is (tests); else one is opened from config.
     With ``config_path``, SIGHUP and ``POST /admin/reload`` re-read that file (proxy.api.reload).
     With ``freeze_heap`` (``kvroute serve``: one app per process), what startup built is
-    frozen out of the garbage collector's walks once it is ready (proxy.api.heap)."""
+    frozen out of the garbage collector's walks once it is ready (proxy.api.heap).
+    ``reload_on_hup`` false: SIGHUP is left to the server, which stops (proxy.api.hangup)."""
     holder = ConfigHolder(cfg, config_path)
+    # Shutdown state (proxy.api.drain): /ready, and the streams a drain's end interrupts.
+    drain = Drain(lambda: holder.current.shutdown.drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -165,6 +170,7 @@ def create_app(
         gateway = Gateway(cfg, st, fleet, policy_for(cfg), upstream, metrics, st.now)
         gateway.kind_errors = kind_errors  # each backend kind's adapter reads its errors
         await gateway.start()  # active health checks (proxy.upstream.health)
+        drain.streams = gateway.live_streams
         # Replicas share prefix placements through Redis when configured (read at start only).
         share = PrefixShare.from_config(cfg, lambda: gateway.affinity, st.now)
         if share is not None:
@@ -215,7 +221,7 @@ def create_app(
             cfg.routing.policy,
         )
         try:
-            with reloader.on_sighup():
+            with reloader.on_sighup() if reload_on_hup else contextlib.nullcontext():
                 yield
         finally:
             if discovery is not None:
@@ -240,6 +246,8 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
+    app.state.drain = drain
+    app.add_api_route("/ready", ready, methods=["GET"], include_in_schema=False)
 
     # Both follow reloads. Added last = outermost: the access log times the whole request.
     def follow_reloads(fn: Callable[[Config], None]) -> None:

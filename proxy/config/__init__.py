@@ -42,6 +42,7 @@ from proxy.config.serving import LogConfig as LogConfig
 from proxy.config.serving import OutlierConfig as OutlierConfig
 from proxy.config.serving import QueueConfig as QueueConfig
 from proxy.config.serving import RetryConfig as RetryConfig
+from proxy.config.serving import ShutdownConfig as ShutdownConfig
 from proxy.config.serving import UpstreamConfig as UpstreamConfig
 from proxy.config.store import CollectorConfig as CollectorConfig
 from proxy.config.store import SentinelConfig as SentinelConfig
@@ -72,6 +73,7 @@ class Config(_Strict):
     sizing: SizingConfig = SizingConfig()
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     log: LogConfig = LogConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -108,6 +110,8 @@ ENV_OVERRIDES: dict[str, str] = {
     "KVROUTE_HOST": "listen.host",
     "KVROUTE_PORT": "listen.port",
     "KVROUTE_LONG_THRESHOLD_TOKENS": "routing.long_threshold_tokens",
+    # The drain on SIGTERM: keep it under the orchestrator's grace period (docs/operations.md).
+    "KVROUTE_DRAIN_S": "shutdown.drain_s",
 }
 
 

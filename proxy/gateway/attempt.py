@@ -32,6 +32,7 @@ from proxy.gateway.context import FAILURE_RESULTS, RequestContext
 from proxy.gateway.divert import divert
 from proxy.gateway.stream import start_stream
 from proxy.upstream.client import UpstreamAnswer, with_credential
+from proxy.upstream.client_auth import upstream_credential
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -86,7 +87,10 @@ async def send_attempt(
     started = time.perf_counter()
     ttfb_deadline = headers_deadline(gw, ctx, loop.time())
     resp: UpstreamAnswer | None = None
-    headers = with_credential(ctx.upstream_headers, gw.credentials.get(backend))
+    credential = upstream_credential(
+        ctx.cfg.auth, ctx.upstream_headers, gw.credentials.get(backend)
+    )
+    headers = with_credential(ctx.upstream_headers, credential)
     try:
         try:
             resp = await gw.upstream.post(url, ctx.parsed.raw, headers, ttfb_deadline - loop.time())

@@ -56,6 +56,8 @@ RequestResult = Literal[
     "client_disconnect",
     "no_fit",
     "unavailable",
+    # A stream still running when the gateway's shutdown drain time ran out.
+    "shutdown",
 ]
 
 

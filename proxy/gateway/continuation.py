@@ -121,6 +121,10 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
     running = False
     try:
         while broken is not None:
+            if relay.interrupted:
+                # The gateway's drain time is over: no new placement now.
+                yield relay.shutdown_event()
+                return
             action = _action(relay, broken, done)
             metrics.broke(broken.cause, action)
             if action == "complete":

@@ -25,6 +25,7 @@ from proxy.gateway.sizing import size_request
 from proxy.routing.policy import Policy, classify
 from proxy.state.base import StoreUnavailable
 from proxy.upstream.client import forward_headers, header
+from proxy.upstream.client_auth import strips_client_authorization
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -146,7 +147,7 @@ async def open_request(
         cls=cls,
         snap=snap,
         retry_key=key,
-        upstream_headers=forward_headers(request.headers, bool(cfg.auth.api_keys)),
+        upstream_headers=forward_headers(request.headers, strips_client_authorization(cfg.auth)),
         cfg=cfg,
         policy=policy,
         ruled_out=served.ruled_out | too_small,

@@ -1,10 +1,12 @@
 """Step 6 for streams: wait for the first event, then relay; always clean up once.
 
 Until the first event arrives nothing has reached the client, so a stream that stalls,
-breaks or is not server-sent events can still divert. After it, a failure cannot be
-retried: the stream ends with a final SSE error event that names the cause (idle gap, total
-time, broken off). Whatever happens, the upstream connection is closed (the backend sees the
-cancel) or returned to the pool, and the reservation released, exactly once.
+breaks or is not server-sent events can still divert. After it, a break is continued on
+another backend where it may be (``proxy.gateway.continuation``); otherwise the stream ends
+with a final SSE error event that names the cause (idle gap, total time, broken off, or the
+gateway's drain time over at shutdown, which is never continued). Whatever happens, each
+upstream connection is closed (the backend sees the cancel) or returned to the pool, and
+each reservation released, exactly once.
 """
 
 from __future__ import annotations
@@ -121,6 +123,14 @@ class StreamRelay:
         self.broken: Break | None = None
         # The request was counted already (a continuation's placement gave the final answer).
         self.counted = False
+        # Set by interrupt() when a shutdown's drain time is over (proxy.gateway.live_streams).
+        self.interrupted = False
+        gw.live_streams.add(self)
+
+    def interrupt(self) -> None:
+        """End the stream now with the shutdown event: wake the pending read with an error."""
+        self.interrupted = True
+        self.resp.content.set_exception(ConnectionAbortedError("the gateway is shutting down"))
 
     async def body(self, first: bytes, on_close: OnceCallback) -> AsyncIterator[bytes]:
         """Relay the stream; a failure after the first byte is continued elsewhere where it
@@ -137,7 +147,8 @@ class StreamRelay:
     async def relay_part(
         self, first: bytes, rewrite: Rewrite | None = None
     ) -> AsyncIterator[bytes]:
-        """Relay ``self.resp`` to its end; a break is left in ``self.broken``, nothing yielded for it."""
+        """Relay ``self.resp`` to its end; a break is left in ``self.broken``, nothing yielded for
+        it. A shutdown's interrupt ends the stream with its own event (never continued)."""
         backend, health, transcript = self.backend, self.gw.health, self.transcript
         idle = continuation.stall_timeout(self.ctx, transcript is not None)
         self.broken = None
@@ -147,11 +158,15 @@ class StreamRelay:
                 out = chunk if transcript is None else transcript.feed(chunk, rewrite)
                 if out:
                     yield out
+                if self.interrupted:
+                    yield self.shutdown_event()
+                    return
                 if transcript is not None and transcript.error is not None:
                     raise UpstreamBroken(f"error event: {transcript.error}")
                 chunk = await next_chunk(self.resp, idle, self.ctx.deadline)
             if transcript is not None and not (transcript.done or transcript.complete):
                 raise UpstreamBroken("the stream ended before its last event")
+            # The body's end, even if interrupt() came just after it: the stream is whole.
             self.outcome = "success"
             health.success(backend)
         except BodyTimeout as exc:
@@ -168,6 +183,10 @@ class StreamRelay:
                 "stall" if exc.phase == "idle" else "total_timeout", str(exc), event
             )
         except UpstreamBroken as exc:
+            if self.interrupted:
+                # The break is ours (interrupt()), not the backend's: no health failure.
+                yield self.shutdown_event()
+                return
             self.outcome = "upstream_error"
             health.failure(backend)
             log.warning(
@@ -191,6 +210,20 @@ class StreamRelay:
             self.holds = False
             self.gw.release_later(self.ctx, self.backend)
 
+    def shutdown_event(self) -> bytes:
+        """The last event of a stream the gateway's shutdown cut (not the backend's fault)."""
+        self.outcome = "shutdown"
+        log.warning(
+            "request %s: stream from %s ended: the gateway's drain time is over",
+            self.ctx.request_id,
+            self.backend,
+        )
+        return sse_error_event(
+            "the gateway is shutting down and its drain time is over; retry the request",
+            type="server_error",
+            code="gateway_shutting_down",
+        )
+
     async def close(self) -> None:
         """Return or drop the upstream connection, count the request, release the reservation."""
         if self.outcome != "success":
@@ -203,6 +236,7 @@ class StreamRelay:
         if not self.counted:
             metrics.labelled(metrics.requests, cls, self.backend, self.outcome).inc()
         metrics.labelled(metrics.duration, cls).observe(time.perf_counter() - self.started)
+        self.gw.live_streams.discard(self)
         if self.holds:
             self.holds = False
             self.gw.release_later(self.ctx, self.backend)

@@ -37,6 +37,7 @@ from proxy.gateway.context import RequestContext
 from proxy.gateway.continuation_metrics import ContinuationMetrics
 from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
+from proxy.gateway.live_streams import LiveStreams
 from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.metrics import GatewayMetrics
 from proxy.gateway.models import CatalogCache, KindErrors, ModelsLookup
@@ -89,6 +90,8 @@ class Gateway:
         self.metrics = metrics
         self.clock = clock
         self.admission = Admission(cfg.queue.max_size)
+        # Streams being relayed, ended by a shutdown whose drain time is over (proxy.api.drain).
+        self.live_streams = LiveStreams()
         # Without user:pass@ (aiohttp refuses those next to an Authorization header): each
         # backend's credential goes as a header instead, in place of the client's.
         self.urls = {b.name: b.plain_url for b in cfg.backends}
