@@ -248,6 +248,9 @@ class Bench:
             "round_robin",
             "--log-level",
             "warning",
+            # Its own metrics port: the default (29000) is taken when two benches run at once.
+            "--prometheus-port",
+            str(free_port()),
             "--worker-urls",
             *(p.url for p in self.backends),
         ]

@@ -754,6 +754,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "instead of all at full speed at once",
     )
     parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vllm: publish KV-cache events as vLLM does, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
+    )
+    parser.add_argument(
         "--die-after-tokens",
         type=int,
         default=None,
@@ -822,6 +829,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         seed=args.seed,
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         serial_prefill=getattr(args, "serial_prefill", False),
+        kv_events_config=getattr(args, "kv_events_config", None),
         die_after_tokens=getattr(args, "die_after_tokens", None),
     )
 

@@ -34,12 +34,15 @@ from proxy.api.fleet_view import snapshot_json, with_health
 from proxy.api.heap import freeze_startup_heap
 from proxy.api.hot import GatewayApp
 from proxy.api.kind_check import KindCheck
+from proxy.api.kv_events_view import with_prefix_source
 from proxy.api.limits import RequestGuard
 from proxy.api.models import fleet_models, kind_errors, lookup_from
 from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
 from proxy.backends.discovery import Discovery, make_discovery
+from proxy.backends.kv_events import KvEventFeeds
+from proxy.backends.kv_events_metrics import KvEventsCollector
 from proxy.config import BackendConfig, Config
 from proxy.errors import ApiError
 from proxy.gateway.metrics import GatewayMetrics
@@ -177,6 +180,13 @@ def create_app(
             gateway.affinity.share = share
             share.start()
         app.state.prefix_share = share
+        # KV-cache events, where backends publish them (docs/kv-events.md).
+        kv_events = KvEventFeeds(lambda: holder.current, lambda: fleet.latest, st.now)
+        if cfg.routing.prefix.events.enabled:
+            gateway.affinity.exact = kv_events
+            metrics.registry.register(KvEventsCollector(kv_events))
+            kv_events.start()
+        app.state.kv_events = kv_events if gateway.affinity.exact is not None else None
         collector = Collector(cfg, st, owner) if run_collector else None
         metrics.attach_fleet(lambda: fleet.latest, st.now)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
@@ -232,6 +242,7 @@ def create_app(
             await gateway.close()  # stops health checks, releases every reservation still held
             if share is not None:
                 await share.close()
+            await kv_events.stop()
             await upstream.close()
             if store is None:
                 await st.close()
@@ -387,8 +398,13 @@ def create_app(
                         "held": len(r.gateway.ledger.held),
                         "pending_releases": len(r.gateway.ledger.pending),
                     },
-                    "backends": with_health(
-                        snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
+                    "backends": with_prefix_source(
+                        with_health(
+                            snapshot_json(snap, r.store.now(), r.cfg),
+                            r.gateway.health.snapshot(),
+                        ),
+                        getattr(request.app.state, "kv_events", None),
+                        r.store.now(),
                     ),
                 }
             )

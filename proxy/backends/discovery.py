@@ -119,6 +119,7 @@ def backend(
         pool=pool or cfg.pool,
         kind=cfg.kind,
         capacity_tokens=cfg.capacity_tokens,
+        kv_events=cfg.kv_events,
     )
 
 

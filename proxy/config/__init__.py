@@ -25,6 +25,8 @@ from proxy.config.base import PolicyName as PolicyName
 from proxy.config.base import PoolRole as PoolRole
 from proxy.config.base import _Strict as _Strict
 from proxy.config.continuation import ContinuationConfig as ContinuationConfig
+from proxy.config.kv_events import KvEventsEndpoint as KvEventsEndpoint
+from proxy.config.kv_events import KvEventsSettings as KvEventsSettings
 from proxy.config.ops import HookType as HookType
 from proxy.config.ops import MaintenanceConfig as MaintenanceConfig
 from proxy.config.ops import RestartHookConfig as RestartHookConfig

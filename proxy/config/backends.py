@@ -11,6 +11,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from pydantic import Field, HttpUrl, model_validator
 
 from proxy.config.base import BackendKind, PoolRole, _Strict
+from proxy.config.kv_events import KvEventsEndpoint
 
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
@@ -59,6 +60,9 @@ class BackendConfig(_Strict):
         gt=0,
         description="queueing backends: requests running at once, all engines together (vLLM "
         "--max-num-seqs x data-parallel size); none: learned from the server's queue",
+    )
+    kv_events: KvEventsEndpoint | None = Field(
+        default=None, description="where the server publishes KV-cache events (docs/kv-events.md)"
     )
 
     @model_validator(mode="after")
@@ -132,6 +136,9 @@ class DiscoveryConfig(KubernetesApiConfig):
         default=10.0, gt=0, description="dns: re-resolve period; kubernetes: watch timeout"
     )
     capacity_tokens: int | None = Field(default=None, gt=0)
+    kv_events: KvEventsEndpoint | None = Field(
+        default=None, description="every discovered backend's KV-event ports (docs/kv-events.md)"
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> DiscoveryConfig:

@@ -161,6 +161,27 @@ def test_compare_e2e_smoke(tmp_path: Path) -> None:
     assert "round_robin" in out.stdout and "kvroute" in out.stdout
 
 
+def test_bench_big_prompts_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "big.json"
+    out = run_module(
+        "loadtest.bench.big_prompts",
+        "--duration", "1", "--concurrency", "4", "--tiny-concurrency", "2", "--bodies", "4",
+        "--doc-chars", "20000", "--lone", "2", "--workers", "1", "--no-vllm-router",
+        "--json", str(out_json),
+    )  # fmt: skip
+    res = load(out_json)
+    assert "req/s" in out.stdout
+    for case in ("shared", "unique", "tiny_c2", "tiny_c1"):
+        rows = {r["target"]: r for r in res["load"][case]}
+        assert set(rows) == {"direct", "kvroute"}, case
+        for r in rows.values():
+            assert r["requests"] > 0 and r["errors"] == 0 and r["cpu_ms_per_req"] > 0, (case, r)
+    for case in ("same", "repeat", "fresh"):
+        lone = res["lone"][case]
+        assert lone["added_p50_ms"]["direct"] == 0 and "kvroute" in lone["added_p50_ms"]
+        assert lone["requests"] == 2
+
+
 def test_bench_sizing_smoke() -> None:
     out = run_module("loadtest.bench.sizing", "--trace-limit", "20", "--repeat", "2").stdout
     for line in ("## 30k-token prompt", "with cache:", "model / cl100k =", "NOT a real model's"):

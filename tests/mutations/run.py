@@ -395,6 +395,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"^(\s*)(request_id = safe_request_id\(.*\) or reservation_id)$",
         r'\1\2\n\1log.warning("request headers %s", dict(request.headers))',
     ),
+    # ---- exact sizing from cached chunks
+    Mutation(
+        "chunk-cut-after-the-space",
+        "chunks cut right after the space instead of before it (not a piece boundary)",
+        ("tests/core/test_chunk_count.py::test_tiktoken_ids_equal_a_full_encode_cold_and_warm",),
+        "cut_points",
+        r"idx = np\.flatnonzero\(mask\) \+ w$",
+        "idx = np.flatnonzero(mask) + w + 1",
+    ),
 )
 
 

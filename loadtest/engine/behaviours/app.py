@@ -31,7 +31,8 @@ from loadtest.engine.behaviours.faults import (
     error_event,
     parse_fault,
 )
-from loadtest.engine.behaviours.prefix_cache import prompt_block_hashes
+from loadtest.engine.behaviours.kv_publisher import KvEventsOptions, attach_publishers
+from loadtest.engine.behaviours.prefix_cache import prompt_blocks
 from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
 from loadtest.engine.metrics import exposition
 from loadtest.engine.protocol import (
@@ -68,6 +69,7 @@ class BehaviourConfig:
     seed: int = 0
     prefix_caching: bool = True  # vLLM's automatic prefix caching (on by default in V1)
     serial_prefill: bool = False  # prefill one prompt after another (see scheduler.py)
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (kv_publisher.py)
     # Every stream's connection is reset after this many tokens (faults.py: ``die``).
     die_after_tokens: int | None = None
 
@@ -83,6 +85,8 @@ class BehaviourConfig:
         for key in ("capacity_tokens", "block_size", "max_num_seqs", "data_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        if self.kv_events_config is not None:
+            KvEventsOptions.parse(self.kv_events_config)  # a bad flag fails at start, named
         if self.capacity_tokens < self.block_size:
             raise ValueError("capacity_tokens must hold at least one block")
         if self.max_model_len is not None and not 0 < self.max_model_len <= self.capacity_tokens:
@@ -121,6 +125,7 @@ class Front:
             )
             for _ in range(config.data_parallel)
         ]
+        self.publishers = attach_publishers(config.kv_events_config, self.cores)
         self.max_model_len = config.max_model_len or self.cores[0].capacity_tokens
         self.started_at = time.time()
         self._ids = secrets.token_hex(4)
@@ -141,10 +146,14 @@ class Front:
     async def start(self) -> None:
         for c in self.cores:
             c.start()
+        for pub in self.publishers:
+            pub.start()
 
     async def stop(self) -> None:
         for c in self.cores:
             await c.stop()
+        for pub in self.publishers:
+            await pub.close()
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -175,9 +184,11 @@ class Front:
         if prompt + p.max_tokens > self.max_model_len:
             return self._answer(*self.dialect.too_long(self.facts, prompt, p.max_tokens, explicit))
         core = min(self.cores, key=lambda c: c.load())
-        hashes = await self._prompt_hashes(body, prompt) if core.prefix is not None else ()
+        hashes, ids = (
+            await self._prompt_hashes(body, prompt) if core.prefix is not None else ((), ())
+        )
         now = asyncio.get_running_loop().time()
-        req = SimRequest(prompt, p.max_tokens, now, hashes=hashes)
+        req = SimRequest(prompt, p.max_tokens, now, hashes=hashes, block_ids=ids)
         core.submit(req, now)
         self._next += 1
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
@@ -196,14 +207,18 @@ class Front:
         finally:
             core.abort(req)
 
-    async def _prompt_hashes(self, body: dict[str, Any], prompt: int) -> tuple[int, ...]:
-        """The prompt's block hashes (big prompts off the loop), never more blocks than it has."""
+    async def _prompt_hashes(
+        self, body: dict[str, Any], prompt: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The prompt's block hashes and their token ids (big prompts off the loop), never
+        more blocks than it has."""
         bs = self.config.block_size
         if prompt > 2_000:
-            hashes = await asyncio.to_thread(prompt_block_hashes, body, bs)
+            hashes, ids = await asyncio.to_thread(prompt_blocks, body, bs)
         else:
-            hashes = prompt_block_hashes(body, bs)
-        return hashes[: prompt // bs]
+            hashes, ids = prompt_blocks(body, bs)
+        n = min(len(hashes), prompt // bs)
+        return hashes[:n], ids[: n * bs]
 
     async def _stream(
         self,

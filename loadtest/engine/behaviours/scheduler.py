@@ -95,6 +95,8 @@ class SimRequest:
     # The prompt's full-block hashes (prefix caching) and whether the core holds them now.
     hashes: tuple[int, ...] = ()
     holds_hashes: bool = False
+    # Those blocks' token ids, for the KV-cache events a publishing engine sends.
+    block_ids: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -149,7 +151,7 @@ class PagedCore:
         self.running: list[SimRequest] = []
         self.sleeping = False
         self.stats = CoreStats()
-        self.prefix = PrefixCache() if prefix_caching else None
+        self.prefix = PrefixCache(block_size) if prefix_caching else None
         self.serial_prefill = serial_prefill
         # With serial prefill: when the prefill admitted last ends (loop time).
         self.prefill_free_at = 0.0
@@ -287,7 +289,7 @@ class PagedCore:
             if self.prefix is not None:
                 # The prompt's full blocks are shared and counted by hash, the rest are its own
                 # (taken before the allocator hands out free blocks, which evicts cached ones).
-                self.prefix.acquire(head.hashes)
+                self.prefix.acquire(head.hashes, head.block_ids)
                 head.holds_hashes = True
                 head.blocks = need - len(head.hashes)
                 self.stats.prefix_queries += head.prompt_tokens
