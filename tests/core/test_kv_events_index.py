@@ -142,6 +142,19 @@ def test_index_chains_children_and_applies_removals() -> None:
     assert index.match(want) == Match(0, 0) and index.blocks() == 0
 
 
+def test_the_same_tokens_stored_twice_stay_cached_until_both_are_removed() -> None:
+    # Two engine blocks with the same content (stored again under another engine hash, as
+    # after a recompute): removing one leaves the other, and the prefix is still cached.
+    index = EngineIndex(BS)
+    want = block_hashes(DOC, BS)
+    index.apply(stored([1, 2], None, DOC[: 2 * BS]))
+    index.apply(stored([8, 9], None, DOC[: 2 * BS]))
+    index.apply(BlockRemoved((1, 2), "GPU", 0))
+    assert index.match(want) == Match(2, 2)
+    index.apply(BlockRemoved((8, 9), "GPU", 0))
+    assert index.match(want) == Match(0, 0)
+
+
 def test_offloaded_blocks_count_but_weigh_less() -> None:
     index = EngineIndex(BS)
     want = block_hashes(DOC, BS)
