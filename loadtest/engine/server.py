@@ -769,6 +769,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
     )
     disaggregation.add_arguments(parser)
+    parser.add_argument(
+        "--die-after-tokens",
+        type=int,
+        default=None,
+        help="vllm/sglang/tgi: reset every stream's connection after this many tokens "
+        "(mid-stream failures; POST /admin/fault sets one at run time)",
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -834,6 +841,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         tokenizer_ratio=getattr(args, "tokenizer_ratio", 1.0),
         kv_events_config=getattr(args, "kv_events_config", None),
         pd=disaggregation.role_config_from_args(args),
+        die_after_tokens=getattr(args, "die_after_tokens", None),
     )
 
 
