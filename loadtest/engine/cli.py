@@ -150,6 +150,13 @@ def add_behaviour_arguments(parser: argparse.ArgumentParser) -> None:
     from loadtest.engine.behaviours import disaggregation
 
     disaggregation.add_arguments(parser)
+    parser.add_argument(
+        "--die-after-tokens",
+        type=int,
+        default=None,
+        help="vllm/sglang/tgi: reset every stream's connection after this many tokens "
+        "(mid-stream failures; POST /admin/fault sets one at run time)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -215,6 +222,7 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         tokenizer_ratio=getattr(args, "tokenizer_ratio", 1.0),
         kv_events_config=getattr(args, "kv_events_config", None),
         pd=disaggregation.role_config_from_args(args),
+        die_after_tokens=getattr(args, "die_after_tokens", None),
     )
 
 

@@ -42,7 +42,7 @@ from starlette.responses import Response
 from starlette.types import Scope
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from proxy.api.access_log import PEEK_BYTES
+from proxy.api.access_log import PEEK_BYTES, continued_fields
 from proxy.api.socket_answer import Seen, answer
 from proxy.errors import ApiError
 from proxy.gateway.intake import READ_BODY
@@ -139,7 +139,8 @@ class LeanPath:
             await self._run(cycle, transport, handler, seen)
         finally:
             seconds = time.perf_counter() - started
-            access.write(cycle.scope["path"], seen.head, seen.fields, seen.status, seconds)
+            fields = seen.fields | continued_fields(cycle.scope)  # type: ignore[arg-type]
+            access.write(cycle.scope["path"], seen.head, fields, seen.status, seconds)
 
     async def _run(
         self,

@@ -25,6 +25,7 @@ from proxy.config.base import PolicyName as PolicyName
 from proxy.config.base import PoolRole as PoolRole
 from proxy.config.base import ServingRole as ServingRole
 from proxy.config.base import _Strict as _Strict
+from proxy.config.continuation import ContinuationConfig as ContinuationConfig
 from proxy.config.disaggregation import DisaggregationConfig as DisaggregationConfig
 from proxy.config.kv_events import KvEventsEndpoint as KvEventsEndpoint
 from proxy.config.kv_events import KvEventsSettings as KvEventsSettings
@@ -67,6 +68,7 @@ class Config(_Strict):
     retry: RetryConfig = RetryConfig()
     queue: QueueConfig = QueueConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    continuation: ContinuationConfig = ContinuationConfig()
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()

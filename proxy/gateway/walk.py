@@ -34,6 +34,7 @@ from proxy.gateway import attempt, disaggregated, intake, placement
 from proxy.gateway.admission import Admission
 from proxy.gateway.affinity import Affinity
 from proxy.gateway.context import RequestContext
+from proxy.gateway.continuation_metrics import ContinuationMetrics
 from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.live_streams import LiveStreams
@@ -130,6 +131,7 @@ class Gateway:
         self.queues = BackendQueues(cfg, metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.
         self.token_counts = TokenCounts(cfg, metrics.registry)
+        self.continuation_metrics = ContinuationMetrics(metrics.registry)
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
 

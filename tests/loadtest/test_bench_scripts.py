@@ -257,3 +257,18 @@ def test_bench_pd_smoke(tmp_path: Path) -> None:
     assert row["router"] == "kvroute" and row["requests"] > 0 and row["failed"] == 0, row
     assert row["decode_preemptions"] >= 0 and row["ttft_p99"] is not None
     assert set(row["decode_kv_mean"]) == {"d0", "d1"} and row["prefill_held_at_end"] == 0
+
+
+def test_bench_continuation_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "c.json"
+    run_module(
+        "loadtest.bench.continuation",
+        "--duration", "3", "--rate", "3", "--kill-at", "1", "--down", "0.5",
+        "--systems", "kvroute", "--json", str(out_json),
+    )  # fmt: skip
+    rows = load(out_json)["rows"]
+    assert [r["system"] for r in rows] == ["kvroute"]
+    row = rows[0]
+    assert row["streams"] > 0 and 0 <= row["completed"] <= row["streams"]
+    for key in ("completed_pct", "continued", "added_p50_s", "added_p99_s", "failures", "gateway"):
+        assert key in row, key

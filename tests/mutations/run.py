@@ -101,7 +101,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             "tests/faults/test_fault_gateway_causes.py::test_fault_client_leaves_a_non_streamed_request",
         ),
-        "_forward",
+        "send_attempt",
         r"^(\s*)gw\.release_later\(ctx, backend\)\n(\s*)raise$",
         r"\1pass  # MUTATION\n\2raise",
     ),

@@ -24,6 +24,14 @@ from prometheus_client.registry import Collector
 
 from loadtest.engine.behaviours import disaggregation
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
+from loadtest.engine.behaviours.faults import (
+    FaultRequestError,
+    MidStreamFault,
+    StreamJournal,
+    StreamRecord,
+    error_event,
+    parse_fault,
+)
 from loadtest.engine.behaviours.kv_publisher import KvEventsOptions, attach_publishers
 from loadtest.engine.behaviours.prefix_cache import prompt_blocks
 from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
@@ -68,6 +76,8 @@ class BehaviourConfig:
     kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (kv_publisher.py)
     # Disaggregated serving: prefill, decode or both (``disaggregation.py``).
     pd: disaggregation.RoleConfig = dataclasses.field(default_factory=disaggregation.RoleConfig)
+    # Every stream's connection is reset after this many tokens (faults.py: ``die``).
+    die_after_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.behaviour not in DIALECTS:
@@ -130,6 +140,10 @@ class Front:
         self._next = 0
         self._headers = {"x-engine-name": config.name}
         self.roles = disaggregation.Roles(config.pd, f"{config.name}-{self._ids}", config.speedup)
+        self.fault: MidStreamFault | None = None
+        if config.die_after_tokens is not None:
+            self.fault = MidStreamFault("die", config.die_after_tokens)
+        self.journal = StreamJournal()
 
     @property
     def facts(self) -> ServerFacts:
@@ -198,7 +212,7 @@ class Front:
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
         try:
             if p.stream:
-                return await self._stream(request, req, p, completion_id)
+                return await self._stream(request, req, p, completion_id, body)
             while not req.done:
                 req.changed.clear()
                 await req.changed.wait()
@@ -230,7 +244,12 @@ class Front:
         return hashes[:n], ids[: n * bs]
 
     async def _stream(
-        self, request: web.Request, req: SimRequest, p: Parsed, completion_id: str
+        self,
+        request: web.Request,
+        req: SimRequest,
+        p: Parsed,
+        completion_id: str,
+        body: dict[str, Any],
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={
@@ -240,14 +259,40 @@ class Front:
             }
         )
         await resp.prepare(request)
+        fault = self.fault.take() if self.fault is not None else None
+        record = self.journal.open(body)
+        try:
+            await self._relay_tokens(request, resp, req, p, completion_id, fault, record)
+        finally:
+            if record.end == "running":
+                # The client went away (the handler cancelled, or a write failed).
+                record.end = "cancelled"
+        return resp
+
+    async def _relay_tokens(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        req: SimRequest,
+        p: Parsed,
+        completion_id: str,
+        fault: MidStreamFault | None,
+        record: StreamRecord,
+    ) -> None:
         created = int(time.time())
         sent = 0
         with contextlib.suppress(ConnectionError, RuntimeError):
             while sent < p.max_tokens:
+                if fault is not None and sent >= fault.after_tokens:
+                    await _strike(request, resp, fault, record)
+                    return
                 req.changed.clear()
                 if req.generated <= sent:
                     await req.changed.wait()
                 new = req.generated - sent
+                if fault is not None:
+                    # Exactly ``after_tokens`` reach the client before the fault strikes.
+                    new = min(new, fault.after_tokens - sent)
                 if new <= 0:
                     continue
                 if sent == 0 and p.chat:
@@ -259,11 +304,12 @@ class Front:
                         completion_id, created, p, text, "length" if sent >= p.max_tokens else None
                     )
                 )
+                record.text.append(text)
             if p.include_usage:
                 await resp.write(usage_chunk(completion_id, created, p, req.prompt_tokens))
             await resp.write(SSE_DONE)
             await resp.write_eof()
-        return resp
+            record.end = "done"
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         with_len = self.config.behaviour != "tgi"
@@ -309,6 +355,41 @@ class Front:
     async def admin_state(self, request: web.Request) -> web.StreamResponse:
         return self._answer(200, orjson.dumps(self.state()))
 
+    async def admin_fault(self, request: web.Request) -> web.StreamResponse:
+        """``POST /admin/fault``: strike streams mid-answer (faults.py); GET: the fault now."""
+        if request.method == "POST":
+            try:
+                self.fault = parse_fault(orjson.loads(await request.read() or b"{}"))
+            except (FaultRequestError, orjson.JSONDecodeError) as exc:
+                return self._answer(400, error_body(str(exc), "invalid_request_error", "mode"))
+        f = self.fault
+        state = {"mode": "none"} if f is None else {"mode": f.mode, "after_tokens": f.after_tokens}
+        return self._answer(200, orjson.dumps(state | {"count": None if f is None else f.count}))
+
+    async def admin_streams(self, request: web.Request) -> web.StreamResponse:
+        """``GET /admin/streams``: the recent streams' bodies and texts (faults.StreamJournal)."""
+        return self._answer(200, orjson.dumps(self.journal.as_json()))
+
+
+async def _strike(
+    request: web.Request, resp: web.StreamResponse, fault: MidStreamFault, record: StreamRecord
+) -> None:
+    """Cut this stream as ``fault`` says: reset, stall until the client leaves, or an error event."""
+    if fault.mode == "die":
+        record.end = "died"
+        if request.transport is not None:
+            request.transport.abort()
+        return
+    if fault.mode == "stall":
+        record.end = "stalled"
+        # Until the client gives up (the handler is cancelled then).
+        await asyncio.Event().wait()
+        return
+    record.end = "error"
+    await resp.write(error_event("the engine failed while generating (simulated)"))
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+
 
 FRONT_KEY = web.AppKey("front", Front)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
@@ -336,6 +417,8 @@ def build_app(config: BehaviourConfig) -> web.Application:
     r.add_get("/metrics", front.metrics)
     r.add_get("/admin/state", front.admin_state)
     disaggregation.add_routes(app, front.roles)
+    r.add_route("*", "/admin/fault", front.admin_fault)
+    r.add_get("/admin/streams", front.admin_streams)
     if config.behaviour == "vllm":
         r.add_post("/sleep", front.sleep)
         r.add_post("/wake_up", front.wake_up)
