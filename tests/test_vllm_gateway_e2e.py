@@ -110,10 +110,13 @@ def test_a_saturated_node_ranks_as_full_and_shows_why() -> None:
 
 def test_queueing_backends_are_never_a_503_and_a_burst_spreads() -> None:
     # Each engine holds two requests at full demand; twelve arrive at once, and the
-    # gateway's hold is short: what does not fit joins an engine's queue, nothing fails.
+    # gateway's hold is short (also for memory pressure): what does not fit joins an
+    # engine's queue, nothing fails.
     flags = {"capacity_tokens": 2048, "block_size": 16, "speedup": 10, "model": "m"}
     with engines(("vllm", "v0", flags), ("vllm", "v1", flags)) as urls:
-        cfg = gateway_cfg(backends(urls), queue={"max_wait_s": 0.3})
+        cfg = gateway_cfg(
+            backends(urls), queue={"max_wait_s": 0.3}, memory_pressure={"max_hold_s": 0.3}
+        )
         with run_gateway(cfg) as gw:
             wait_until(lambda: reported(gw, 2), what="reports")
             body = {"model": "m", "prompt": "one two three four " * 25, "max_tokens": 880}

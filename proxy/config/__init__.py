@@ -24,6 +24,7 @@ from proxy.config.base import BackendKind as BackendKind
 from proxy.config.base import PolicyName as PolicyName
 from proxy.config.base import PoolRole as PoolRole
 from proxy.config.base import _Strict as _Strict
+from proxy.config.memory_pressure import MemoryPressureConfig as MemoryPressureConfig
 from proxy.config.ops import HookType as HookType
 from proxy.config.ops import MaintenanceConfig as MaintenanceConfig
 from proxy.config.ops import RestartHookConfig as RestartHookConfig
@@ -61,6 +62,7 @@ class Config(_Strict):
     collector: CollectorConfig = CollectorConfig()
     retry: RetryConfig = RetryConfig()
     queue: QueueConfig = QueueConfig()
+    memory_pressure: MemoryPressureConfig = MemoryPressureConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()

@@ -127,6 +127,9 @@ def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: froz
     a report interval). Otherwise once the hold has lasted as long as that backend's expected
     wait (it is short of KV: holding avoids preemption while it lasts).
     """
+    if not gw.pressure.order.may_place(ctx.reservation_id):
+        # An older held request reached its overtake limit: it goes first.
+        return False
     ranked = gw.queues.ranked(ctx, snap, avoid, gw.clock())
     if not ranked:
         return False
@@ -134,4 +137,5 @@ def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: froz
     if best.usable_block() >= ctx.demand:
         return True
     held = time.monotonic() - ctx.hold_started if ctx.hold_started is not None else 0.0
-    return held >= ranked[0][1]
+    rate = gw.queues.settings.rates.get(best.name, Rates()).decode_tokens_per_s
+    return held >= gw.pressure.hold_bound_s(ctx, best, ranked[0][1], rate)

@@ -93,10 +93,14 @@ class StreamRelay:
         backend, health = self.backend, self.gw.health
         idle = self.ctx.cfg.upstream.idle_timeout_s
         try:
+            pressure = self.gw.pressure
+            pressure.progress(self.ctx, backend, first)
             yield first
             while chunk := await next_chunk(self.resp, idle, self.ctx.deadline):
+                pressure.progress(self.ctx, backend, chunk)
                 yield chunk
             self.outcome = "success"
+            pressure.finished(self.ctx, backend)
             health.success(backend)
         except BodyTimeout as exc:
             self.outcome = "upstream_timeout"

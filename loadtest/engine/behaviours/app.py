@@ -23,6 +23,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
+from loadtest.engine.behaviours.eos import output_tokens
 from loadtest.engine.behaviours.prefix_cache import prompt_block_hashes
 from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
 from loadtest.engine.metrics import exposition
@@ -163,7 +164,8 @@ class Front:
         core = min(self.cores, key=lambda c: c.load())
         hashes = await self._prompt_hashes(body, prompt) if core.prefix is not None else ()
         now = asyncio.get_running_loop().time()
-        req = SimRequest(prompt, p.max_tokens, now, hashes=hashes)
+        # The simulated model's EOS (a prompt marker) may end it before max_tokens.
+        req = SimRequest(prompt, output_tokens(body, p.max_tokens), now, hashes=hashes)
         core.submit(req, now)
         self._next += 1
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
@@ -173,9 +175,15 @@ class Front:
             while not req.done:
                 req.changed.clear()
                 await req.changed.wait()
-            text = generated_text(self._next + self.config.seed, p.max_tokens)
+            text = generated_text(self._next + self.config.seed, req.max_tokens)
             return web.Response(
-                body=full_body(completion_id, int(time.time()), p, text, prompt),
+                body=full_body(
+                    completion_id,
+                    int(time.time()),
+                    dataclasses.replace(p, max_tokens=req.max_tokens),
+                    text,
+                    prompt,
+                ),
                 content_type=JSON,
                 headers=self._headers,
             )
@@ -205,7 +213,7 @@ class Front:
         created = int(time.time())
         sent = 0
         with contextlib.suppress(ConnectionError, RuntimeError):
-            while sent < p.max_tokens:
+            while sent < req.max_tokens:
                 req.changed.clear()
                 if req.generated <= sent:
                     await req.changed.wait()
@@ -218,11 +226,12 @@ class Front:
                 sent += new
                 await resp.write(
                     chunk(
-                        completion_id, created, p, text, "length" if sent >= p.max_tokens else None
+                        completion_id, created, p, text, _finish(sent, req.max_tokens, p.max_tokens)
                     )
                 )
             if p.include_usage:
-                await resp.write(usage_chunk(completion_id, created, p, req.prompt_tokens))
+                written = dataclasses.replace(p, max_tokens=req.max_tokens)
+                await resp.write(usage_chunk(completion_id, created, written, req.prompt_tokens))
             await resp.write(SSE_DONE)
             await resp.write_eof()
         return resp
@@ -303,3 +312,10 @@ def build_app(config: BehaviourConfig) -> web.Application:
     if config.behaviour == "tgi":
         r.add_get("/info", front.info)
     return app
+
+
+def _finish(sent: int, output: int, max_tokens: int) -> str | None:
+    """The chunk's finish reason: ``length`` at max_tokens, ``stop`` at the model's EOS."""
+    if sent >= max_tokens:
+        return "length"
+    return "stop" if sent >= output else None
