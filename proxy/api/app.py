@@ -379,9 +379,12 @@ def create_app(
                         "held": len(r.gateway.ledger.held),
                         "pending_releases": len(r.gateway.ledger.pending),
                     },
-                    "backends": with_health(
-                        snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
+                    "backends": r.gateway.pressure.annotate(
+                        with_health(
+                            snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
+                        )
                     ),
+                    "memory_pressure": {"learned_output": r.gateway.pressure.learned_json()},
                 }
             )
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -124,23 +124,27 @@ class MemoryPressure:
             )
         )
 
-    def hold_bound_s(
-        self, ctx: RequestContext, best: NodeView, wait_s: float, rate: float
-    ) -> float:
-        """How long holding for ``best`` may last: twice the time its flights take to make room.
+    def hand_over(
+        self, ctx: RequestContext, best: NodeView, held_s: float, wait_s: float, rate: float
+    ) -> bool:
+        """Should a request held for ``best`` (short of projected KV) join its queue now?
 
-        Ski rental against a preemption: the flights this replica has there end at known
-        expected times; room for the request appears once enough of them end. Holding up to
-        twice that bounds the loss when the projection is wrong; the backend's own expected
-        wait stays the floor (the rule without projection).
+        Sent now, the engine admits it as soon as its prompt fits and preempts someone when
+        the decodes grow into each other: a recompute and a stall. Held, it starts once this
+        replica's flights there have freed the room, at a time the projection knows
+        (``steps_until_free`` at the backend's decode rate). So it is held while that time
+        falls within ``max_hold_s``; when the room is not expected by then, or the flights
+        here can never free it (other clients' load), the rule without projection applies:
+        hold as long as the backend's expected wait (ski rental), then join.
         """
         if not self.enabled or best.report is None or not best.report.queueing:
-            return wait_s
+            return held_s >= wait_s
         deficit = ctx.demand - best.usable_block()
         steps = steps_until_free(self.flights.get(best.name, {}).values(), deficit)
-        if math.isinf(steps):
-            return wait_s
-        return max(wait_s, 2.0 * steps / max(rate, 1e-9))
+        drain_s = steps / max(rate, 1e-9)
+        if math.isinf(drain_s) or held_s + drain_s > self.max_hold_s:
+            return held_s >= wait_s
+        return False
 
     # ------------------------------------------------------------------ request life
     def placed(self, ctx: RequestContext, backend: str) -> None:
@@ -187,6 +191,14 @@ class MemoryPressure:
             "inflight_tracked": len(flights),
             "projected_peak_tokens": projected_peak(flights),
         }
+
+    def annotate(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Add each lazily allocating backend's projection to its ``GET /fleet`` item."""
+        for item in items:
+            report = item.get("report")
+            if isinstance(report, dict) and report.get("queueing"):
+                item["memory_pressure"] = self.node_json(item["name"])
+        return items
 
     def learned_json(self) -> dict[str, object]:
         return {

@@ -138,4 +138,4 @@ def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: froz
         return True
     held = time.monotonic() - ctx.hold_started if ctx.hold_started is not None else 0.0
     rate = gw.queues.settings.rates.get(best.name, Rates()).decode_tokens_per_s
-    return held >= gw.pressure.hold_bound_s(ctx, best, ranked[0][1], rate)
+    return gw.pressure.hand_over(ctx, best, held, ranked[0][1], rate)
