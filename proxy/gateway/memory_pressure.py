@@ -25,12 +25,11 @@ from proxy.core.aging import HeldOrder
 from proxy.core.fleet import FleetSnapshot, NodeView, Overlay
 from proxy.core.preemption_headroom import HeadroomSettings, PreemptionHeadroom
 from proxy.core.projection import Flight, OutputRatios, projected_peak, steps_until_free
+from proxy.core.stream_progress import CharsPerToken, StreamCount
 from proxy.upstream.client import header
 
 if TYPE_CHECKING:
     from proxy.gateway.context import RequestContext
-
-_LENGTH = b'"finish_reason":"length"'
 
 
 def client_key(ctx: RequestContext) -> str | None:
@@ -55,6 +54,9 @@ class MemoryPressure:
         )
         self.order = HeldOrder(mp.max_overtakes)
         self.flights: dict[str, dict[str, Flight]] = {}
+        # Per reservation id: what its stream has carried (events, characters).
+        self.counts: dict[str, StreamCount] = {}
+        self.chars_per_token = CharsPerToken()
         self.budget_gauge = Gauge(
             "kvroute_kv_budget_fraction",
             "Fraction of a lazily allocating node's KV the projection may fill (preemptions lower it)",
@@ -155,25 +157,30 @@ class MemoryPressure:
         self.order.gone(ctx.reservation_id)
 
     def progress(self, ctx: RequestContext, backend: str, chunk: bytes) -> None:
-        """One relayed chunk: each SSE event carries at least one token (a lower bound)."""
+        """One relayed chunk: the flight has written what the stream carried so far."""
         flight = self.flights.get(backend, {}).get(ctx.reservation_id)
         if flight is None:
             return
-        if _LENGTH in chunk:
-            flight.generated = flight.max_tokens
-            return
-        events = chunk.count(b"data:") - chunk.count(b"[DONE]")
-        flight.generated = min(flight.max_tokens, flight.generated + max(0, events))
+        count = self.counts.get(ctx.reservation_id)
+        if count is None:
+            count = self.counts[ctx.reservation_id] = StreamCount()
+        count.add(chunk)
+        cpt = self.chars_per_token.get(ctx.parsed.model)
+        flight.generated = count.tokens(cpt, flight.max_tokens)
 
     def finished(self, ctx: RequestContext, backend: str) -> None:
-        """A stream ended well: learn its output / max_tokens."""
+        """A stream ended well: learn its output / max_tokens (and characters per token)."""
         flight = self.flights.get(backend, {}).get(ctx.reservation_id)
-        if flight is None:
+        count = self.counts.get(ctx.reservation_id)
+        if flight is None or count is None:
             return
+        if count.at_length:
+            self.chars_per_token.observe(ctx.parsed.model, count.chars, flight.max_tokens)
         for key in self.keys(ctx):
             self.ratios.observe(key, flight.generated, flight.max_tokens)
 
     def ended(self, ctx: RequestContext, backend: str) -> None:
+        self.counts.pop(ctx.reservation_id, None)
         held = self.flights.get(backend)
         if held is not None:
             held.pop(ctx.reservation_id, None)

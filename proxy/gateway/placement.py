@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from starlette.responses import Response
 
@@ -90,13 +90,20 @@ async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
             return nothing_fits(gw, ctx, verdict)
         if queueing.hold_over(gw, ctx, view, avoid):
             # A queueing backend with KV room, only its queue full: no hold at all.
-            queued = await join_queue(gw, ctx, avoid)
+            queued = await join_queue(gw, ctx, avoid, recheck=True)
             if queued is not None:
                 _begin_attempt(gw, ctx)
                 return queued
         if ctx.queue_deadline is None:
             ctx.queue_deadline = time.monotonic() + hold_limit_s(gw, ctx, view)
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
+        if waited == "hand_over":
+            queued = await join_queue(gw, ctx, avoid, recheck=True)
+            if queued is not None:
+                _begin_attempt(gw, ctx)
+                return queued
+            # The room went to a request that joined first: hold again.
+            continue
         if waited is None:
             # Queueing backends (vLLM, SGLang, TGI) are a place to wait, never a 503.
             queued = await join_queue(gw, ctx, avoid)
@@ -218,13 +225,21 @@ async def reserve_first(
     return None
 
 
-async def join_queue(gw: Gateway, ctx: RequestContext, avoid: frozenset[str]) -> str | None:
-    """Hand the request to the queueing backend expected to start it soonest (or None)."""
+async def join_queue(
+    gw: Gateway, ctx: RequestContext, avoid: frozenset[str], recheck: bool = False
+) -> str | None:
+    """Hand the request to the queueing backend expected to start it soonest (or None).
+
+    ``recheck``: only if the hold is still over on the fresh view. Several held requests
+    see the same room free up; the first to join takes it, and the others, projected with
+    it, hold again instead of all joining into a preemption.
+    """
     ctx.snap = await gw.fleet.snapshot(force=True)
     now = gw.clock()
-    ranked = gw.queues.ranked(
-        ctx, gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now), avoid, now
-    )
+    view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
+    if recheck and gw.pressure.enabled and not queueing.hold_over(gw, ctx, view, avoid):
+        return None
+    ranked = gw.queues.ranked(ctx, view, avoid, now)
     backend = await reserve_first(gw, ctx, [name for name, _ in ranked], now, check_fit=False)
     if backend is not None:
         gw.queues.handed.labels(backend, "hold_over").inc()
@@ -233,8 +248,12 @@ async def join_queue(gw: Gateway, ctx: RequestContext, avoid: frozenset[str]) ->
 
 async def wait_for_fit(
     gw: Gateway, ctx: RequestContext, exclude: frozenset[str], deadline: float
-) -> FleetSnapshot | None:
-    """The admission queue: wait (bounded) for a report that shows a big enough block."""
+) -> FleetSnapshot | Literal["hand_over"] | None:
+    """The admission queue: wait (bounded) for a report that shows a big enough block.
+
+    ``"hand_over"``: a queueing backend's queue is now the better place (``hold_over``);
+    None: the wait's time ran out or the admission queue is full.
+    """
     if time.monotonic() >= deadline or not gw.admission.try_enter():
         return None
     gw.metrics.queue_depth.set(gw.admission.depth)
@@ -259,7 +278,7 @@ async def wait_for_fit(
             ):
                 return snap
             if queueing.hold_over(gw, ctx, view, request.exclude):
-                return None
+                return "hand_over"
     finally:
         gw.admission.leave()
         gw.metrics.queue_depth.set(gw.admission.depth)
