@@ -73,10 +73,15 @@ class MemoryPressure:
 
     # ------------------------------------------------------------------ learning
     def keys(self, ctx: RequestContext) -> list[str]:
-        """Where this request's output ratio is learned: its client, then its model."""
+        """Where this request's output ratio is learned, most specific first.
+
+        Its client and model, then its model; each by request class first (chats and
+        documents ask for output differently: one ratio for both fits neither).
+        """
         model = "model:" + ctx.parsed.model
         client = client_key(ctx) if self.per_client else None
-        return [f"{client}|{model}", model] if client else [model]
+        scopes = [f"{client}|{model}", model] if client else [model]
+        return [key for scope in scopes for key in (f"{scope}|{ctx.cls}", scope)]
 
     def flight_for(self, ctx: RequestContext) -> Flight:
         max_out = max(1, ctx.demand - ctx.prompt_tokens)

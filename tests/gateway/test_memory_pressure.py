@@ -98,7 +98,7 @@ def test_learned_output_lengths_let_more_requests_run_at_once() -> None:
             for _ in range(5):
                 status, events, finish = stream(gw, max_tokens=600, eos=20)
                 assert (status, finish) == (200, "stop") and 1 <= events <= 20
-            learned = fleet(gw)["memory_pressure"]["learned_output"]["model:m"]
+            learned = fleet(gw)["memory_pressure"]["learned_output"]["model:m|short"]
             assert learned["samples"] == 5 and 0 < learned["ratio"] <= 30 / 600
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 running = pool.submit(burst, gw, 4, 600, 300)
