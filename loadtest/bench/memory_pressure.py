@@ -30,6 +30,7 @@ import copy
 import json
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from loadtest.bench import queueing as q
 from loadtest.bench.overhead_targets import find_vllm_router
@@ -206,8 +208,7 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
                     args.vllm_router_exe, peer, list(urls.values()), Path(tmp)
                 )
             else:
-                cfg = q.gateway_config(policy, urls, engine_args)
-                gw, gw_url = q.start_gateway(cfg, Path(tmp))
+                gw, gw_url = start_gateway(q.gateway_config(policy, urls, engine_args), Path(tmp))
             procs.append(gw)
             samples, timeline, wall = asyncio.run(
                 drive(gw_url, list(urls.values()), w, bodies(w, seed))
@@ -217,6 +218,32 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
         return Outcome(policy, samples, outputs, wall, total, timeline)
     finally:
         stop_all(procs)
+
+
+def start_gateway(cfg: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[str], str]:
+    """``kvroute serve`` as deployed; ready once every backend has reported.
+
+    Two minutes, not the queueing benchmark's 30 s: on the shared, loaded box a start took
+    longer than that (the row was lost).
+    """
+    path = workdir / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)]
+    with (workdir / "gateway.log").open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{cfg['listen']['port']}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            fleet = httpx.get(url + "/fleet", timeout=2).json()["backends"]
+            if all(b["report"] for b in fleet):
+                return proc, url
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    tail = (workdir / "gateway.log").read_text()[-400:]
+    raise RuntimeError(f"gateway did not start: {tail!r}")
 
 
 def stop_all(procs: list[subprocess.Popen[str]]) -> None:
@@ -310,7 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--speedup", type=float, default=4.0, help="engines' time acceleration")
     p.add_argument("--capacity", type=int, default=10_000, help="KV tokens per engine (bimodal)")
-    p.add_argument("--trace-capacity", type=int, default=10_000, help="KV tokens per engine (trace)")
+    p.add_argument(
+        "--trace-capacity", type=int, default=10_000, help="KV tokens per engine (trace)"
+    )
     p.add_argument("--rate-low", type=float, default=6.0, help="arrivals/s, bimodal-low")
     p.add_argument("--rate-high", type=float, default=9.0, help="arrivals/s, bimodal-high")
     p.add_argument("--trace-rate", type=float, default=8.0, help="arrivals/s, trace")
