@@ -2,7 +2,7 @@
 
 ``config/alerts.yml`` becomes a PrometheusRule and the Grafana dashboard a ConfigMap
 (labelled for the Grafana sidecar), so the alerts and the dashboard have one source.
-tests/test_kubernetes.py checks that the checked-in files equal this script's output.
+tests/deploy/test_kubernetes.py checks that the checked-in files equal this script's output.
 
     python deploy/kubernetes/generate.py          # rewrite the generated files
     python deploy/kubernetes/generate.py --check  # exit 1 if they are out of date

@@ -355,8 +355,6 @@ class ReservationLedger:
         log.info("every queued reservation release went through")
         return False
 
-        log.info("every queued reservation release went through")
-
     async def close(self, deadline_s: float = 5.0) -> None:
         """Shutdown: release whatever is still held, flush the queue once, stop retrying."""
         if self._bg:

@@ -1,6 +1,6 @@
 """The state store interface shared by the Redis store and the embedded in-process store.
 
-Both implementations pass one contract suite (tests/test_state_contract.py). Times are
+Both implementations pass one contract suite (tests/state/test_state_contract.py). Times are
 passed in by the caller (unix seconds) so that behaviour is deterministic under test and
 identical between the two stores. Times that cross replicas (reservation, report, ceiling
 and cooldown times) are on the store's clock: ``StateStore.now()`` is this host's clock plus

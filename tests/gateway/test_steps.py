@@ -1,7 +1,7 @@
 """The gateway's steps one by one (proxy/gateway/*), on a real in-process store and fleet cache.
 
 No HTTP servers here: intake gets real Starlette requests built from ASGI scopes, placement
-and divert run against ``InProcessStore``; the end-to-end walk is tests/test_gateway_e2e.py.
+and divert run against ``InProcessStore``; the end-to-end walk is tests/e2e/test_gateway_e2e.py.
 """
 
 from __future__ import annotations

@@ -1,15 +1,21 @@
 """Break the code on purpose, one small realistic change at a time, and check a test notices.
 
-Each mutation below is a text patch located by a short pattern anywhere under ``proxy/``
-(so it survives files being moved or split); it is applied to a temporary copy of the
-working tree, and the tests that guard the property run there. A mutation is *caught* when
-those tests fail, *missed* when they pass. A pattern that matches nothing (or more than one
-place) is reported as such and skipped: the code moved on, the pattern needs updating.
+Each mutation names the function it breaks (``anchor``: a function or ``Class.method``,
+optionally ``module:`` in front when the name alone is ambiguous, found by parsing every
+``proxy/**/*.py``) and a short pattern inside that function's source. Both are names that
+refactors keep, so a mutation survives files being moved, split or renamed; when the anchor or
+the pattern no longer resolves to exactly one place, the row is **stale** and the run fails:
+a mutation that tests nothing must be fixed, not skipped. ``tests/test_mutations_fresh.py``
+checks every row resolves (and that its guards exist) on every test run.
 
-Rows with no patch are properties today's code does not have yet: their guard is an
-``xfail(strict=True)`` test, run here with ``--runxfail``, and "caught" means it fails today.
+The patch goes to a temporary copy of the working tree and the guard tests run there. A
+mutation is *caught* when those tests fail, *missed* when they pass. Rows with no patch are
+properties today's code does not have yet: their guard is an ``xfail(strict=True)`` test, run
+here with ``--runxfail``, and "caught" means it fails today.
 
-    python tests/mutations/run.py              # every mutation, a table at the end
+    python tests/mutations/run.py              # every mutation, a table at the end (~15 min)
+    python tests/mutations/run.py --ci         # the fast subset .ci/run runs (~1-2 min)
+    python tests/mutations/run.py --check      # only resolve every row (no tests run)
     python tests/mutations/run.py --list
     python tests/mutations/run.py --only admission --baseline
 
@@ -19,6 +25,7 @@ Rows with no patch are properties today's code does not have yet: their guard is
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shutil
@@ -37,150 +44,436 @@ class Mutation:
     name: str
     what: str
     guards: tuple[str, ...]
-    #: regex (MULTILINE) that must match exactly once in proxy/**/*.py; None: no patch (xfail row)
+    #: the function the patch goes into: ``name``, ``Class.method`` or ``outer.inner``, with
+    #: ``module:`` in front (the module's own name, e.g. ``vllm:report``) when ambiguous
+    anchor: str | None = None
+    #: regex (MULTILINE) that must match exactly once inside the anchor's source
     pattern: str | None = None
     replacement: str = ""
+    #: in the CI subset (``--ci``): guards that run in seconds
+    fast: bool = False
 
 
 POLICY_PROPERTIES = (
-    "tests/test_policy.py::test_every_ranked_node_is_eligible_and_kvroute_ranks_only_fitting_nodes",
-    "tests/test_policy.py::test_kvroute_ranks_exactly_the_nodes_that_hold_the_request_at_the_edge",
+    "tests/routing/test_policy.py::test_every_ranked_node_is_eligible_and_kvroute_ranks_only_fitting_nodes",
+    "tests/routing/test_policy.py::test_kvroute_ranks_exactly_the_nodes_that_hold_the_request_at_the_edge",
 )
+NO_RESERVATION_LEFT = (
+    "tests/api/test_fuzz.py::test_fuzz_left_no_reservation",
+    "tests/e2e/test_gateway_e2e.py::test_redis_store_used_by_gateway_leaves_no_reservations",
+    "tests/faults/test_fault_suite.py::test_fault_baseline",
+)
+LEDGER_RETRY = "tests/gateway/test_ledger_and_cache.py::test_a_release_that_fails_is_queued_and_retried_until_it_lands"
+NO_REPORT_RANKING = "tests/routing/test_policy.py::test_nodes_without_a_report_go_by_length_and_spread_by_what_is_in_flight"
+LIMITS_BOTH_PATHS = "tests/api/test_lean_path.py::test_bad_input_is_answered_alike_on_both_paths"
 
 MUTATIONS: tuple[Mutation, ...] = (
+    # ---- every exit path releases the reservation
     Mutation(
         "leak-whole-answer",
         "no release after a successful non-streamed answer",
-        (
-            "tests/test_fuzz.py::test_fuzz_left_no_reservation",
-            "tests/test_gateway_e2e.py::test_redis_store_used_by_gateway_leaves_no_reservations",
-            "tests/faults/test_fault_suite.py::test_fault_baseline",
-        ),
-        r"^(\s*)self\._spawn\(self\.ledger\.release\(backend, rid\)\)(\s*# off the answer's path.*)$",
-        r"\1pass  # MUTATION\2",
+        NO_RESERVATION_LEFT,
+        "whole_answer",
+        r"^(\s*)gw\.release_later\(ctx, backend\)$",
+        r"\1pass  # MUTATION",
     ),
     Mutation(
         "leak-stream-close",
         "no release when a stream closes",
-        (
-            "tests/test_fuzz.py::test_fuzz_left_no_reservation",
-            "tests/test_gateway_e2e.py::test_redis_store_used_by_gateway_leaves_no_reservations",
-            "tests/faults/test_fault_suite.py::test_fault_baseline",
-        ),
-        r"(observe\(time\.perf_counter\(\) - t_start\)\n\s*)self\._spawn\(self\.ledger\.release\(backend, rid\)\)",
+        NO_RESERVATION_LEFT,
+        "StreamRelay.close",
+        r"self\.gw\.release_later\(self\.ctx, self\.backend\)",
+        "pass  # MUTATION",
+    ),
+    Mutation(
+        "leak-divert",
+        "no release when an attempt fails before the first byte and the request moves on",
+        ("tests/faults/test_fault_suite.py::test_fault_backend_misbehaves",),
+        "divert",
+        r"^(\s*)gw\.release_later\(ctx, backend\)$",
         r"\1pass  # MUTATION",
+    ),
+    Mutation(
+        "leak-attempt-interrupted",
+        "no release when an attempt is interrupted (the client left, a cancel)",
+        (
+            "tests/faults/test_fault_gateway_causes.py::test_fault_client_leaves_a_non_streamed_request",
+        ),
+        "_forward",
+        r"^(\s*)gw\.release_later\(ctx, backend\)\n(\s*)raise$",
+        r"\1pass  # MUTATION\n\2raise",
     ),
     Mutation(
         "release-not-queued",
         "a failed release is not queued for retry",
-        ("tests/faults/test_fault_suite.py::test_fault_redis_paused",),
-        r"self\.pending\[rid\] = \(backend, self\.clock\(\) \+ self\.ttl_s\)",
+        (LEDGER_RETRY + "[awaited]",),
+        "ReservationLedger._release_settled",
+        r"self\.pending\[key\] = self\.clock\(\) \+ self\.ttl_s",
         "pass  # MUTATION",
+        fast=True,
     ),
     Mutation(
-        "degraded-ignores-pools",
-        "Redis down: length-only routing ignores the long pool",
-        (
-            "tests/faults/test_fault_placement.py::test_long_requests_still_go_to_the_long_pool_while_redis_is_down",
-        ),
-        r"unknown\.sort\(key=lambda n: \(n\.role != want, ",
-        "unknown.sort(key=lambda n: (",
+        "batched-release-not-queued",
+        "a failed batch of releases is not queued for retry",
+        (LEDGER_RETRY + "[batched]",),
+        "ReservationLedger._send_batch",
+        r"self\.pending\[key\] = give_up",
+        "pass  # MUTATION",
+        fast=True,
     ),
-    Mutation(
-        "degraded-pinned",
-        "Redis down: every request to the first backend (today's code; xfail until issue 9)",
-        ("tests/faults/test_fault_placement.py::test_placement_while_redis_is_down_is_spread",),
-    ),
-    Mutation(
-        "classify-503",
-        "capacity phrases matched only on 500/507, not 503",
-        ("tests/test_classify.py",),
-        r"if status in \(500, 503, 507\) and",
-        "if status in (500, 507) and",
-    ),
-    Mutation(
-        "classify-case",
-        "capacity phrases matched without case folding",
-        ("tests/test_classify.py",),
-        r"lowered = body\[:4096\]\.lower\(\)",
-        "lowered = body[:4096]",
-    ),
-    Mutation(
-        "classify-424",
-        "TGI's 424 generation errors not read (today's code; xfail rows)",
-        ("tests/test_classify.py::test_real_servers_errors_are_classified",),
-    ),
-    Mutation(
-        "admission-deadline",
-        "the queue waits 10 x queue.max_wait_s",
-        ("tests/test_admission.py::test_queued_request_gets_503_after_max_wait_not_much_later",),
-        r"queue_deadline = time\.monotonic\(\) \+ self\.cfg\.queue\.max_wait_s",
-        "queue_deadline = time.monotonic() + 10 * self.cfg.queue.max_wait_s",
-    ),
-    Mutation(
-        "admission-unbounded",
-        "queue.max_size ignored",
-        (
-            "tests/test_admission.py::test_full_queue_answers_503_at_once_and_a_waiter_gets_through_when_memory_frees",
-        ),
-        r"if self\.depth >= self\.max_size:",
-        "if False:  # MUTATION",
-    ),
-    Mutation(
-        "advice-tie",
-        "a tie of one capacity and one fragmentation failure goes to restart",
-        ("tests/test_advice.py",),
-        r"if current and len\(current\) >= len\(current_fixable\):",
-        "if current and len(current) > len(current_fixable):",
-    ),
-    Mutation(
-        "advice-block-size",
-        "'still fragmented' ignores block size (today's code; xfail)",
-        ("tests/test_advice.py::test_still_fragmented_counts_whole_blocks",),
-    ),
-    Mutation(
-        "vllm-dp-override",
-        "data-parallel vLLM capacity override not divided per engine",
-        ("tests/test_collector.py",),
-        r"engine_capacity = capacity_override // len\(usage\)",
-        "engine_capacity = capacity_override",
-    ),
-    Mutation(
-        "vllm-usage-as-free",
-        "vLLM usage read as the free share",
-        ("tests/test_collector.py",),
-        r"engine_free = round\(\(1\.0 - u\) \* num_blocks\) \* block_size",
-        "engine_free = round(u * num_blocks) * block_size",
-    ),
+    # ---- fit and pending reservations (NodeView: one home for each)
     Mutation(
         "fit-ignores-margin",
-        "NodeView.fits ignores the safety margin (the property test's old oracle was fits itself)",
+        "NodeView.fits ignores the safety margin",
         POLICY_PROPERTIES,
+        "NodeView.fits",
         r"need = demand \* \(1\.0 \+ safety_margin\)",
         "need = float(demand)",
+        fast=True,
     ),
     Mutation(
         "fit-ignores-blocks",
         "NodeView.fits ignores whole blocks on a paged allocator",
         POLICY_PROPERTIES,
-        r"need = -\(-int\(need\) // bs\) \* bs",
+        "NodeView.fits",
+        r"need = self\.report\.whole_blocks\(need\)",
         "pass  # MUTATION",
+        fast=True,
     ),
     Mutation(
         "fit-ceiling-off-by-one",
         "a learned ceiling refuses only sizes above it, not the size that failed",
         POLICY_PROPERTIES,
+        "NodeView.fits",
         r"demand >= \(self\.overlay\.ceiling_tokens or 0\)",
         "demand > (self.overlay.ceiling_tokens or 0)",
+        fast=True,
     ),
+    Mutation(
+        "pending-ignored",
+        "the largest block ignores reservations made after the report",
+        (*POLICY_PROPERTIES, "tests/routing/test_nothing_fits.py"),
+        "NodeView.usable_block",
+        r"self\.report\.largest_free_block_tokens - self\.overlay\.pending_tokens",
+        "self.report.largest_free_block_tokens",
+        fast=True,
+    ),
+    Mutation(
+        "pending-ignored-in-free",
+        "free memory ignores reservations made after the report",
+        ("tests/routing/test_nothing_fits.py",),
+        "NodeView.usable_free",
+        r"self\.report\.free_tokens - self\.overlay\.pending_tokens",
+        "self.report.free_tokens",
+        fast=True,
+    ),
+    Mutation(
+        "lazy-ignores-inflight",
+        "a lazily allocating node's headroom ignores what is in flight at full demand",
+        ("tests/core/test_lazy.py",),
+        "NodeView.usable_block",
+        r"lazy_headroom\(self\.report, self\.overlay\.reserved_tokens\)",
+        "lazy_headroom(self.report, 0)",
+        fast=True,
+    ),
+    # ---- the expected-wait model (queueing backends)
+    Mutation(
+        "wait-ignores-inflight",
+        "the expected wait ignores the gateway's own requests in flight",
+        (
+            "tests/routing/test_catalog_and_queueing.py::test_expected_wait_counts_the_gateways_own_requests_in_flight",
+        ),
+        "expected_wait_s",
+        r"queued = max\(waiting, ov\.inflight - running\)",
+        "queued = waiting",
+        fast=True,
+    ),
+    Mutation(
+        "wait-ignores-kv-deficit",
+        "the expected wait ignores the part of the request that does not fit",
+        (
+            "tests/routing/test_catalog_and_queueing.py::test_expected_wait_grows_with_the_queue_and_the_kv_deficit",
+        ),
+        "expected_wait_s",
+        r"deficit = demand - n\.usable_block\(\)",
+        "deficit = 0",
+        fast=True,
+    ),
+    # ---- outage vs capacity vs fragmentation
+    Mutation(
+        "outage-judged-on-memory",
+        "nodes that could not take the request (down, draining) are judged on memory",
+        ("tests/routing/test_nothing_fits.py",),
+        "judge",
+        r"usable = \[n for n in nodes if reasons\[n\.name\] is None\]",
+        "usable = list(nodes)",
+        fast=True,
+    ),
+    Mutation(
+        "fragmentation-as-capacity",
+        "a node with the memory but no block is reported as capacity",
+        ("tests/routing/test_nothing_fits.py",),
+        "judge",
+        r"^(\s*)elif room:$",
+        r"\1elif False:",
+        fast=True,
+    ),
+    Mutation(
+        "advice-down-node-memory",
+        "advice counts a down node's last report as fleet memory",
+        ("tests/ops/test_advice.py::test_a_down_nodes_last_report_is_not_fleet_memory",),
+        "advise",
+        r"reported = \[n for n in snapshot\.nodes if n\.up and n\.report is not None\]",
+        "reported = [n for n in snapshot.nodes if n.report is not None]",
+        fast=True,
+    ),
+    Mutation(
+        "advice-tie",
+        "a tie of one capacity and one fragmentation failure goes to restart",
+        ("tests/ops/test_advice.py",),
+        "advise",
+        r"if current and len\(current\) >= len\(current_fixable\):",
+        "if current and len(current) > len(current_fixable):",
+        fast=True,
+    ),
+    Mutation(
+        "advice-block-size",
+        "'still fragmented' ignores block size",
+        ("tests/ops/test_advice.py::test_still_fragmented_counts_whole_blocks",),
+        "advise.still_fragmented",
+        r"r\.whole_blocks\(f\.demand\)",
+        "f.demand",
+        fast=True,
+    ),
+    Mutation(
+        "classify-503",
+        "capacity phrases matched only on 500/507, not 503",
+        ("tests/upstream/test_classify.py",),
+        "classify_response",
+        r"if status in \(500, 503, 507\) and",
+        "if status in (500, 507) and",
+        fast=True,
+    ),
+    Mutation(
+        "classify-case",
+        "capacity phrases matched without case folding",
+        ("tests/upstream/test_classify.py",),
+        "classify_response",
+        r"lowered = body\[:4096\]\.lower\(\)",
+        "lowered = body[:4096]",
+        fast=True,
+    ),
+    Mutation(
+        "classify-424",
+        "TGI's 424 generation errors not read by the generic classifier (xfail rows)",
+        ("tests/upstream/test_classify.py::test_real_servers_errors_are_classified",),
+    ),
+    # ---- degraded routing (Redis away)
+    Mutation(
+        "no-report-ignores-pools",
+        "nodes with no report yet: length-only routing ignores the long pool",
+        (NO_REPORT_RANKING,),
+        "KvroutePolicy.rank",
+        r"unknown\.sort\(key=lambda n: \(n\.role != want, ",
+        "unknown.sort(key=lambda n: (",
+        fast=True,
+    ),
+    Mutation(
+        "no-report-pinned",
+        "nodes with no report yet: every request to the first backend by name",
+        (NO_REPORT_RANKING,),
+        "KvroutePolicy.rank",
+        r"\(n\.role != want, n\.overlay\.inflight, n\.name\)",
+        "(n.role != want, n.name)",
+        fast=True,
+    ),
+    # ---- admission
+    Mutation(
+        "admission-deadline",
+        "the queue waits 10 x queue.max_wait_s",
+        (
+            "tests/e2e/test_admission_queue_e2e.py::test_queued_request_gets_503_after_max_wait_not_much_later",
+        ),
+        "place",
+        r"ctx\.queue_deadline = time\.monotonic\(\) \+ ctx\.cfg\.queue\.max_wait_s",
+        "ctx.queue_deadline = time.monotonic() + 10 * ctx.cfg.queue.max_wait_s",
+    ),
+    Mutation(
+        "admission-unbounded",
+        "queue.max_size ignored",
+        (
+            "tests/e2e/test_admission_queue_e2e.py::test_full_queue_answers_503_at_once_and_a_waiter_gets_through_when_memory_frees",
+        ),
+        "Admission.try_enter",
+        r"if self\.depth >= self\.max_size:",
+        "if False:  # MUTATION",
+    ),
+    # ---- vLLM's metrics, data parallel included
+    Mutation(
+        "vllm-dp-override",
+        "data-parallel vLLM capacity not divided per engine",
+        ("tests/backends/test_collector.py",),
+        "vllm:report",
+        r"engine_capacity = total // engines",
+        "engine_capacity = total",
+        fast=True,
+    ),
+    Mutation(
+        "vllm-usage-as-free",
+        "vLLM usage read as the free share",
+        ("tests/backends/test_collector.py", "tests/backends/test_collector_reports.py"),
+        "_engine_free",
+        r"return round\(\(1\.0 - usage\) \* blocks\) \* geo\.block_size",
+        "return round(usage * blocks) * geo.block_size",
+        fast=True,
+    ),
+    # ---- every limit in api/limits.py
+    Mutation(
+        "limit-header-size",
+        "oversized headers are not refused (431)",
+        (LIMITS_BOTH_PATHS,),
+        "RequestGuard.header_refusal",
+        r"if header_bytes\(headers\) > self\.max_header_bytes:",
+        "if False:",
+    ),
+    Mutation(
+        "limit-two-authorizations",
+        "more than one Authorization header is let through",
+        (LIMITS_BOTH_PATHS,),
+        "RequestGuard.header_refusal",
+        r"if authorization_count\(headers\) > 1:",
+        "if False:",
+    ),
+    Mutation(
+        "limit-api-key",
+        "a wrong client API key is let through",
+        ("tests/faults/test_fault_gateway.py::test_client_api_keys",),
+        "RequestGuard.header_refusal",
+        r"if not key_allowed\(bearer_key\(headers\), self\.keys\):",
+        "if False:",
+    ),
+    Mutation(
+        "limit-declared-body-size",
+        "a declared Content-Length over the limit is read anyway",
+        (
+            "tests/api/test_lean_path.py::test_a_declared_body_over_the_limit_is_refused_before_it_is_sent",
+        ),
+        "RequestGuard.check_declared",
+        r"if declared is not None and declared > self\.max_body:",
+        "if False:",
+    ),
+    Mutation(
+        "limit-body-deadline-per-chunk",
+        "the body deadline restarts with every chunk (a trickle is never cut)",
+        ("tests/api/test_security.py::test_a_trickled_body_is_cut_by_the_whole_bodys_deadline",),
+        "RequestGuard.read_body",
+        r"deadline = started \+ self\.body_timeout_s",
+        "deadline = loop.time() + self.body_timeout_s",
+    ),
+    Mutation(
+        "limit-concurrency",
+        "limits.max_concurrent_requests ignored",
+        ("tests/api/test_lean_path.py::test_the_concurrency_limit_holds_on_the_lean_path",),
+        "RequestGuard.with_body",
+        r"if self\.inflight >= self\.max_concurrent:",
+        "if False:",
+    ),
+    Mutation(
+        "limit-body-budget",
+        "limits.max_buffered_body_bytes ignored",
+        ("tests/api/test_security.py::test_bytes_buffered_across_requests_are_bounded",),
+        "RequestGuard.take",
+        r"if not self\.budget\.take\(len\(chunk\)\):",
+        "if False:",
+    ),
+    # ---- secrets
     Mutation(
         "log-authorization",
         "the request's headers (Authorization too) logged",
-        ("tests/test_logs.py",),
-        r"^(\s*)(client_rid = request\.headers\.get\(\"x-request-id\"\) or rid)$",
+        ("tests/api/test_logs.py",),
+        "Gateway.handle",
+        r"^(\s*)(request_id = safe_request_id\(.*\) or reservation_id)$",
         r'\1\2\n\1log.warning("request headers %s", dict(request.headers))',
     ),
 )
+
+
+def functions(tree: Path) -> dict[str, list[tuple[Path, int, int]]]:
+    """Every function under ``proxy/`` by qualified name (``Class.method``, ``outer.inner``),
+    also under ``module:qualname``: where it is (file, first and last line)."""
+    found: dict[str, list[tuple[Path, int, int]]] = {}
+
+    def visit(node: ast.AST, prefix: str, path: Path) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qual = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    where = (path, child.lineno, child.end_lineno or child.lineno)
+                    found.setdefault(qual, []).append(where)
+                    found.setdefault(f"{path.stem}:{qual}", []).append(where)
+                visit(child, qual + ".", path)
+
+    for path in sorted((tree / "proxy").rglob("*.py")):
+        visit(ast.parse(path.read_text()), "", path)
+    return found
+
+
+def locate(
+    m: Mutation, tree: Path, index: dict[str, list[tuple[Path, int, int]]]
+) -> str | tuple[Path, int, int]:
+    """Where ``m`` applies (file, first and last line of its function), or why it is stale."""
+    assert m.anchor is not None and m.pattern is not None
+    places = index.get(m.anchor, [])
+    if not places:
+        return f"STALE: no function {m.anchor!r} under proxy/"
+    if len(places) > 1:
+        where = ", ".join(f"{p.relative_to(tree)}:{a}" for p, a, _ in places)
+        return f"STALE: {m.anchor!r} is ambiguous ({where}): prefix the module"
+    path, first, last = places[0]
+    source = "".join(path.read_text().splitlines(keepends=True)[first - 1 : last])
+    hits = len(re.findall(m.pattern, source, re.MULTILINE))
+    if hits != 1:
+        how = "not found" if hits == 0 else f"found {hits} times"
+        return f"STALE: pattern {how} in {m.anchor} ({path.relative_to(tree)})"
+    return places[0]
+
+
+def apply(m: Mutation, tree: Path) -> str | None:
+    """Patch the copy; None when applied, else why not (a stale row)."""
+    place = locate(m, tree, functions(tree))
+    if isinstance(place, str):
+        return place
+    path, first, last = place
+    assert m.pattern is not None
+    lines = path.read_text().splitlines(keepends=True)
+    source = "".join(lines[first - 1 : last])
+    patched = re.sub(m.pattern, m.replacement, source, count=1, flags=re.MULTILINE)
+    path.write_text("".join(lines[: first - 1]) + patched + "".join(lines[last:]))
+    return None
+
+
+def guard_exists(guard: str, tree: Path) -> str | None:
+    """None when the guard's file (and test, if named) exists; else why it is stale."""
+    file, _, test = guard.partition("::")
+    path = tree / file
+    if not path.is_file():
+        return f"STALE: guard file {file} does not exist"
+    test = test.partition("[")[0]
+    if test and not re.search(
+        rf"^(async )?def {re.escape(test)}\(", path.read_text(), re.MULTILINE
+    ):
+        return f"STALE: no test {test} in {file}"
+    return None
+
+
+def stale(m: Mutation, tree: Path, index: dict[str, list[tuple[Path, int, int]]]) -> list[str]:
+    """Why ``m`` no longer tests what it says (empty: it resolves)."""
+    why = [w for g in m.guards if (w := guard_exists(g, tree)) is not None]
+    if m.pattern is not None:
+        place = locate(m, tree, index)
+        if isinstance(place, str):
+            why.append(place)
+    return why
 
 
 def tree_files(root: Path) -> list[str]:
@@ -202,22 +495,6 @@ def copy_tree(root: Path, dest: Path) -> None:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
-
-
-def apply(m: Mutation, tree: Path) -> str | None:
-    """Patch the copy; None when applied, else why not."""
-    assert m.pattern is not None
-    rx = re.compile(m.pattern, re.MULTILINE)
-    hits = [(p, len(rx.findall(p.read_text()))) for p in sorted((tree / "proxy").rglob("*.py"))]
-    hits = [(p, n) for p, n in hits if n]
-    if not hits:
-        return "pattern not found"
-    if len(hits) > 1 or hits[0][1] > 1:
-        where = ", ".join(f"{p.relative_to(tree)} x{n}" for p, n in hits)
-        return f"pattern ambiguous ({where})"
-    path = hits[0][0]
-    path.write_text(rx.sub(m.replacement, path.read_text(), count=1))
-    return None
 
 
 def run_guards(
@@ -258,45 +535,76 @@ def each_guard(tree: Path, m: Mutation, timeout_s: float) -> tuple[str, str]:
     return f"caught by {caught} of {len(m.guards)}; not by {', '.join(missed)}", tail
 
 
+def check(chosen: list[Mutation]) -> int:
+    """Resolve every row against the working tree, no tests run: 1 if any is stale."""
+    index = functions(ROOT)
+    bad = [(m.name, why) for m in chosen for why in stale(m, ROOT, index)]
+    for name, why in bad:
+        print(f"{name}: {why}")
+    print(f"{len(chosen) - len({n for n, _ in bad})} of {len(chosen)} mutations resolve")
+    return 1 if bad else 0
+
+
+def run_one(m: Mutation, args: argparse.Namespace) -> tuple[str, str, str]:
+    """(result, unmutated, pytest's tail) of one mutation in a fresh copy of the tree."""
+    base, tail = "-", ""
+    with tempfile.TemporaryDirectory(prefix=f"kvroute-mut-{m.name}-") as tmp:
+        tree = Path(tmp)
+        copy_tree(ROOT, tree)
+        if args.baseline and m.pattern is not None:
+            rc, _ = run_guards(tree, m.guards, [], args.timeout)
+            base = "pass" if rc == 0 else f"FAIL (rc {rc})"
+        if m.pattern is None:
+            # A property today's code lacks: its xfail guard must fail when run as a test.
+            rc, tail = run_guards(tree, m.guards, ["--runxfail"], args.timeout)
+            return ("caught (today's code, xfail)" if rc == 1 else verdict(m, rc)), base, tail
+        why = apply(m, tree)
+        if why is not None:
+            return why, base, tail
+        if args.each and len(m.guards) > 1:
+            result, tail = each_guard(tree, m, args.timeout)
+        else:
+            rc, tail = run_guards(tree, m.guards, [], args.timeout)
+            result = verdict(m, rc)
+        return result, base, tail
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--only", action="append", default=[], help="mutation names (substring)")
+    ap.add_argument("--ci", action="store_true", help="only the fast subset (what .ci/run runs)")
+    ap.add_argument("--check", action="store_true", help="only check every row resolves")
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--baseline", action="store_true", help="also run each guard unmutated")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per pytest run")
     ap.add_argument("--each", action="store_true", help="run every guard on its own")
     ap.add_argument("-v", "--verbose", action="store_true", help="print pytest's tail per row")
     args = ap.parse_args(argv)
-    chosen = [m for m in MUTATIONS if not args.only or any(o in m.name for o in args.only)]
+    chosen = [
+        m
+        for m in MUTATIONS
+        if (not args.only or any(o in m.name for o in args.only)) and (m.fast or not args.ci)
+    ]
     if args.list:
         for m in chosen:
-            print(f"{m.name:24s} {m.what}\n{'':24s} guards: {', '.join(m.guards)}")
+            where = f"{m.anchor}: {m.pattern}" if m.anchor else "xfail row"
+            print(
+                f"{m.name:28s} {m.what}\n{'':28s} in {where}\n{'':28s} guards: {', '.join(m.guards)}"
+            )
         return 0
+    if args.check:
+        return check(chosen)
+    index = functions(ROOT)
     rows: list[tuple[str, str, str, str, float]] = []
     for m in chosen:
         t0 = time.monotonic()
-        base = "-"
-        with tempfile.TemporaryDirectory(prefix=f"kvroute-mut-{m.name}-") as tmp:
-            tree = Path(tmp)
-            copy_tree(ROOT, tree)
-            if args.baseline and m.pattern is not None:
-                rc, _ = run_guards(tree, m.guards, [], args.timeout)
-                base = "pass" if rc == 0 else f"FAIL (rc {rc})"
-            if m.pattern is None:
-                # A property today's code lacks: its xfail guard must fail when run as a test.
-                rc, tail = run_guards(tree, m.guards, ["--runxfail"], args.timeout)
-                result = "caught (today's code, xfail)" if rc == 1 else verdict(m, rc)
-            else:
-                why = apply(m, tree)
-                if why is not None:
-                    rows.append((m.name, m.what, why, base, time.monotonic() - t0))
-                    print(f"{m.name}: {why}", flush=True)
-                    continue
-                if args.each and len(m.guards) > 1:
-                    result, tail = each_guard(tree, m, args.timeout)
-                else:
-                    rc, tail = run_guards(tree, m.guards, [], args.timeout)
-                    result = verdict(m, rc)
+        gone = [w for g in m.guards if (w := guard_exists(g, ROOT)) is not None]
+        if gone:
+            result, base, tail = "; ".join(gone), "-", ""
+        elif m.pattern is not None and isinstance(why := locate(m, ROOT, index), str):
+            result, base, tail = why, "-", ""
+        else:
+            result, base, tail = run_one(m, args)
         took = time.monotonic() - t0
         rows.append((m.name, m.what, result, base, took))
         print(f"{m.name}: {result} ({took:.0f}s)", flush=True)
@@ -307,7 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for name, what, result, base, took in rows:
         print(f"| {name} | {what} | {result} | {base} | {took:.0f} |")
+    # Stale rows fail the run like missed ones: a mutation that tests nothing must be fixed.
     missed = [r for r in rows if not r[2].startswith("caught") or " not by " in r[2]]
+    print(f"\n{len(rows) - len(missed)} of {len(rows)} caught")
     return 1 if missed else 0
 
 

@@ -1,0 +1,161 @@
+"""The built-in status page at GET /: served as is, and rendered by a real headless Chromium.
+
+Chromium is Debian's ``chromium`` package (``apt-get install -y chromium``). Without it the
+browser test skips, unless ``KVROUTE_REQUIRE_CHROMIUM=1`` (CI), where it fails instead.
+``KVROUTE_UPDATE_SCREENSHOTS=1`` also writes the screenshot to docs/img/status-page.png.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest.local_fleet import free_port
+from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC_SHOT = ROOT / "docs" / "img" / "status-page.png"
+MAX_PNG_BYTES = 150 * 1024
+KEY = "status-page-key"
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None and os.access("/usr/bin/chromium", os.X_OK):
+        found = "/usr/bin/chromium"
+    if found is None:
+        if os.environ.get("KVROUTE_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(
+                "chromium is not installed but KVROUTE_REQUIRE_CHROMIUM=1: apt-get install -y chromium",
+                pytrace=False,
+            )
+        pytest.skip("chromium not installed (apt-get install -y chromium)")
+    return found
+
+
+def browse(binary: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [
+        binary,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=3000",  # let the page's fetch + render run before the dump
+        *args,
+    ]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=90, check=False)
+
+
+def test_status_page_is_served_as_a_static_file(engine_factory: Callable[..., Any]) -> None:
+    e = engine_factory(name="e1")
+    with run_gateway(gateway_cfg([{"name": "e1", "url": e.url, "kind": "contiguous"}])) as url:
+        r = httpx.get(url + "/", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert r.content == (ROOT / "proxy" / "api" / "static" / "status.html").read_bytes()
+    assert "connect-src 'self'" in r.headers["content-security-policy"]
+    assert r.headers["cache-control"] == "no-cache"
+    page = r.text
+    assert "fetch(path" in page and '"/fleet"' in page and "setTimeout(refresh, 1000)" in page
+    assert not re.search(
+        r"""(src|href)=["']https?://""", page
+    )  # no external resources, no build step
+    assert "innerHTML" not in page  # backend names are set as text, never parsed as HTML
+
+
+def test_status_page_in_headless_chromium(
+    engine_factory: Callable[..., Any], tmp_path: Path
+) -> None:
+    binary = chromium()
+    long0 = engine_factory(name="long-0")
+    g0 = engine_factory(name="general-0")
+    g1 = engine_factory(name="general-1")
+    g0.fragment(4_000)  # 48% used; free: one 4k block + 48k in 4k gaps
+    g1.hold(30_000)
+    cfg = gateway_cfg(
+        [
+            {"name": "long-0", "url": long0.url, "pool": "long", "kind": "contiguous"},
+            {"name": "general-0", "url": g0.url, "kind": "contiguous"},
+            {"name": "general-1", "url": g1.url, "kind": "contiguous"},
+            # Nothing listens there: down, and must not be drawn as free memory.
+            {"name": "gone", "url": f"http://127.0.0.1:{free_port()}", "kind": "contiguous"},
+        ],
+        admin={"api_key": KEY},
+    )
+    names = ["long-0", "general-0", "general-1"]
+    with run_gateway(cfg) as url:
+        wait_until(
+            lambda: all(b["report"] or not b["up"] for b in fleet_state(url)["backends"]),
+            what="reports, and the dead backend marked down",
+        )
+        httpx.post(
+            url + "/admin/backends/general-1/drain", headers={"x-admin-key": KEY}, timeout=10
+        ).raise_for_status()
+        dom = browse(binary, tmp_path / "profile-dom", "--dump-dom", url + "/")
+        shot = tmp_path / "status-page.png"
+        pic = browse(
+            binary,
+            tmp_path / "profile-shot",
+            "--window-size=1100,520",
+            "--hide-scrollbars",
+            f"--screenshot={shot}",
+            url + "/",
+        )
+
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    assert 'data-rendered="4"' in html, html[-3000:]
+    gone = re.search(r'<tr data-node="gone" class="off">.*?</tr>', html)
+    assert gone is not None and '<span class="state down">down</span>' in gone.group(0)
+    assert '<div class="bar off" data-backend="gone"><span class="off"' in gone.group(0)
+    assert 'class="used"' not in gone.group(0) and 'class="block"' not in gone.group(0)
+    for name in names:
+        assert f'<tr data-node="{name}"><td class="name">{name}</td>' in html
+        assert re.search(
+            rf'<div class="bar" data-backend="{re.escape(name)}"><span class="used"', html
+        )
+    # general-0: used | largest block | smaller gaps, as the allocator reports them.
+    bar = re.search(r'<div class="bar" data-backend="general-0">(.*?)</div>', html)
+    assert bar is not None
+    widths = re.findall(r'class="(used|block|gaps)" style="width:([\d.]+)%"', bar.group(1))
+    assert widths == [("used", "48.00"), ("block", "4.00"), ("gaps", "48.00")]
+    row = re.search(r'<tr data-node="general-1">.*?</tr>', html)
+    assert row is not None and '<span class="state draining">draining</span>' in row.group(0)
+    assert '<td class="ratio low">0.08</td>' in html  # general-0's block ratio, flagged
+    # Allocator and advice in words, not raw enums.
+    assert "contiguous (fragments: needs whole blocks)" in html
+    assert "configured kind: contiguous" in html
+    action = re.search(r'<span class="action" data-action="(\w+)">(.*?)</span>', html)
+    assert action is not None and action.group(2) != action.group(1).upper(), html[-2000:]
+    assert action.group(2).endswith(".") and " " in action.group(2)
+
+    assert pic.returncode == 0, pic.stderr[-2000:]
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < len(data) < MAX_PNG_BYTES
+    if os.environ.get("KVROUTE_UPDATE_SCREENSHOTS") == "1":
+        DOC_SHOT.parent.mkdir(parents=True, exist_ok=True)
+        DOC_SHOT.write_bytes(data)
+
+
+def test_missing_chromium_fails_when_required_and_skips_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    monkeypatch.setenv("KVROUTE_REQUIRE_CHROMIUM", "1")
+    with pytest.raises(pytest.fail.Exception, match="KVROUTE_REQUIRE_CHROMIUM=1"):
+        chromium()
+    monkeypatch.delenv("KVROUTE_REQUIRE_CHROMIUM")
+    with pytest.raises(pytest.skip.Exception):
+        chromium()

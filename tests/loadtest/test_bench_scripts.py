@@ -1,0 +1,196 @@
+"""Smoke runs of the benchmark scripts with tiny parameters, so they never rot.
+
+Each script runs as a user would run it (a subprocess, real processes behind it) and must
+write its JSON with every field the docs rely on. Nothing here asserts on speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(120)
+
+
+def run_module(module: str, *args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
+    )
+    assert out.returncode == 0, f"{module} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def load(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def test_bench_overhead_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "overhead.json"
+    out = run_module(
+        "loadtest.bench.overhead",
+        "--duration", "0.5", "--concurrency", "2", "--modes", "json,sse", "--stream-chunks", "8",
+        "--loadgen", "python", "--no-redis", "--no-vllm-router", "--asgi-layers", "20",
+        "--long-requests", "2",
+        "--json", str(out_json),
+    )  # fmt: skip
+    res = load(out_json)
+    assert res["loadgen"] == "python"
+    assert "req/s" in out.stdout
+    by_key = {(p["target"], p["mode"]): p for p in res["points"]}
+    targets = ("direct", "kvroute", "bare-aiohttp-proxy")
+    assert set(by_key) == {(t, m) for t in targets for m in ("json", "sse")}
+    for (target, mode), p in by_key.items():
+        assert p["requests"] > 0 and p["rps"] > 0, p
+        assert p["errors"] == 0, p
+        assert p["p50_ms"] > 0 and p["p99_ms"] >= p["p50_ms"], p
+        assert p["rps_ratio_vs_direct"] is not None and p["p50_added_ms"] is not None
+        assert (p["router_cpu_us_per_req"] is None) == (target == "direct"), p
+        if mode == "sse":
+            assert p["events_per_response"] == 8 + 1  # 8 chunks and [DONE], relayed whole
+            assert p["events_per_s"] > 0
+    # The issue's figures: throughput against the bare proxy, the 30k-token decision, loop lag.
+    assert res["summary"]["json c=2"]["x_bare-aiohttp-proxy"] > 0
+    assert res["summary"]["sse c=2"]["events_x_bare-aiohttp-proxy"] > 0
+    decision = res["extras"]["decision"]
+    assert decision["decision_ms_p50_alone"] > 0 and decision["loop_lag_ms_p99"] >= 0
+    assert "== summary" in out.stdout
+    layers = res["asgi_layers"]
+    assert layers["fastapi_cpu_us_per_req"] > 0 and layers["starlette_cpu_us_per_req"] > 0
+
+
+def test_wrk_generator_reads_its_summary(tmp_path: Path) -> None:
+    """The wrk path (used when wrk is installed) parses wrk's Lua summary into a Load."""
+    from loadtest.bench.overhead import find_wrk, request_body, run_wrk
+    from loadtest.local_fleet import Proc, free_port, wait_http
+
+    wrk = find_wrk()
+    if wrk is None:
+        pytest.skip("wrk is not installed")
+    port = free_port()
+    backend = Proc(
+        "backend",
+        [sys.executable, "-m", "loadtest.engine.trivial", "--port", str(port)],
+        f"http://127.0.0.1:{port}",
+    )
+    backend.start(log_dir=tmp_path)
+    try:
+        wait_http(backend.url + "/health", proc=backend.popen)
+        load = run_wrk(
+            wrk, backend.url + "/v1/chat/completions", request_body(False), 2, 1.0, tmp_path
+        )
+    finally:
+        backend.stop()
+    assert load.requests > 0 and load.errors == 0
+    assert load.duration_s > 0.5 and load.rps > 0
+    assert 0 < load.p50_ms <= load.p99_ms
+
+
+def test_bench_routing_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "routing.json"
+    run_module(
+        "loadtest.bench.routing",
+        "--min-time",
+        "0.02",
+        "--lag-prompts",
+        "2",
+        "--lag-concurrency",
+        "1",
+        "--json",
+        str(out_json),
+    )
+    res = load(out_json)
+    rows = {r["prompt_tokens"]: r for r in res["decisions"]}
+    assert set(rows) == {200, 2_000, 30_000}
+    for size, r in rows.items():
+        assert abs(r["counted_tokens"] - size) <= 2, r  # make_prompt builds exact token counts
+        for key in (
+            "parse_orjson_us",
+            "tokenize_inline_us",
+            "tokenize_async_us",
+            "rank_kvroute_us",
+            "rank_round_robin_us",
+            "decision_us",
+        ):
+            assert r[key] > 0, (key, r)
+    assert rows[200]["decision_x_200"] == pytest.approx(1.0)
+    assert rows[200]["class"] == "short" and rows[30_000]["class"] == "long"
+    assert rows[30_000]["off_loop"] and not rows[200]["off_loop"]
+    lag = res["loop_lag"]
+    for mode in ("idle", "inline", "off_loop"):
+        assert lag[mode]["ticks"] > 0 and lag[mode]["lag_max_ms"] is not None
+    assert res["thread_hop_us"] > 0
+
+
+def test_compare_e2e_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "e2e.json"
+    out = run_module(
+        "loadtest.bench.compare_e2e",
+        "--requests", "8", "--rate", "20", "--speedup", "200", "--capacity-tokens", "60000", "--seed", "3",
+        "--long-engines", "1", "--general-engines", "1",
+        "--json", str(out_json),
+    )  # fmt: skip
+    res = load(out_json)
+    assert [r["policy"] for r in res["runs"]] == ["round_robin", "kvroute"]
+    for r in res["runs"]:
+        assert r["requests"] == 8
+        assert r["ok"] + r["final_failures"] == 8
+        assert r["long_requests"] + r["short_requests"] == 8
+        for key in (
+            "engine_allocation_failures",
+            "false_capacity_failures",
+            "goodput_tokens_per_s",
+            "retries_diverted",
+        ):
+            assert r[key] >= 0, (key, r)
+        assert set(r["gateway_allocation_failures"]) == {"fragmentation", "capacity"}
+        assert set(r["latency_s"]) == {"p50", "p90", "p99"}
+        assert r["ok"] == 0 or r["latency_s"]["p50"] > 0
+    assert "change" in res
+    assert "round_robin" in out.stdout and "kvroute" in out.stdout
+
+
+def test_bench_sizing_smoke() -> None:
+    out = run_module("loadtest.bench.sizing", "--trace-limit", "20", "--repeat", "2").stdout
+    for line in ("## 30k-token prompt", "with cache:", "model / cl100k =", "NOT a real model's"):
+        assert line in out, out
+
+
+def test_bench_queueing_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "q.json"
+    run_module(
+        "loadtest.bench.queueing",
+        "--runs", "1", "--duration", "2", "--rate", "4", "--policies", "kvroute,round_robin",
+        "--json", str(out_json),
+    )  # fmt: skip
+    rows = json.loads(out_json.read_text())
+    assert [r["policy"] for r in rows] == ["kvroute", "round_robin"]
+    for r in rows:
+        assert r["requests"] > 0 and r["failed"] == 0, r
+        assert r["short_ttft_p50"] is not None and r["preemptions"] >= 0
+        assert r["output_tokens_per_s"] > 0
+
+
+def test_tree_ab_smoke() -> None:
+    """Two checkouts (here the same one twice) measured in alternating rounds, paired ratio printed."""
+    from loadtest.bench.overhead import find_wrk
+
+    if find_wrk() is None:
+        pytest.skip("wrk is not installed")
+    args = ("--rounds", "1", "--duration", "1", "--concurrency", "2")
+    out = run_module("loadtest.bench.tree_ab", str(ROOT), str(ROOT), *args).stdout
+    rounds = [line for line in out.splitlines() if line[:2] in ("A ", "B ")]
+    assert len(rounds) == 2, out
+    assert all(line.endswith("errors 0") for line in rounds), out
+    assert "paired B/A: req/s x" in out and "CPU per request x" in out
