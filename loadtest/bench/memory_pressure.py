@@ -377,14 +377,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(res)
                 outcomes.append((wl, run, o))
                 print(table([res]).splitlines()[-1], flush=True)
+        # Written after every run: a long session stopped early keeps what it measured.
+        save(rows, outcomes, args)
     print(table(rows))
     print("\n".join(targets(rows)))
+    return 0
+
+
+def save(
+    rows: list[dict[str, Any]], outcomes: list[tuple[str, int, Outcome]], args: argparse.Namespace
+) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
-    if args.plot is not None:
+    if args.plot is not None and outcomes:
         plot(outcomes, args.plot)
-    return 0
 
 
 if __name__ == "__main__":
