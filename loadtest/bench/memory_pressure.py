@@ -44,6 +44,7 @@ import yaml
 from loadtest.bench import queueing as q
 from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.engine.behaviours.eos import marker
+from loadtest.local_fleet import free_port
 from loadtest.workload import Kind, Request, bimodal, chat_overhead_tokens, load_trace, make_prompt
 
 POLICIES = ("kvroute", "round_robin", "least_loaded")
@@ -204,7 +205,7 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
         with tempfile.TemporaryDirectory() as tmp:
             peer = policy.partition("vllm-router:")[2]
             if peer:
-                gw, gw_url = q.start_vllm_router(
+                gw, gw_url = start_vllm_router(
                     args.vllm_router_exe, peer, list(urls.values()), Path(tmp)
                 )
             else:
@@ -218,6 +219,40 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
         return Outcome(policy, samples, outputs, wall, total, timeline)
     finally:
         stop_all(procs)
+
+
+def start_vllm_router(
+    exe: str, policy: str, urls: list[str], workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """vllm-router on free ports, its Prometheus exporter included.
+
+    Its exporter binds 127.0.0.1:29000 by default: a second vllm-router on the machine (other
+    sessions benchmark it too) made it panic at start ("Address already in use").
+    """
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    log_path = workdir / f"vllm-router-{policy}.log"
+    for _attempt in range(3):
+        port = free_port()
+        argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+        argv += ["--prometheus-port", str(free_port()), "--log-level", "warning"]
+        argv += ["--worker-urls", *urls]
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.post(url + "/v1/chat/completions", json=body, timeout=2)
+                if r.status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        proc.kill()
+        proc.wait(10)
+    raise RuntimeError(
+        f"vllm-router --policy {policy} did not serve: {log_path.read_text()[-300:]!r}"
+    )
 
 
 def start_gateway(cfg: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[str], str]:
