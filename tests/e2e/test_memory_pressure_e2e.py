@@ -86,8 +86,10 @@ def test_requests_whose_decodes_would_collide_are_held_not_preempted() -> None:
 def test_learned_output_lengths_let_more_requests_run_at_once() -> None:
     # Clients ask for 600 tokens and write 20: after a few answers the gateway counts ~20.
     # Four requests at full demand (4 x ~640) exceed 2,048 tokens: before, at most three ran
-    # together and the fourth was held until one ended.
-    with engines(("vllm", "v", {"capacity_tokens": 2048, **ENGINE})) as urls:
+    # together and the fourth was held until one ended. Decoding at 90 tokens/s, the four
+    # run together for ~3 s: time for the state poll to see it on a loaded machine.
+    slow = {**ENGINE, "speedup": 3}
+    with engines(("vllm", "v", {"capacity_tokens": 2048, **slow})) as urls:
         cfg = gateway_cfg(
             backends(urls),
             queue={"max_wait_s": 20},
