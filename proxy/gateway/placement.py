@@ -61,10 +61,9 @@ async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
         view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
         request = RouteRequest(ctx.demand, ctx.cls, avoid)
         request = gw.affinity.route_request(ctx.affinity, request, view, now)
-        ranked = ctx.policy.rank(view, request, now)
-        if ranked and not gw.pressure.order.may_place(ctx.reservation_id):
-            # An older held request reached its overtake limit: the room is kept for it.
-            ranked = []
+        # An older held request that reached its overtake limit: the room is kept for it.
+        fair = gw.pressure.order.may_place(ctx.reservation_id)
+        ranked = ctx.policy.rank(view, request, now) if fair else []
         if not ctx.decided:
             gw.metrics.decision.observe(time.perf_counter() - ctx.started)
             ctx.decided = True
@@ -90,25 +89,19 @@ async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
             return nothing_fits(gw, ctx, verdict)
         if queueing.hold_over(gw, ctx, view, avoid):
             # A queueing backend with KV room, only its queue full: no hold at all.
-            queued = await join_queue(gw, ctx, avoid, recheck=True)
-            if queued is not None:
-                _begin_attempt(gw, ctx)
+            if (queued := await join_queue(gw, ctx, avoid, recheck=True)) is not None:
                 return queued
         if ctx.queue_deadline is None:
             ctx.queue_deadline = time.monotonic() + hold_limit_s(gw, ctx, view)
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
         if waited == "hand_over":
-            queued = await join_queue(gw, ctx, avoid, recheck=True)
-            if queued is not None:
-                _begin_attempt(gw, ctx)
+            if (queued := await join_queue(gw, ctx, avoid, recheck=True)) is not None:
                 return queued
             # The room went to a request that joined first: hold again.
             continue
         if waited is None:
             # Queueing backends (vLLM, SGLang, TGI) are a place to wait, never a 503.
-            queued = await join_queue(gw, ctx, avoid)
-            if queued is not None:
-                _begin_attempt(gw, ctx)
+            if (queued := await join_queue(gw, ctx, avoid)) is not None:
                 return queued
             return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=ctx.attempts > 0)
         ctx.snap = waited
@@ -230,6 +223,8 @@ async def join_queue(
 ) -> str | None:
     """Hand the request to the queueing backend expected to start it soonest (or None).
 
+    A reservation taken there begins the attempt.
+
     ``recheck``: only if the hold is still over on the fresh view. Several held requests
     see the same room free up; the first to join takes it, and the others, projected with
     it, hold again instead of all joining into a preemption.
@@ -243,6 +238,7 @@ async def join_queue(
     backend = await reserve_first(gw, ctx, [name for name, _ in ranked], now, check_fit=False)
     if backend is not None:
         gw.queues.handed.labels(backend, "hold_over").inc()
+        _begin_attempt(gw, ctx)
     return backend
 
 
