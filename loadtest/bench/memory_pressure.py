@@ -299,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m loadtest.bench.memory_pressure", description=__doc__
     )
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--first-run", type=int, default=1, help="number of the first run (seed + run)")
     p.add_argument("--quick", action="store_true", help="one run, 12 s of arrivals")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--policies", default=",".join(POLICIES + PEERS))
@@ -332,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         policies = [p for p in policies if not p.startswith("vllm-router:")]
     rows: list[dict[str, Any]] = []
     outcomes: list[tuple[str, int, Outcome]] = []
-    for run in range(1, args.runs + 1):
+    for run in range(args.first_run, args.first_run + args.runs):
         for wl in args.workloads.split(","):
             w = workload(wl, args, args.seed + run)
             for policy in policies:
