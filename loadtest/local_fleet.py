@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import yaml
 
+from loadtest.children import die_with_parent_hook, log_tail, port_in_use
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -64,9 +66,26 @@ class Proc:
         if log_dir is not None:
             self.log_path = log_dir / f"{self.name}.log"
             out = self.log_path.open("ab")
+        # Own session: a terminal's Ctrl-C reaches only the parent, which stops children in
+        # order; the parent-death signal covers a parent that dies without stopping them.
         self.popen = subprocess.Popen(
-            self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent_hook(),
         )
+
+    def wait_ready(self, path: str = "/health", timeout_s: float = 20.0) -> None:
+        """Wait until ``url + path`` answers; a failure says why, from the child's own log."""
+        try:
+            wait_http(self.url + path, timeout_s=timeout_s, proc=self.popen)
+        except (RuntimeError, TimeoutError) as exc:
+            tail = log_tail(self.log_path)
+            raise RuntimeError(
+                f"{self.name}: {exc}" + (f"; its log ends:\n{tail}" if tail else "")
+            ) from exc
 
     def signal(self, sig: int) -> None:
         if self.popen is not None and self.popen.poll() is None:
@@ -158,6 +177,8 @@ class LocalFleet:
     use_redis: bool = False
     config_overrides: dict[str, Any] = field(default_factory=dict)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvroute-fleet-")))
+    # Delete ``workdir`` (configs and logs) in ``stop()``; False keeps a caller's own folder.
+    remove_workdir: bool = True
     engines: list[Proc] = field(default_factory=list)
     redis: Proc | None = None
     gateway: Proc | None = None
@@ -173,7 +194,7 @@ class LocalFleet:
             p.start(log_dir=self.workdir)
             self.engines.append(p)
         for p in self.engines:
-            wait_http(p.url + "/health", proc=p.popen)
+            p.wait_ready()
 
     def start_redis(self) -> None:
         self.redis = redis_proc(self.workdir)
@@ -222,7 +243,7 @@ class LocalFleet:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
         self.gateway = Proc("gateway", argv, self.gateway_url)
         self.gateway.start(env=env, log_dir=self.workdir)
-        wait_http(self.gateway_url + "/health", proc=self.gateway.popen)
+        self.gateway.wait_ready()
         return self.gateway
 
     def stop_gateway(self) -> None:
@@ -250,6 +271,8 @@ class LocalFleet:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self.remove_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> LocalFleet:
         try:
@@ -299,15 +322,38 @@ def specs_from_config(
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Start the engines a config expects and keep them running until Ctrl-C."""
+def busy_ports(wanted: Sequence[tuple[EngineSpec, int]]) -> list[str]:
+    """Backends whose port already answers: a new engine there would exit at once.
+
+    Checked before starting, because an engine left from an earlier run also answers
+    ``/health``: waiting for health alone would report "ready" for the old process.
+    """
+    return [f"{spec.name} (port {port})" for spec, port in wanted if port_in_use(port)]
+
+
+def exit_causes(procs: Sequence[Proc]) -> str:
+    """For each engine that exited: its exit status and the end of its log (the real cause)."""
+    out = []
+    for proc in procs:
+        if proc.popen is None or proc.alive:
+            continue
+        tail = log_tail(proc.log_path)
+        out.append(
+            f"engine {proc.name} exited with {proc.popen.returncode}"
+            + (f":\n{tail}" if tail else "")
+        )
+    return "\n".join(out)
+
+
+def _parse_args(argv: Sequence[str] | None) -> Any:
     import argparse
 
     p = argparse.ArgumentParser(
         prog="kvroute local-fleet",
         description="Start one simulated engine per backend of a config file (on the backend's "
         "port, with its kind as the allocator), so `kvroute serve --config FILE` has every "
-        "backend it expects. Runs until Ctrl-C.",
+        "backend it expects. Runs until Ctrl-C, SIGTERM or a hangup (closing the terminal); "
+        "the engines never outlive it.",
     )
     p.add_argument("--config", default="config/kvroute.yaml")
     p.add_argument(
@@ -317,46 +363,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="engine time acceleration (default 10: a 30k-token document takes seconds, not minutes)",
     )
     p.add_argument("--capacity-tokens", type=int, default=100_000)
-    args = p.parse_args(argv)
-    try:
-        wanted = specs_from_config(args.config, args.speedup, args.capacity_tokens)
-    except Exception as exc:  # ConfigError or a backend it cannot simulate
-        print(f"kvroute local-fleet: {exc}", file=sys.stderr)
-        return 2
-    logs = Path(tempfile.mkdtemp(prefix="kvroute-local-fleet-"))
-    procs = [engine_proc(spec, port) for spec, port in wanted]
+    return p.parse_args(argv)
+
+
+def _run_engines(
+    procs: Sequence[Proc], wanted: Sequence[tuple[EngineSpec, int]], config: str, logs: Path
+) -> int:
+    """Start, announce, then watch until a stop signal (0) or an engine exits (1, with why)."""
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
         stop["now"] = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        for proc in procs:
-            proc.start(log_dir=logs)
-        for proc in procs:
-            wait_http(proc.url + "/health", proc=proc.popen)
-        for (spec, _), proc in zip(wanted, procs, strict=True):
-            print(
-                f"engine {spec.name}: {proc.url} ({spec.allocator}, pool {spec.pool}, "
-                f"{spec.capacity_tokens:,} tokens, speedup {spec.speedup:g})",
-                flush=True,
-            )
-        print(f"ready: now run `kvroute serve --config {args.config}`; logs in {logs}", flush=True)
-        while not stop["now"] and all(proc.alive for proc in procs):
-            time.sleep(0.2)
-        dead = [proc.name for proc in procs if not proc.alive]
-        if dead and not stop["now"]:
-            print(f"engine(s) exited: {', '.join(dead)} (see {logs})", file=sys.stderr)
-            return 1
+    # A hangup (the terminal closed) stops the fleet like Ctrl-C: nobody is left to use it.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    for proc in procs:
+        proc.start(log_dir=logs)
+    for proc in procs:
+        proc.wait_ready()
+    for (spec, _), proc in zip(wanted, procs, strict=True):
+        print(
+            f"engine {spec.name}: {proc.url} ({spec.allocator}, pool {spec.pool}, "
+            f"{spec.capacity_tokens:,} tokens, speedup {spec.speedup:g})",
+            flush=True,
+        )
+    print(f"ready: now run `kvroute serve --config {config}`; Ctrl-C stops the engines", flush=True)
+    while not stop["now"] and all(proc.alive for proc in procs):
+        time.sleep(0.2)
+    if stop["now"]:
         return 0
+    print(exit_causes(procs), file=sys.stderr)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Start the engines a config expects and keep them running until stopped."""
+    args = _parse_args(argv)
+    try:
+        wanted = specs_from_config(args.config, args.speedup, args.capacity_tokens)
+    except Exception as exc:  # ConfigError or a backend it cannot simulate
+        print(f"kvroute local-fleet: {exc}", file=sys.stderr)
+        return 2
+    if busy := busy_ports(wanted):
+        print(
+            f"kvroute local-fleet: port in use for {', '.join(busy)}: another process listens "
+            "there (an earlier local-fleet? `ss -ltnp` shows which)",
+            file=sys.stderr,
+        )
+        return 1
+    logs = Path(tempfile.mkdtemp(prefix="kvroute-local-fleet-"))
+    procs = [engine_proc(spec, port) for spec, port in wanted]
+    try:
+        return _run_engines(procs, wanted, args.config, logs)
     except (RuntimeError, TimeoutError) as exc:
-        print(f"kvroute local-fleet: {exc} (see {logs})", file=sys.stderr)
+        print(f"kvroute local-fleet: {exc}", file=sys.stderr)
         return 1
     finally:
         for proc in procs:
             proc.stop()
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 if __name__ == "__main__":

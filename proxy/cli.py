@@ -11,14 +11,14 @@ import errno
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.config import Config
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from proxy.api.app import create_app
-    from proxy.api.logs import setup_logging
-    from proxy.api.server import server_config
+    from proxy.api.hangup import hup_reloads
     from proxy.api.workers import refusal, supervise
     from proxy.config import ConfigError, load_config
 
@@ -46,27 +46,62 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             print(f"kvroute serve: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
         return 1
+    if args.drain_s is not None and not args.drain_s > 0:
+        print(f"kvroute serve: --drain-s {args.drain_s:g}: must be more than 0", file=sys.stderr)
+        return 2
+    reloads = hup_reloads(args.reload_on_hup)
+    drain_s = args.drain_s if args.drain_s is not None else cfg.shutdown.drain_s
     if args.workers > 1:
         # N processes on one port (proxy.api.workers); this one only supervises them. Its
         # socket only proved the port free: never listening, it would take no connection,
         # but the workers bind their own.
         sock.close()
-        return supervise(sys.argv[1:] if args.argv is None else args.argv, args.workers)
+        argv = sys.argv[1:] if args.argv is None else args.argv
+        return supervise(argv, args.workers, reloads, drain_s)
+    _run_server(args, cfg, host, sock, reloads)
+    return 0
+
+
+def _run_server(
+    args: argparse.Namespace, cfg: Config, host: str, sock: socket.socket, reloads: bool
+) -> None:
+    """One gateway process: the app, kvroute's server (drain on SIGTERM), SIGHUP's meaning."""
+    import os
+    import signal
+
+    from proxy.api.app import create_app
+    from proxy.api.drain import DrainingServer
+    from proxy.api.logs import setup_logging
+    from proxy.api.server import server_config
+    from proxy.api.worker_peers import WORKER_DIR_ENV, WorkerPeers, bind_worker_socket
+
     setup_logging(args.log_level, args.log_format)
     log_listen(host, sock)
+    app = create_app(cfg, config_path=args.config, freeze_heap=True, reload_on_hup=reloads)
+    if args.drain_s is not None:
+        app.state.drain.drain_s = lambda: float(args.drain_s)
+    sockets = [sock]
+    worker_dir = os.environ.get(WORKER_DIR_ENV)
+    if worker_dir:
+        # A worker of `serve --workers N`: its own socket, for reloads passed between workers.
+        own = bind_worker_socket(worker_dir)
+        sockets.append(own)
+        app.state.worker_peers = WorkerPeers(worker_dir, own.getsockname())
     server_cfg = server_config(
-        create_app(cfg, config_path=args.config, freeze_heap=True),
+        app,
         cfg,
         host,
-        port,
+        sock.getsockname()[1],
         loop="uvloop",
         log_level=args.log_level,
         log_config=None,  # keep our handlers
         backlog=4096,
-        timeout_graceful_shutdown=30,
     )
-    uvicorn.Server(server_cfg).run(sockets=[sock])
-    return 0
+    server = DrainingServer(server_cfg, app.state.drain)
+    if not reloads:
+        # The terminal hung up: stop as on SIGTERM (proxy.api.hangup).
+        signal.signal(signal.SIGHUP, server.handle_exit)
+    server.run(sockets=sockets)
 
 
 def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -108,6 +143,10 @@ def _check_config(args: argparse.Namespace) -> int:
         store = f"sentinel master {cfg.store.sentinel.master!r}"
     pools = ", ".join(f"{p}({cfg.pools[p].role})" for p in cfg.pools)
     found = "" if cfg.discovery.type == "static" else f" + {cfg.discovery.type} discovery"
+    from proxy.config.tokenizer_check import tokenizer_warnings
+
+    for warning in tokenizer_warnings(cfg):
+        print(warning, file=sys.stderr)
     print(
         f"{args.file}: OK: {len(cfg.backends)} backend{'' if len(cfg.backends) == 1 else 's'}{found}, pools {pools}, policy {cfg.routing.policy}, store {store}"
     )
@@ -145,6 +184,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="gateway processes on this port (SO_REUSEPORT); more than one needs Redis",
     )
+    s.add_argument(
+        "--drain-s",
+        type=float,
+        default=None,
+        help="on SIGTERM, let requests in flight finish for this long (default: shutdown.drain_s, 600)",
+    )
+    hup = s.add_mutually_exclusive_group()
+    hup.add_argument(
+        "--reload-on-hup",
+        dest="reload_on_hup",
+        action="store_const",
+        const=True,
+        default=None,
+        help="SIGHUP reloads the config (default when not on a terminal)",
+    )
+    hup.add_argument(
+        "--stop-on-hup",
+        dest="reload_on_hup",
+        action="store_const",
+        const=False,
+        help="SIGHUP stops the gateway (default in the foreground of a terminal)",
+    )
     s.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=_serve, argv=None)
 
@@ -154,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, help_ in (
         ("engine", "run a simulated inference engine whose KV cache fragments"),
-        ("demo", "run the demo: engines + gateway + the problem statement's workload"),
+        (
+            "demo",
+            "run the demo: engines + gateway + a 70% chat / 30% document workload, vs round robin",
+        ),
         ("local-fleet", "start the simulated engines a config file expects (one per backend)"),
         ("simulate", "simulate a fleet over days of uptime, per routing policy"),
         ("tune", "search config knobs in simulation and recommend values"),

@@ -109,6 +109,7 @@ class Bench:
             with contextlib.suppress(Exception):
                 p.stop(timeout_s=5)
         self.started.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def start_backends(self) -> None:
         for i in range(self.args.backends):
@@ -248,6 +249,9 @@ class Bench:
             "round_robin",
             "--log-level",
             "warning",
+            # Its own metrics port: the default (29000) is taken when two benches run at once.
+            "--prometheus-port",
+            str(free_port()),
             "--worker-urls",
             *(p.url for p in self.backends),
         ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -135,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for p in reversed(started):
             p.stop(timeout_s=5)
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -36,6 +36,7 @@ import orjson
 from aiohttp import web
 
 from loadtest.engine.allocators import ContiguousAllocator, PagedAllocator, make_allocator
+from loadtest.engine.behaviours import disaggregation
 from loadtest.engine.metrics import EngineCollector, exposition
 from loadtest.engine.protocol import (
     SSE_DONE,
@@ -753,6 +754,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vllm/sglang/tgi: prefill prompts one after another (one GPU's compute) "
         "instead of all at full speed at once",
     )
+    parser.add_argument(
+        "--tokenizer-ratio",
+        type=float,
+        default=1.0,
+        help="vllm/sglang/tgi: count prompts as this many tokens per token of the gateway's "
+        "default (cl100k) count, as a server with another tokenizer does (default 1.0)",
+    )
+    parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vllm: publish KV-cache events as vLLM does, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
+    )
+    disaggregation.add_arguments(parser)
+    parser.add_argument(
+        "--die-after-tokens",
+        type=int,
+        default=None,
+        help="vllm/sglang/tgi: reset every stream's connection after this many tokens "
+        "(mid-stream failures; POST /admin/fault sets one at run time)",
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -815,6 +838,10 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         seed=args.seed,
         prefix_caching=not getattr(args, "no_prefix_caching", False),
         serial_prefill=getattr(args, "serial_prefill", False),
+        tokenizer_ratio=getattr(args, "tokenizer_ratio", 1.0),
+        kv_events_config=getattr(args, "kv_events_config", None),
+        pd=disaggregation.role_config_from_args(args),
+        die_after_tokens=getattr(args, "die_after_tokens", None),
     )
 
 

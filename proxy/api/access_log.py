@@ -20,6 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.config import Config
 
+# The scope key proxy.gateway.continuation fills (not imported: nothing here needs the gateway).
+CONTINUED_ON = "kvroute.continued_on"
+
 log = logging.getLogger("kvroute.access")
 
 API_PREFIX = "/v1/"
@@ -49,6 +52,12 @@ def fields_of(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
         if key is not None:
             fields[key] = value.decode("latin-1")
     return fields
+
+
+def continued_fields(scope: Scope) -> dict[str, str]:
+    """A stream continued on other backends (proxy.gateway.continuation) names them too."""
+    continued = scope.get(CONTINUED_ON)
+    return {"continued_on": ",".join(continued)} if continued else {}
 
 
 class AccessLog:
@@ -93,6 +102,7 @@ class AccessLog:
         try:
             await self.app(scope, tap_receive, tap_send)
         finally:
+            fields.update(continued_fields(scope))
             self.write(scope["path"], bytes(head), fields, status, time.perf_counter() - started)
 
     def write(
@@ -109,6 +119,7 @@ class AccessLog:
             "demand": clean(fields.get("demand", "-")),
             "backend": clean(fields.get("backend", "-")),
             "attempts": clean(fields.get("attempts", "-")),
+            **({"continued_on": clean(fields["continued_on"])} if "continued_on" in fields else {}),
             # 0: the client went away before any response started.
             "status": str(status),
             "duration_ms": f"{seconds * 1000:.1f}",

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.api.cache import Coalesced
+from proxy.api.worker_peers import FANOUT_HEADER, combined, credentials
 from proxy.errors import ApiError, RefusalReason, RestartRefused
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.preemption_advice import preemption_advice
@@ -126,6 +127,11 @@ def ops_router() -> APIRouter:
         if (denied := check_admin(request)) is not None:
             return denied
         outcome = await request.app.state.rt.reloader.reload("POST /admin/reload")
+        peers = getattr(request.app.state, "worker_peers", None)
+        if peers is not None and request.headers.get(FANOUT_HEADER) != "0":
+            # --workers N: every other worker reloads too, each reports (proxy.api.worker_peers).
+            others = await peers.reload_others(credentials(request.headers))
+            return _json(*combined(outcome.as_dict(), others))
         # 422: the file is invalid and nothing changed; the body says what is wrong.
         return _json(outcome.as_dict(), 422 if outcome.result == "invalid" else 200)
 

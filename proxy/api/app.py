@@ -29,16 +29,21 @@ from starlette.routing import Route
 from proxy.api.access_log import AccessLog
 from proxy.api.admin import ops_router
 from proxy.api.cache import Coalesced
+from proxy.api.drain import Drain, ready
 from proxy.api.fleet_view import snapshot_json, with_health
 from proxy.api.heap import freeze_startup_heap
 from proxy.api.hot import GatewayApp
 from proxy.api.kind_check import KindCheck
+from proxy.api.kv_events_view import with_prefix_source
 from proxy.api.limits import RequestGuard
 from proxy.api.models import fleet_models, kind_errors, lookup_from
+from proxy.api.node_counts import node_counts, with_counts
 from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
 from proxy.backends.discovery import Discovery, make_discovery
+from proxy.backends.kv_events import KvEventFeeds
+from proxy.backends.kv_events_metrics import KvEventsCollector
 from proxy.config import BackendConfig, Config
 from proxy.errors import ApiError
 from proxy.gateway.metrics import GatewayMetrics
@@ -141,12 +146,16 @@ def create_app(
     run_collector: bool = True,
     config_path: str | None = None,
     freeze_heap: bool = False,
+    reload_on_hup: bool = True,
 ) -> FastAPI:
     """Build the gateway app. A store passed in is used as is (tests); else one is opened from config.
     With ``config_path``, SIGHUP and ``POST /admin/reload`` re-read that file (proxy.api.reload).
     With ``freeze_heap`` (``kvroute serve``: one app per process), what startup built is
-    frozen out of the garbage collector's walks once it is ready (proxy.api.heap)."""
+    frozen out of the garbage collector's walks once it is ready (proxy.api.heap).
+    ``reload_on_hup`` false: SIGHUP is left to the server, which stops (proxy.api.hangup)."""
     holder = ConfigHolder(cfg, config_path)
+    # Shutdown state (proxy.api.drain): /ready, and the streams a drain's end interrupts.
+    drain = Drain(lambda: holder.current.shutdown.drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -165,12 +174,20 @@ def create_app(
         gateway = Gateway(cfg, st, fleet, policy_for(cfg), upstream, metrics, st.now)
         gateway.kind_errors = kind_errors  # each backend kind's adapter reads its errors
         await gateway.start()  # active health checks (proxy.upstream.health)
+        drain.streams = gateway.live_streams
         # Replicas share prefix placements through Redis when configured (read at start only).
         share = PrefixShare.from_config(cfg, lambda: gateway.affinity, st.now)
         if share is not None:
             gateway.affinity.share = share
             share.start()
         app.state.prefix_share = share
+        # KV-cache events, where backends publish them (docs/kv-events.md).
+        kv_events = KvEventFeeds(lambda: holder.current, lambda: fleet.latest, st.now)
+        if cfg.routing.prefix.events.enabled:
+            gateway.affinity.exact = kv_events
+            metrics.registry.register(KvEventsCollector(kv_events))
+            kv_events.start()
+        app.state.kv_events = kv_events if gateway.affinity.exact is not None else None
         collector = Collector(cfg, st, owner) if run_collector else None
         metrics.attach_fleet(lambda: fleet.latest, st.now)
         fleet.on_degraded_change.append(lambda d: metrics.store_degraded.set(1 if d else 0))
@@ -215,7 +232,7 @@ def create_app(
             cfg.routing.policy,
         )
         try:
-            with reloader.on_sighup():
+            with reloader.on_sighup() if reload_on_hup else contextlib.nullcontext():
                 yield
         finally:
             if discovery is not None:
@@ -226,6 +243,7 @@ def create_app(
             await gateway.close()  # stops health checks, releases every reservation still held
             if share is not None:
                 await share.close()
+            await kv_events.stop()
             await upstream.close()
             if store is None:
                 await st.close()
@@ -240,6 +258,8 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
+    app.state.drain = drain
+    app.add_api_route("/ready", ready, methods=["GET"], include_in_schema=False)
 
     # Both follow reloads. Added last = outermost: the access log times the whole request.
     def follow_reloads(fn: Callable[[Config], None]) -> None:
@@ -380,10 +400,21 @@ def create_app(
                         "pending_releases": len(r.gateway.ledger.pending),
                     },
                     "backends": r.gateway.pressure.annotate(
-                        with_health(
-                            snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
+                        with_counts(
+                            with_prefix_source(
+                                with_health(
+                                    snapshot_json(snap, r.store.now(), r.cfg),
+                                    r.gateway.health.snapshot(),
+                                ),
+                                getattr(request.app.state, "kv_events", None),
+                                r.store.now(),
+                            ),
+                            node_counts(r.gateway.metrics.requests, r.gateway.metrics.attempts),
                         )
                     ),
+                    # Prompt counts against the servers' usage, per model (proxy.gateway.token_counts).
+                    "token_counts": r.gateway.token_counts.view(),
+                    # Output lengths learned for the KV projection (proxy.gateway.memory_pressure).
                     "memory_pressure": {"learned_output": r.gateway.pressure.learned_json()},
                 }
             )

@@ -40,7 +40,10 @@ def snapshot_json(
         }
         if cfg is not None:
             with contextlib.suppress(KeyError):
-                item["kind"] = cfg.backend(n.name).kind
+                b = cfg.backend(n.name)
+                item["kind"] = b.kind
+                # Disaggregated serving: prefill, decode or both (``role`` is the pool's).
+                item["serving_role"] = b.role
         if r is not None:
             item["report"] = {
                 "capacity_tokens": r.capacity_tokens,

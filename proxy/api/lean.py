@@ -43,7 +43,7 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
-from proxy.api.access_log import PEEK_BYTES, fields_of
+from proxy.api.access_log import PEEK_BYTES, continued_fields, fields_of
 from proxy.api.hot import GatewayApp, Handler, answer_of
 from proxy.errors import ApiError
 from proxy.gateway.intake import READ_BODY
@@ -138,7 +138,8 @@ class LeanPath:
             await self._run(cycle, transport, handler, seen)
         finally:
             seconds = time.perf_counter() - started
-            access.write(cycle.scope["path"], seen.head, seen.fields, seen.status, seconds)
+            fields = seen.fields | continued_fields(cycle.scope)  # type: ignore[arg-type]
+            access.write(cycle.scope["path"], seen.head, fields, seen.status, seconds)
 
     async def _run(
         self,

@@ -9,17 +9,27 @@ reservations and fleet view, and each would overcommit the backends the others f
 The parent only supervises: it forwards SIGINT/SIGTERM to every worker and, when one exits,
 stops the others and exits with its status (a supervisor such as systemd or Kubernetes
 restarts the whole set, which keeps "one port, N equal workers" simple to reason about).
+SIGHUP means what it means to one process (proxy.api.hangup): reload, passed on to every
+worker, or stop. Each worker also listens on a Unix socket in a private directory, so a
+``POST /admin/reload`` taken by one worker reaches the others (proxy.api.worker_peers).
+Stopping waits for the workers' drain (``shutdown.drain_s``) before it kills anything.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from types import FrameType
 
+from proxy.api.drain import CLOSE_GRACE_S
+from proxy.api.hangup import RELOAD_FLAG, STOP_FLAG, hup_flag
+from proxy.api.worker_peers import WORKER_DIR_ENV
 from proxy.config import Config
 
 EMBEDDED_STORE_REFUSAL = (
@@ -38,8 +48,9 @@ def refusal(cfg: Config, workers: int) -> str | None:
     return None
 
 
-def worker_argv(argv: Sequence[str]) -> list[str]:
-    """The command line of one worker: the parent's, with ``--workers`` replaced by ``--reuse-port``."""
+def worker_argv(argv: Sequence[str], reloads: bool) -> list[str]:
+    """The command line of one worker: the parent's, with ``--workers`` replaced by
+    ``--reuse-port`` and SIGHUP's meaning stated (a worker must not guess it again)."""
     out: list[str] = []
     skip = False
     for arg in argv:
@@ -49,25 +60,40 @@ def worker_argv(argv: Sequence[str]) -> list[str]:
         if arg == "--workers":
             skip = True
             continue
-        if arg.startswith("--workers="):
+        if arg.startswith("--workers=") or arg in (RELOAD_FLAG, STOP_FLAG):
             continue
         out.append(arg)
-    return [sys.executable, "-m", "proxy.cli", *out, "--reuse-port"]
+    return [sys.executable, "-m", "proxy.cli", *out, "--reuse-port", hup_flag(reloads)]
 
 
-def supervise(argv: Sequence[str], workers: int) -> int:
+def sockets_directory() -> str:
+    """A private directory for the workers' sockets: under TMPDIR, or /tmp when TMPDIR is too
+    long for a Unix socket's path (108 bytes on Linux, the name included)."""
+    found = tempfile.mkdtemp(prefix="kvroute-workers-")
+    if len(found) + len("/worker-4194304.sock") < 100:
+        return found
+    os.rmdir(found)
+    return tempfile.mkdtemp(prefix="kvroute-workers-", dir="/tmp")
+
+
+def supervise(argv: Sequence[str], workers: int, reloads: bool, drain_s: float) -> int:
     """Start ``workers`` copies of this serve command and wait; the first to exit ends them all."""
-    procs = [subprocess.Popen(worker_argv(argv)) for _ in range(workers)]
+    sockets_dir = sockets_directory()
+    env = {**os.environ, WORKER_DIR_ENV: sockets_dir}
+    procs = [subprocess.Popen(worker_argv(argv, reloads), env=env) for _ in range(workers)]
     stopping = False
 
     def forward(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
-        stopping = True
+        if signum == signal.SIGHUP and not reloads:
+            # A hangup that stops: the workers drain as on SIGTERM.
+            signum = signal.SIGTERM
+        stopping = stopping or signum != signal.SIGHUP
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
     rc = 0
     try:
@@ -76,13 +102,20 @@ def supervise(argv: Sequence[str], workers: int) -> int:
         first = next(p for p in procs if p.poll() is not None)
         rc = first.returncode if not stopping else 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=35)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop_all(procs, drain_s + CLOSE_GRACE_S + 10)
+        shutil.rmtree(sockets_dir, ignore_errors=True)
     return rc
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]], wait_s: float) -> None:
+    """SIGTERM what still runs, wait out its drain, kill only what outlives it."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

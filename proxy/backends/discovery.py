@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 
 from proxy.config import BackendConfig, Config, DiscoveryConfig
+from proxy.config.base import ServingRole
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -109,7 +110,12 @@ class Discovery(abc.ABC):
 
 
 def backend(
-    cfg: DiscoveryConfig, name: str, host: str, port: int, pool: str | None = None
+    cfg: DiscoveryConfig,
+    name: str,
+    host: str,
+    port: int,
+    pool: str | None = None,
+    role: ServingRole = "both",
 ) -> BackendConfig:
     """A discovered backend with the discovery section's kind, pool and capacity settings."""
     shown = f"[{host}]" if ":" in host else host
@@ -119,6 +125,8 @@ def backend(
         pool=pool or cfg.pool,
         kind=cfg.kind,
         capacity_tokens=cfg.capacity_tokens,
+        role=role,
+        kv_events=cfg.kv_events,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from proxy.backends.discovery import Discovery, backend
 from proxy.config import BackendConfig, DiscoveryConfig
+from proxy.config.base import ServingRole
 from proxy.upstream.kubernetes_api import KubernetesApi, KubernetesApiError
 
 log = logging.getLogger("kvroute.discovery")
@@ -51,6 +52,7 @@ def slice_backends(
             cfg.pool,
         )
         pool = cfg.pool
+    role = serving_role(labels.get(cfg.role_label), meta.get("name"))
     port = _port(cfg, obj.get("ports") or [])
     if port is None:
         return []
@@ -64,8 +66,21 @@ def slice_backends(
         ref = ep.get("targetRef") or {}
         name = ref.get("name") if ref.get("kind") == "Pod" else None
         name = name or ep.get("hostname") or str(addresses[0]).replace(":", "-")
-        out.append(backend(cfg, str(name), str(addresses[0]), port, pool))
+        out.append(backend(cfg, str(name), str(addresses[0]), port, pool, role))
     return out
+
+
+def serving_role(label: object, slice_name: object) -> ServingRole:
+    """The slice's serving role label (prefill, decode, both); absent or unknown: both."""
+    if label in ("prefill", "decode", "both"):
+        return label
+    if label is not None:
+        log.warning(
+            "EndpointSlice %s: role %r is not prefill, decode or both; using both",
+            slice_name,
+            label,
+        )
+    return "both"
 
 
 class KubernetesDiscovery(Discovery):

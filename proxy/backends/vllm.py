@@ -7,10 +7,13 @@ What vLLM exports (``vllm/v1/metrics/loggers.py``, ``vllm/config/cache.py``) and
   versions, ``kv_cache_size_tokens``. The latter is the true capacity in tokens and wins:
   for hybrid models (sliding window, Mamba layers) ``num_gpu_blocks x block_size`` is far
   off (320 x 8 = 2,560 against 463,459 seen in the wild).
-* Data parallel behind one API server: every series carries ``engine="N"``. The cache
-  settings are the front end's, so ``num_gpu_blocks`` is the sum over all engines, repeated
-  on each engine's series: it is read once, never multiplied, and split evenly per engine.
-  ``kv_cache_size_tokens`` is read the same way (an assumption: same object, same path).
+* Data parallel behind one API server: every series carries ``engine="N"``, and
+  ``cache_config_info`` repeats the front end's cache settings on each engine's series. The
+  front end *sums* ``num_gpu_blocks`` over the engines but keeps ``kv_cache_size_tokens``
+  per engine (``vllm/v1/engine/core_client.py``: "Keep these as per-engine
+  cache_config_info values; do not sum across DP"). So capacity is ``kv_cache_size_tokens``
+  times the engines, or ``num_gpu_blocks x block_size`` (already the sum); each label is
+  read once, never added over the repeated series. Two engines of 320,000 tokens: 640,000.
 * ``vllm:kv_cache_usage_perc`` (0..1, per engine) is current; ``vllm:gpu_cache_usage_perc``
   was deprecated, hidden and then removed, and is read only when the new name is absent.
   Free blocks still holding cached prefixes are in vLLM's free queue, so they count as
@@ -114,18 +117,20 @@ def _asleep(samples: sm.Samples) -> set[str]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Geometry:
-    """The cache as ``cache_config_info`` describes it, for the whole server (all engines)."""
+    """The cache as ``cache_config_info`` describes it (see the module docstring for DP)."""
 
     block_size: int | None
+    #: Summed over data-parallel engines by vLLM's front end.
     num_gpu_blocks: int | None
+    #: One engine's capacity, not summed.
     kv_cache_size_tokens: int | None
 
-    @property
-    def total_tokens(self) -> int | None:
+    def engine_tokens(self, engines: int) -> int | None:
+        """One engine's capacity in tokens; None when the labels do not say."""
         if self.kv_cache_size_tokens:
             return self.kv_cache_size_tokens
         if self.block_size and self.num_gpu_blocks:
-            return self.block_size * self.num_gpu_blocks
+            return self.num_gpu_blocks // max(1, engines) * self.block_size
         return None
 
 
@@ -169,18 +174,18 @@ def report(samples: sm.Samples, now: float, capacity_override: int | None) -> Me
     usage = _usage_by_engine(samples)
     engines = len(usage)
     geo = geometry(samples)
-    total = geo.total_tokens
-    if total is None:
+    engine_capacity = geo.engine_tokens(engines)
+    if engine_capacity is None:
         if capacity_override is None:
             which = "kv_cache_size_tokens or block_size/num_gpu_blocks"
             raise sm.ScrapeError(
                 f"{CACHE_CONFIG} lacks usable {which} labels "
                 "(set capacity_tokens on the backend to scrape it anyway)"
             )
-        # No geometry (not exported yet, or "None"): the operator's capacity stands in.
-        geo = Geometry(None, None, capacity_override)
-        total = capacity_override
-    engine_capacity = total // engines
+        # No geometry (not exported yet, or "None"): the operator's capacity (the whole
+        # server's) stands in, split evenly over the engines.
+        engine_capacity = capacity_override // engines
+        geo = Geometry(None, None, engine_capacity)
     asleep = _asleep(samples)
     per_engine = tuple(
         0 if e in asleep else _engine_free(geo, engine_capacity, engines, u)

@@ -23,7 +23,12 @@ from proxy.config.backends import PoolConfig as PoolConfig
 from proxy.config.base import BackendKind as BackendKind
 from proxy.config.base import PolicyName as PolicyName
 from proxy.config.base import PoolRole as PoolRole
+from proxy.config.base import ServingRole as ServingRole
 from proxy.config.base import _Strict as _Strict
+from proxy.config.continuation import ContinuationConfig as ContinuationConfig
+from proxy.config.disaggregation import DisaggregationConfig as DisaggregationConfig
+from proxy.config.kv_events import KvEventsEndpoint as KvEventsEndpoint
+from proxy.config.kv_events import KvEventsSettings as KvEventsSettings
 from proxy.config.memory_pressure import MemoryPressureConfig as MemoryPressureConfig
 from proxy.config.ops import HookType as HookType
 from proxy.config.ops import MaintenanceConfig as MaintenanceConfig
@@ -42,6 +47,7 @@ from proxy.config.serving import LogConfig as LogConfig
 from proxy.config.serving import OutlierConfig as OutlierConfig
 from proxy.config.serving import QueueConfig as QueueConfig
 from proxy.config.serving import RetryConfig as RetryConfig
+from proxy.config.serving import ShutdownConfig as ShutdownConfig
 from proxy.config.serving import UpstreamConfig as UpstreamConfig
 from proxy.config.store import CollectorConfig as CollectorConfig
 from proxy.config.store import SentinelConfig as SentinelConfig
@@ -64,6 +70,7 @@ class Config(_Strict):
     queue: QueueConfig = QueueConfig()
     memory_pressure: MemoryPressureConfig = MemoryPressureConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    continuation: ContinuationConfig = ContinuationConfig()
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()
@@ -71,7 +78,9 @@ class Config(_Strict):
     maintenance: MaintenanceConfig = MaintenanceConfig()
     sizing: SizingConfig = SizingConfig()
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
     log: LogConfig = LogConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
@@ -108,6 +117,8 @@ ENV_OVERRIDES: dict[str, str] = {
     "KVROUTE_HOST": "listen.host",
     "KVROUTE_PORT": "listen.port",
     "KVROUTE_LONG_THRESHOLD_TOKENS": "routing.long_threshold_tokens",
+    # The drain on SIGTERM: keep it under the orchestrator's grace period (docs/operations.md).
+    "KVROUTE_DRAIN_S": "shutdown.drain_s",
 }
 
 

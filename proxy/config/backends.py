@@ -10,7 +10,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import Field, HttpUrl, model_validator
 
-from proxy.config.base import BackendKind, PoolRole, _Strict
+from proxy.config.base import BackendKind, PoolRole, ServingRole, _Strict
+from proxy.config.kv_events import KvEventsEndpoint
 
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
@@ -26,6 +27,11 @@ class BackendConfig(_Strict):
     kind: BackendKind = "vllm"
     capacity_tokens: int | None = Field(
         default=None, gt=0, description="override the reported KV capacity"
+    )
+    role: ServingRole = Field(
+        default="both",
+        description="disaggregated serving: prefill (step 1 only, never ordinary requests), "
+        "decode (step 2 and ordinary requests) or both",
     )
     metrics_path: str = "/metrics"
     api_key: str | None = Field(
@@ -59,6 +65,9 @@ class BackendConfig(_Strict):
         gt=0,
         description="queueing backends: requests running at once, all engines together (vLLM "
         "--max-num-seqs x data-parallel size); none: learned from the server's queue",
+    )
+    kv_events: KvEventsEndpoint | None = Field(
+        default=None, description="where the server publishes KV-cache events (docs/kv-events.md)"
     )
 
     @model_validator(mode="after")
@@ -126,12 +135,19 @@ class DiscoveryConfig(KubernetesApiConfig):
         default="kvroute.io/pool", description="kubernetes: the slice label naming the pool"
     )
     pool: str = Field(default="general", description="the pool when no pool label says otherwise")
+    role_label: str = Field(
+        default="kvroute.io/role",
+        description="kubernetes: the slice label naming the serving role (prefill, decode, both)",
+    )
     kind: BackendKind = "vllm"
     name: str | None = Field(default=None, description="dns: the name to resolve (A or SRV)")
     interval_s: float = Field(
         default=10.0, gt=0, description="dns: re-resolve period; kubernetes: watch timeout"
     )
     capacity_tokens: int | None = Field(default=None, gt=0)
+    kv_events: KvEventsEndpoint | None = Field(
+        default=None, description="every discovered backend's KV-event ports (docs/kv-events.md)"
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> DiscoveryConfig:

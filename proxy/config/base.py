@@ -11,6 +11,8 @@ from proxy.errors import ConfigError as ConfigError
 
 BackendKind = Literal["vllm", "sglang", "tgi", "contiguous", "paged"]
 PoolRole = Literal["general", "long"]
+# Disaggregated serving (docs/disaggregation.md): which step of a request a backend takes.
+ServingRole = Literal["prefill", "decode", "both"]
 PolicyName = Literal["kvroute", "round_robin", "least_loaded", "most_free"]
 
 

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from proxy.config.base import PolicyName, _Strict
+from proxy.config.kv_events import ChatRender, KvEventsSettings
 
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
@@ -77,6 +78,8 @@ class PrefixConfig(_Strict):
         gt=0,
         description="leading block hashes shared per placement, and per stream entry",
     )
+    events: KvEventsSettings = Field(default_factory=KvEventsSettings)
+    chat_render: ChatRender | None = None
 
 
 class RoutingConfig(_Strict):
@@ -130,6 +133,12 @@ class SizingConfig(_Strict):
     )
     cache_entries: int = Field(default=16_384, ge=0)
     cache_min_chars: int = Field(default=256, ge=0)
+    chunk_cache_mb: int = Field(
+        default=64,
+        ge=0,
+        description="memory for token ids of long texts' chunks, reused wherever a chunk recurs "
+        "(docs/big-prompts.md); 0: off",
+    )
     threads: int = Field(
         default=1,
         ge=1,

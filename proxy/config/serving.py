@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from proxy.config.base import _Strict
 
@@ -134,10 +134,46 @@ class HealthConfig(_Strict):
     outlier: OutlierConfig = OutlierConfig()
 
 
+#: What a client's ``Authorization`` header becomes upstream (docs/operations.md, "Authorization").
+ClientAuthorization = Literal["never", "when_no_backend_key", "always"]
+
+
 class AuthConfig(_Strict):
     api_keys: list[str] = Field(
         default_factory=list,
         description="empty: /v1 needs no key; else a Bearer key from this list",
+    )
+    forward_client_authorization: ClientAuthorization = Field(
+        default="never",
+        description=(
+            "never: a backend sees only its own backends[].api_key; when_no_backend_key: the "
+            "client's header reaches backends without one; always: the client's header wins"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _no_gateway_key_upstream(self) -> AuthConfig:
+        # With api_keys the header holds a gateway key: passing it on hands it to every backend.
+        if self.api_keys and self.forward_client_authorization != "never":
+            raise ValueError(
+                "auth.forward_client_authorization: "
+                f"{self.forward_client_authorization!r} would send the gateway's own keys "
+                "(auth.api_keys) to backends; use 'never' while auth.api_keys is set"
+            )
+        return self
+
+
+class ShutdownConfig(_Strict):
+    """How a stopping gateway treats what is in flight (docs/operations.md, "Shutdown")."""
+
+    drain_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description=(
+            "after SIGTERM, in-flight requests may finish for this long; streams still "
+            "running then end with a final SSE error event (match upstream.total_timeout_s)"
+        ),
     )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from proxy.core import chunked_counter
 from proxy.core.prefix_prompt import IdsCache
 from proxy.core.tokenizer import Counter, TokenCache, load_counter
 from proxy.core.tokens import PromptCounter, SizingRules, work_chars
@@ -115,7 +116,7 @@ class Sizer:
         def build(enc: str, path: str | None, **over: int | str | None) -> ModelSizing:
             if (enc, path) not in counters:
                 try:
-                    counters[enc, path] = load_counter(enc, path)
+                    counters[enc, path] = chunked_counter.chunked(load_counter(enc, path))
                 except Exception as exc:
                     # tokenizers/tiktoken raise their own types; say which setting failed.
                     what = f"tokenizer_file {path!r}" if path else f"tokenizer {enc!r}"
@@ -146,6 +147,7 @@ class Sizer:
                 max_model_len=int(mml) if mml is not None else None,
             )
 
+        chunked_counter.configure(s.chunk_cache_mb << 20)
         models = {
             name: build(
                 m.tokenizer or s.tokenizer,

@@ -147,12 +147,17 @@ class PrefixIndex:
             blocks.move_to_end(h)
         self._trim(entry)
 
-    def match(self, node: str, hashes: Sequence[int], now: float) -> int:
-        """How many leading blocks of ``hashes`` ``node`` probably still holds (touches them)."""
+    def match(
+        self, node: str, hashes: Sequence[int], now: float, max_age_s: float | None = None
+    ) -> int:
+        """How many leading blocks of ``hashes`` ``node`` probably still holds (touches them).
+
+        ``max_age_s``: only blocks placed that recently (placements whose KV-cache events may
+        not have arrived yet, ``proxy.gateway.affinity``)."""
         entry = self._nodes.get(node)
         if entry is None or not hashes:
             return 0
-        ttl = self._ttl(entry)
+        ttl = self._ttl(entry) if max_age_s is None else min(self._ttl(entry), max_age_s)
         blocks = entry.blocks
         matched = 0
         for h in hashes:

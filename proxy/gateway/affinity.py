@@ -25,6 +25,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from starlette.requests import Request
 
@@ -32,6 +33,7 @@ from proxy.config import Config, PrefixConfig
 from proxy.core.fleet import FleetSnapshot, NodeView
 from proxy.core.prefix import PrefixIndex, PrefixIndexConfig
 from proxy.core.prefix_prompt import IdsCache
+from proxy.core.prefix_render import rendered_hashes
 from proxy.core.validation import ParsedRequest
 from proxy.gateway.sizing import hash_spec, prefix_hashes, sizer_for, take_hashes
 from proxy.routing.affinity import AffinitySettings, demand_on, utilisation
@@ -58,6 +60,16 @@ def affinity_settings(p: PrefixConfig) -> AffinitySettings:
     )
 
 
+class ExactSource(Protocol):
+    """What an engine says it holds (``proxy.backends.kv_events``), where it says so."""
+
+    def cached(self, backend: str, hashes: Sequence[int], now: float) -> int | None: ...
+
+    def held_tokens(self, backend: str) -> int: ...
+
+    def placed(self, backend: str, hashes: Sequence[int], now: float) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class AffinityKey:
     """What a request brings to affinity: its prompt's block hashes and its session."""
@@ -81,6 +93,9 @@ class Affinity:
         self._session_header = self.cfg.session_header.lower()
         # Set by the app when replicas share placements through Redis (routing.prefix.share).
         self.share: PrefixShare | None = None
+        # Set by the app when backends publish KV-cache events (docs/kv-events.md): their
+        # exact index answers while live, the approximate one otherwise.
+        self.exact: ExactSource | None = None
         self._next_expiry = 0.0
         # Each node's last reported start time: a restarted server's cache is empty.
         self._started: dict[str, float] = {}
@@ -101,6 +116,12 @@ class Affinity:
         if spec is None:
             return AffinityKey((), session)
         hashes = take_hashes(parsed, spec)
+        render = self.cfg.chat_render
+        if render is not None and parsed.endpoint == "chat" and render.applies_to(parsed.model):
+            # Hashed the servers' way, so that their KV-cache events match (docs/kv-events.md).
+            if sum(len(m) for m in _texts(parsed)) > _THREAD_ABOVE_CHARS:
+                return AffinityKey(await asyncio.to_thread(self.rendered_of, parsed), session)
+            return AffinityKey(self.rendered_of(parsed), session)
         if hashes is None:
             # Sized with another config (a reload in between): hash here.
             chars = sum(len(m) for m in _texts(parsed))
@@ -119,6 +140,21 @@ class Affinity:
         # The sizer keeps no ids when its config had prefix affinity off: this one's cache.
         return prefix_hashes(sizer, parsed, spec, sizer.ids or self.ids_cache)
 
+    def rendered_of(self, parsed: ParsedRequest) -> tuple[int, ...]:
+        """The chat's block hashes in the servers' rendering (``routing.prefix.chat_render``)."""
+        sizer = sizer_for(self._full_cfg)
+        counter = sizer.model(parsed.model).counter
+        encode = getattr(counter, "ids", None)
+        messages = parsed.body.get("messages")
+        render = self.cfg.chat_render
+        if encode is None or render is None or not isinstance(messages, list):
+            return ()
+        c = self.cfg
+        cache = sizer.ids or self.ids_cache
+        return rendered_hashes(
+            messages, render, counter.id, encode, c.max_prompt_tokens, c.block_tokens, cache
+        )
+
     def _session_of(self, request: Request, parsed: ParsedRequest) -> str | None:
         key = header(request.headers, self._session_header)
         if not key and self.cfg.session_from_user:
@@ -135,21 +171,42 @@ class Affinity:
             return base
         self._observe(view, now)
         cached: dict[str, int] = {}
+        exact: dict[str, int] = {}
         if key.hashes:
             for n in view.nodes:
-                blocks = self.index.match(n.name, key.hashes, now)
-                if blocks:
-                    cached[n.name] = blocks * self.cfg.block_tokens
+                tokens = self._cached_on(n.name, key.hashes, now, exact)
+                if tokens:
+                    cached[n.name] = tokens
         indexed = None
         if (
             self.cfg.spread_new
             and len(key.hashes) * self.cfg.block_tokens >= self.cfg.min_saving_tokens
         ):
-            bt = self.cfg.block_tokens
-            indexed = {n.name: self.index.size(n.name) * bt for n in view.nodes}
+            indexed = {n.name: self._held_on(n.name, exact) for n in view.nodes}
         session_node = self._session_node(key.session, now)
         # Field by field, not ``dataclasses.replace`` (per request; replace inspects the fields).
         return RouteRequest(base.demand, base.cls, base.exclude, cached, session_node, indexed)
+
+    def _cached_on(
+        self, node: str, hashes: Sequence[int], now: float, exact: dict[str, int]
+    ) -> int:
+        """Tokens of the prompt ``node`` holds: its own events' word while live, else the guess."""
+        if self.exact is not None:
+            told = self.exact.cached(node, hashes, now)
+            if told is not None:
+                # What this gateway placed there moments ago is being computed: the engine
+                # publishes its blocks only once it admits the request.
+                pending = self.index.match(node, hashes, now, self.cfg.events.pending_s)
+                told = max(told, pending * self.cfg.block_tokens)
+                exact[node] = told
+                return told
+        return self.index.match(node, hashes, now) * self.cfg.block_tokens
+
+    def _held_on(self, node: str, exact: dict[str, int]) -> int:
+        """Tokens ``node`` holds cached, by the same source ``_cached_on`` used."""
+        if self.exact is not None and node in exact:
+            return self.exact.held_tokens(node)
+        return self.index.size(node) * self.cfg.block_tokens
 
     def demand_on(self, req: RouteRequest, view: FleetSnapshot, name: str) -> int:
         """What to reserve on ``name``: the demand, less its cached prefix where it is reused."""
@@ -165,6 +222,8 @@ class Affinity:
         if key is None:
             return
         self.learn(backend, key.hashes, key.session, now)
+        if self.exact is not None and key.hashes:
+            self.exact.placed(backend, key.hashes, now)
         if self.share is not None:
             # Other replicas learn it from the shared stream (proxy.state.prefix_share).
             self.share.publish(backend, key.hashes, key.session, now)

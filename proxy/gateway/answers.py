@@ -142,7 +142,8 @@ def _allocation_failed(
     )
     if ctx.attempts < ctx.cfg.retry.max_attempts:
         return None
-    gw.metrics.requests.labels(ctx.cls, backend, "allocation_failure").inc()
+    if ctx.counts_request:
+        gw.metrics.requests.labels(ctx.cls, backend, "allocation_failure").inc()
     headers = ctx.answer_headers(backend, response_headers(resp.headers), only=_RETRY_AFTER)
     return Response(body, status_code=resp.status, headers=headers, media_type="application/json")
 
@@ -220,9 +221,11 @@ async def whole_answer(
     gw.metrics.labelled(gw.metrics.attempts, backend, "ok").inc()
     gw.health.success(backend)
     ctx.backend = backend
+    gw.token_counts.observe(ctx.parsed.model, ctx.counted_prompt_tokens, body)
     # Off the answer's path (a Redis round trip).
     gw.release_later(ctx, backend)
-    gw.metrics.labelled(gw.metrics.requests, ctx.cls, backend, "success").inc()
-    gw.metrics.labelled(gw.metrics.duration, ctx.cls).observe(time.perf_counter() - started)
+    if ctx.counts_request:
+        gw.metrics.labelled(gw.metrics.requests, ctx.cls, backend, "success").inc()
+        gw.metrics.labelled(gw.metrics.duration, ctx.cls).observe(time.perf_counter() - started)
     headers = ctx.answer_headers(backend, response_headers(resp.headers))
     return Response(body, status_code=resp.status, headers=headers)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.responses import Response
 
@@ -31,6 +32,7 @@ from proxy.gateway.context import FAILURE_RESULTS, RequestContext
 from proxy.gateway.divert import divert
 from proxy.gateway.stream import start_stream
 from proxy.upstream.client import UpstreamAnswer, with_credential
+from proxy.upstream.client_auth import upstream_credential
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -38,6 +40,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.gateway")
 
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+T = TypeVar("T")
+# What to do with a streamed 2xx (``start_stream``; a continuation has its own step):
+# (gateway, context, backend, answer, started, ttfb deadline) -> a result, or None to divert.
+StreamStep = Callable[
+    ["Gateway", RequestContext, str, UpstreamAnswer, float, float], Awaitable[T | None]
+]
 
 
 async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | None:
@@ -45,7 +53,7 @@ async def forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | 
     # A client that leaves cancels the attempt at once: its cleanup drops the upstream
     # connection and frees the reservation.
     with ClientWatch(ctx.request.receive):
-        return await _forward(gw, ctx, backend)
+        return await send_attempt(gw, ctx, backend, start_stream)
     # Reached only when the watch suppressed its own cancellation: the client went away.
     return _client_left(gw, ctx, backend)
 
@@ -66,13 +74,23 @@ def headers_deadline(gw: Gateway, ctx: RequestContext, now: float) -> float:
     return min(now + limit, ctx.deadline)
 
 
-async def _forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response | None:
+async def send_attempt(
+    gw: Gateway, ctx: RequestContext, backend: str, stream_step: StreamStep[T]
+) -> Response | T | None:
+    """Send ``ctx.parsed`` to ``backend``: an answer, ``stream_step``'s result, or None (divert).
+
+    Not watching the client: ``forward`` does that; a continuation runs inside a stream whose
+    own relay already does (``proxy.gateway.continuation``).
+    """
     url = gw.urls[backend] + PATHS[ctx.parsed.endpoint]
     loop = asyncio.get_running_loop()
     started = time.perf_counter()
     ttfb_deadline = headers_deadline(gw, ctx, loop.time())
     resp: UpstreamAnswer | None = None
-    headers = with_credential(ctx.upstream_headers, gw.credentials.get(backend))
+    credential = upstream_credential(
+        ctx.cfg.auth, ctx.upstream_headers, gw.credentials.get(backend)
+    )
+    headers = with_credential(ctx.upstream_headers, credential)
     try:
         try:
             resp = await gw.upstream.post(url, ctx.parsed.raw, headers, ttfb_deadline - loop.time())
@@ -89,7 +107,7 @@ async def _forward(gw: Gateway, ctx: RequestContext, backend: str) -> Response |
         if ctx.parsed.stream and resp.headers.get("content-type", "").lower().startswith(
             "text/event-stream"
         ):
-            return await start_stream(gw, ctx, backend, resp, started, ttfb_deadline)
+            return await stream_step(gw, ctx, backend, resp, started, ttfb_deadline)
         return await whole_answer(gw, ctx, backend, resp, started)
     except BaseException:
         if resp is not None:

@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
+from proxy.core.two_step import TwoStep
 from proxy.core.validation import ParsedRequest
 from proxy.errors import UpstreamFailure
 from proxy.gateway.affinity import AffinityKey
@@ -56,6 +57,8 @@ RequestResult = Literal[
     "client_disconnect",
     "no_fit",
     "unavailable",
+    # A stream still running when the gateway's shutdown drain time ran out.
+    "shutdown",
 ]
 
 
@@ -82,6 +85,9 @@ class RequestContext:
     cfg: Config
     policy: Policy
     exclude: set[str] = field(default_factory=set)
+    # The gateway's own prompt count before any learned correction (``proxy.gateway.token_counts``
+    # compares it with the server's usage; 0: not counted).
+    counted_prompt_tokens: int = 0
     # Backends that do not serve the request's model or whose max_model_len is too small.
     ruled_out: frozenset[str] = frozenset()
     # Nodes known to have failed to allocate this request (its attempts, or the client's
@@ -104,6 +110,10 @@ class RequestContext:
     failure_outcome: RequestResult = "upstream_error"
     # Prompt block hashes and session for prefix/session affinity (None: affinity off).
     affinity: AffinityKey | None = None
+    # A disaggregated request's two steps (``proxy.gateway.disaggregated``); None: one step.
+    two_step: TwoStep | None = None
+    # False for step 1 of two: its answer is not the request's, so its success is not counted.
+    counts_request: bool = True
 
     def answer_headers(
         self,
@@ -122,4 +132,6 @@ class RequestContext:
                 "x-request-id": self.request_id,
             }
         )
+        if self.two_step is not None:
+            merged.update(self.two_step.headers())
         return merged

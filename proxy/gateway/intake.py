@@ -25,6 +25,7 @@ from proxy.gateway.sizing import size_request
 from proxy.routing.policy import Policy, classify
 from proxy.state.base import StoreUnavailable
 from proxy.upstream.client import forward_headers, header
+from proxy.upstream.client_auth import strips_client_authorization
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
@@ -118,7 +119,10 @@ async def open_request(
     deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
     served, catalog = route_model(gw, parsed, cfg)
     sized = await size_request(parsed, cfg, served.limit)
-    prompt_tokens, demand = sized.prompt_tokens, sized.total
+    # As the servers count them, where answers taught the gateway its tokenizer is off.
+    counted = sized.prompt_tokens
+    prompt_tokens = gw.token_counts.correct(parsed.model, counted)
+    demand = sized.total - counted + prompt_tokens
     too_small = check_length(catalog, served, parsed, prompt_tokens)
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
@@ -142,11 +146,12 @@ async def open_request(
         started=started,
         deadline=deadline,
         prompt_tokens=prompt_tokens,
+        counted_prompt_tokens=counted,
         demand=demand,
         cls=cls,
         snap=snap,
         retry_key=key,
-        upstream_headers=forward_headers(request.headers, bool(cfg.auth.api_keys)),
+        upstream_headers=forward_headers(request.headers, strips_client_authorization(cfg.auth)),
         cfg=cfg,
         policy=policy,
         ruled_out=served.ruled_out | too_small,

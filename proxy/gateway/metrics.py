@@ -16,6 +16,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from proxy.core.fleet import FleetSnapshot
+from proxy.gateway.sizing_metrics import SizingCollector
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -123,6 +124,8 @@ class GatewayMetrics:
         r = self.registry
         # Children of labelled metrics by (metric, label values): see ``labelled``.
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
+        # Chunk-cache and sizing counters, read at scrape time (proxy.gateway.sizing_metrics).
+        r.register(SizingCollector())
         self.requests = Counter(
             "kvroute_requests",
             "Requests by class, final backend and outcome",
@@ -184,6 +187,12 @@ class GatewayMetrics:
         )
         self.active = Gauge(
             "kvroute_active_requests", "Requests being handled by this gateway", registry=r
+        )
+        self.two_step = Counter(
+            "kvroute_two_step",
+            "Steps of disaggregated requests (docs/disaggregation.md) by step and result",
+            ["step", "result"],
+            registry=r,
         )
 
     def labelled(self, metric: M, *values: str) -> M:

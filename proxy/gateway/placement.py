@@ -130,7 +130,8 @@ def give_up(gw: Gateway, ctx: RequestContext) -> Response:
     """The last upstream failure is the answer: count the request once, by that outcome."""
     assert ctx.failure is not None
     backend = ctx.failed_on[-1] if ctx.failed_on else "none"
-    gw.metrics.requests.labels(ctx.cls, backend, ctx.failure_outcome).inc()
+    if ctx.counts_request:
+        gw.metrics.requests.labels(ctx.cls, backend, ctx.failure_outcome).inc()
     return ctx.failure
 
 
@@ -290,8 +291,11 @@ def nothing_fits(
         why = f"tried {', '.join(ctx.failed_on)}: all failed; " + why
     record_allocation_failure(gw, "", cause, ctx.demand, verdict)
     retry_after = {"retry-after": str(ctx.cfg.queue.retry_after_s)}
+    # Step 1 of two is not the request: what fails there is not its outcome.
+    counted = ctx.counts_request
     if cause == "unavailable":
-        gw.metrics.requests.labels(ctx.cls, "none", "unavailable").inc()
+        if counted:
+            gw.metrics.requests.labels(ctx.cls, "none", "unavailable").inc()
         err = ApiError(
             503,
             why,
@@ -306,7 +310,8 @@ def nothing_fits(
             },
         )
     else:
-        gw.metrics.requests.labels(ctx.cls, "none", "no_fit").inc()
+        if counted:
+            gw.metrics.requests.labels(ctx.cls, "none", "no_fit").inc()
         err = ApiError(
             503,
             why,

@@ -136,6 +136,10 @@ def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: froz
     best = snap.by_name()[ranked[0][0]]
     if best.usable_block() >= ctx.demand:
         return True
+    if ctx.two_step is not None:
+        # A decode server short of KV preempts what it holds: a disaggregated fleet's request
+        # holds here until one fits, up to ``queue.max_wait_s`` (docs/disaggregation.md).
+        return False
     held = time.monotonic() - ctx.hold_started if ctx.hold_started is not None else 0.0
     rate = gw.queues.settings.rates.get(best.name, Rates()).decode_tokens_per_s
     return gw.pressure.hand_over(ctx, best, held, ranked[0][1], rate)

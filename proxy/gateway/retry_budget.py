@@ -10,7 +10,9 @@ by ``retry.max_attempts`` instead.
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Callable
 
 
 class RetryBudget:
@@ -20,6 +22,8 @@ class RetryBudget:
         self.in_flight = 0
         self.granted_total = 0
         self.exhausted_total = 0
+        # Set (and replaced) at each release, for ``acquire_within``'s waiters.
+        self._freed: asyncio.Event | None = None
 
     def limit(self, active_requests: int) -> int:
         return max(self.min_concurrency, math.floor(self.percent / 100.0 * max(0, active_requests)))
@@ -35,3 +39,23 @@ class RetryBudget:
 
     def release(self, n: int = 1) -> None:
         self.in_flight = max(0, self.in_flight - n)
+        if n > 0 and self._freed is not None:
+            self._freed.set()
+            self._freed = None
+
+    async def acquire_within(self, active: Callable[[], int], timeout_s: float) -> bool:
+        """``try_acquire``, waiting up to ``timeout_s`` for a slot to free; only a final
+        refusal counts as exhaustion. For work that must not be dropped for being one of
+        many at once (the streams of a backend that died), yet stays within the cap."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        while self.in_flight >= self.limit(active()) and (left := until - loop.time()) > 0:
+            if self._freed is None:
+                self._freed = asyncio.Event()
+            freed = self._freed
+            # Re-checked at least every 0.1 s: new requests raise the limit without a release.
+            try:
+                await asyncio.wait_for(freed.wait(), min(left, 0.1))
+            except TimeoutError:
+                pass
+        return self.try_acquire(active())

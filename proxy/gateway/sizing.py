@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from proxy.config import Config, PrefixConfig
-from proxy.core import digest
+from proxy.core import chunk_count, digest
+from proxy.core.chunked_counter import ChunkedCounter
 from proxy.core.demand import Demand, Sizer
 from proxy.core.prefix_prompt import IdsCache, prompt_hashes
 from proxy.core.tokenizer import TiktokenCounter, TokenCache
@@ -91,10 +92,11 @@ async def size_request(
     """The request's KV demand, counted inline when small and in a sizing thread otherwise."""
     sizer = _loaded(cfg) or await load_sizer(cfg)
     prefix = cfg.routing.prefix
-    if sizer.work_chars(parsed) <= cfg.routing.tokenize_in_thread_chars:
+    inline = cfg.routing.tokenize_in_thread_chars
+    if sizer.work_chars(parsed) <= inline:
         demand, hashes = _size(sizer, parsed, prefix, max_model_len)
     else:
-        demand, hashes = await sizing_pool.run(_size, sizer, parsed, prefix, max_model_len)
+        demand, hashes = await _size_big(sizer, parsed, prefix, max_model_len, inline)
     if hashes is not None:
         _keep(parsed, *hashes)
     return demand
@@ -132,6 +134,47 @@ def _size(
         demand = sizer.size(parsed, max_model_len)
         spec = hash_spec(sizer, parsed, prefix)
         return demand, None if spec is None else (spec, prefix_hashes(sizer, parsed, spec))
+
+
+Sized = tuple[Demand, tuple["HashSpec", tuple[int, ...]] | None]
+#: Rounds of "encode the new chunks in a thread, size again on the loop" before giving up.
+_ENCODE_ROUNDS = 4
+
+
+async def _size_big(
+    sizer: Sizer,
+    parsed: ParsedRequest,
+    prefix: PrefixConfig,
+    max_model_len: int | None,
+    inline_bytes: int,
+) -> Sized:
+    """A big request: on the loop from the caches, a thread encoding only what is new.
+
+    A prompt seen before (a document behind a new question, a chat's history) costs ~1 ms
+    of CPU from the chunk cache (``proxy.core.chunk_count``), less than a hop to a sizing
+    thread costs under load: there every numpy call and encode retakes the GIL behind the
+    busy event loop (up to the 5 ms switch interval each). New text is encoded in a sizing
+    thread (one encode per run of new chunks, nothing else), then sized here from the cache.
+    Any other shape (a tokenizer that cannot be cut, a split that fails) is sized whole in
+    the thread, as before.
+    """
+    if isinstance(sizer.model(parsed.model).counter, ChunkedCounter):
+        for round_ in range(_ENCODE_ROUNDS):
+            try:
+                with chunk_count.inline_budget(inline_bytes):
+                    got = _size(sizer, parsed, prefix, max_model_len)
+                SIZED_WHERE["cache" if round_ == 0 else "encoded"] += 1
+                return got
+            except chunk_count.TooMuchToEncode as more:
+                job = more.job
+            if job is None or not job.store(await sizing_pool.run(job.run)):
+                break
+    SIZED_WHERE["thread"] += 1
+    return await sizing_pool.run(_size, sizer, parsed, prefix, max_model_len)
+
+
+#: Big requests: sized from the caches alone, after encoding new chunks, or whole in a thread.
+SIZED_WHERE = {"cache": 0, "encoded": 0, "thread": 0}
 
 
 # id(parsed) -> (weak reference to it, spec, hashes), until affinity takes them or it dies.

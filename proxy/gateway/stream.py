@@ -1,10 +1,12 @@
 """Step 6 for streams: wait for the first event, then relay; always clean up once.
 
 Until the first event arrives nothing has reached the client, so a stream that stalls,
-breaks or is not server-sent events can still divert. After it, a failure cannot be
-retried: the stream ends with a final SSE error event that names the cause (idle gap, total
-time, broken off). Whatever happens, the upstream connection is closed (the backend sees the
-cancel) or returned to the pool, and the reservation released, exactly once.
+breaks or is not server-sent events can still divert. After it, a break is continued on
+another backend where it may be (``proxy.gateway.continuation``); otherwise the stream ends
+with a final SSE error event that names the cause (idle gap, total time, broken off, or the
+gateway's drain time over at shutdown, which is never continued). Whatever happens, each
+upstream connection is closed (the backend sees the cancel) or returned to the pool, and
+each reservation released, exactly once.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 
+from proxy.core.stream_transcript import Rewrite, Transcript
 from proxy.errors import BodyTimeout, UpstreamBroken, sse_error_event
+from proxy.gateway import continuation
 from proxy.gateway.answers import broken_answer
 from proxy.gateway.context import RequestContext, RequestResult
+from proxy.gateway.continuation_metrics import BreakCause
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.upstream.classify import looks_like_sse
 from proxy.upstream.client import UpstreamAnswer, next_chunk, response_headers
@@ -39,6 +45,29 @@ async def start_stream(
     ttfb_deadline: float,
 ) -> Response | None:
     """Wait for the first event before answering: until then a failure can still go to another backend."""
+    first = await first_event(gw, ctx, backend, resp, ttfb_deadline)
+    if first is None:
+        return None
+    ctx.backend = backend
+    relay = StreamRelay(gw, ctx, backend, resp, started)
+    relay.transcript = continuation.transcript_for(gw, ctx, backend)
+    # RelayResponse runs close() even if the client left before the first chunk was pulled
+    # (then the generator never starts and its own finally would never run).
+    on_close = OnceCallback(relay.close)
+    return RelayResponse(
+        relay.body(first, on_close),
+        on_close,
+        status_code=resp.status,
+        headers=ctx.answer_headers(backend, response_headers(resp.headers)),
+        media_type=resp.headers.get("content-type", "text/event-stream"),
+        deadline=ctx.deadline,
+    )
+
+
+async def first_event(
+    gw: Gateway, ctx: RequestContext, backend: str, resp: UpstreamAnswer, ttfb_deadline: float
+) -> bytes | None:
+    """The stream's first bytes, or None (diverted) when they do not come in time or are not SSE."""
     loop = asyncio.get_running_loop()
     try:
         first = await next_chunk(resp, max(0.001, ttfb_deadline - loop.time()), ctx.deadline)
@@ -55,23 +84,25 @@ async def start_stream(
         broken_answer(gw, ctx, backend, resp, "bad_response", message)
         return None
     gw.metrics.labelled(gw.metrics.attempts, backend, "ok").inc()
-    ctx.backend = backend
-    relay = StreamRelay(gw, ctx, backend, resp, started)
-    # RelayResponse runs close() even if the client left before the first chunk was pulled
-    # (then the generator never starts and its own finally would never run).
-    on_close = OnceCallback(relay.close)
-    return RelayResponse(
-        relay.body(first, on_close),
-        on_close,
-        status_code=resp.status,
-        headers=ctx.answer_headers(backend, response_headers(resp.headers)),
-        media_type=resp.headers.get("content-type", "text/event-stream"),
-        deadline=ctx.deadline,
-    )
+    return first
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """How a stream broke after its first byte, and the final event today's gateway sends."""
+
+    cause: BreakCause
+    message: str
+    final_event: bytes
 
 
 class StreamRelay:
-    """One stream being relayed; ``outcome`` is how it ended (until it ends: the client left)."""
+    """One stream being relayed; ``outcome`` is how it ended (until it ends: the client left).
+
+    ``transcript`` (set when the stream may be continued, ``proxy.gateway.continuation``)
+    reads what the client received; ``backend``/``resp`` are the part being relayed now, and
+    ``holds`` whether its reservation is still to be released.
+    """
 
     def __init__(
         self,
@@ -87,21 +118,71 @@ class StreamRelay:
         self.resp = resp
         self.started = started
         self.outcome: RequestResult = "client_disconnect"
+        # The last two chunks: the final usage chunk (the server's prompt count) is in them.
+        self.tail: tuple[bytes, bytes] = (b"", b"")
+        self.transcript: Transcript | None = None
+        self.holds = True
+        self.broken: Break | None = None
+        # The request was counted already (a continuation's placement gave the final answer).
+        self.counted = False
+        # Set by interrupt() when a shutdown's drain time is over (proxy.gateway.live_streams).
+        self.interrupted = False
+        gw.live_streams.add(self)
+
+    def interrupt(self) -> None:
+        """End the stream now with the shutdown event: wake the pending read with an error."""
+        self.interrupted = True
+        self.resp.content.set_exception(ConnectionAbortedError("the gateway is shutting down"))
 
     async def body(self, first: bytes, on_close: OnceCallback) -> AsyncIterator[bytes]:
-        """Relay the stream; a failure after the first byte ends it with an SSE error event."""
-        backend, health = self.backend, self.gw.health
-        idle = self.ctx.cfg.upstream.idle_timeout_s
+        """Relay the stream; a failure after the first byte is continued elsewhere where it
+        may be, else it ends the stream with an SSE error event."""
+        try:
+            async for piece in self.relay_part(first):
+                yield piece
+            if self.broken is not None:
+                async for piece in continuation.carry_on(self, self.broken):
+                    yield piece
+        finally:
+            await on_close()
+
+    async def relay_part(
+        self, first: bytes, rewrite: Rewrite | None = None
+    ) -> AsyncIterator[bytes]:
+        """Relay ``self.resp`` to its end; a break is left in ``self.broken``, nothing yielded for
+        it. A shutdown's interrupt ends the stream with its own event (never continued)."""
+        backend, health, transcript = self.backend, self.gw.health, self.transcript
+        idle = continuation.stall_timeout(self.ctx, transcript is not None)
+        self.broken = None
+        # The last two chunks as the server sent them: its final usage chunk is in them.
+        self.tail = (b"", first)
         try:
             pressure = self.gw.pressure
-            pressure.progress(self.ctx, backend, first)
-            yield first
-            while chunk := await next_chunk(self.resp, idle, self.ctx.deadline):
+            chunk = first
+            while chunk:
+                # Progress for the KV projection: tokens this stream has carried so far.
                 pressure.progress(self.ctx, backend, chunk)
-                yield chunk
+                out = chunk if transcript is None else transcript.feed(chunk, rewrite)
+                if out:
+                    yield out
+                if self.interrupted:
+                    yield self.shutdown_event()
+                    return
+                if transcript is not None and transcript.error is not None:
+                    raise UpstreamBroken(f"error event: {transcript.error}")
+                chunk = await next_chunk(self.resp, idle, self.ctx.deadline)
+                self.tail = (self.tail[1], chunk)
+            if transcript is not None and not (transcript.done or transcript.complete):
+                raise UpstreamBroken("the stream ended before its last event")
+            # The body's end, even if interrupt() came just after it: the stream is whole.
             self.outcome = "success"
             pressure.finished(self.ctx, backend)
             health.success(backend)
+            if rewrite is None:
+                # The server's count of the prompt the gateway sized (not a continuation's).
+                self.gw.token_counts.observe(
+                    self.ctx.parsed.model, self.ctx.counted_prompt_tokens, b"".join(self.tail)
+                )
         except BodyTimeout as exc:
             self.outcome = "upstream_timeout"
             if exc.phase == "idle":
@@ -109,19 +190,53 @@ class StreamRelay:
             log.warning(
                 "request %s: stream from %s timed out (%s)", self.ctx.request_id, backend, exc.phase
             )
-            yield sse_error_event(f"backend {backend}: {exc}", code=f"upstream_{exc.phase}_timeout")
+            event = sse_error_event(
+                f"backend {backend}: {exc}", code=f"upstream_{exc.phase}_timeout"
+            )
+            self.broken = Break(
+                "stall" if exc.phase == "idle" else "total_timeout", str(exc), event
+            )
         except UpstreamBroken as exc:
+            if self.interrupted:
+                # The break is ours (interrupt()), not the backend's: no health failure.
+                yield self.shutdown_event()
+                return
             self.outcome = "upstream_error"
             health.failure(backend)
             log.warning(
                 "request %s: stream from %s broke off: %s", self.ctx.request_id, backend, exc.cause
             )
-            yield sse_error_event(
+            event = sse_error_event(
                 f"backend {backend} stopped streaming ({exc.cause})",
                 code="upstream_stream_broken",
             )
-        finally:
-            await on_close()
+            if transcript is not None and transcript.error is not None:
+                # The backend's own error event, as it would have reached the client.
+                final = transcript.final_error_event()
+                self.broken = Break("error_event", transcript.error, final)
+            else:
+                self.broken = Break(continuation.break_cause(exc.cause), exc.cause, event)
+
+    def drop_part(self) -> None:
+        """The part being relayed broke: drop its connection and free its reservation, once."""
+        self.resp.close()
+        if self.holds:
+            self.holds = False
+            self.gw.release_later(self.ctx, self.backend)
+
+    def shutdown_event(self) -> bytes:
+        """The last event of a stream the gateway's shutdown cut (not the backend's fault)."""
+        self.outcome = "shutdown"
+        log.warning(
+            "request %s: stream from %s ended: the gateway's drain time is over",
+            self.ctx.request_id,
+            self.backend,
+        )
+        return sse_error_event(
+            "the gateway is shutting down and its drain time is over; retry the request",
+            type="server_error",
+            code="gateway_shutting_down",
+        )
 
     async def close(self) -> None:
         """Return or drop the upstream connection, count the request, release the reservation."""
@@ -132,6 +247,10 @@ class StreamRelay:
             self.resp.release()
         cls = self.ctx.cls
         metrics = self.gw.metrics
-        metrics.labelled(metrics.requests, cls, self.backend, self.outcome).inc()
+        if not self.counted:
+            metrics.labelled(metrics.requests, cls, self.backend, self.outcome).inc()
         metrics.labelled(metrics.duration, cls).observe(time.perf_counter() - self.started)
-        self.gw.release_later(self.ctx, self.backend)
+        self.gw.live_streams.discard(self)
+        if self.holds:
+            self.holds = False
+            self.gw.release_later(self.ctx, self.backend)

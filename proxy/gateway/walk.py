@@ -30,12 +30,14 @@ from proxy.config import Config
 from proxy.core.redact import safe_request_id
 from proxy.core.validation import Endpoint
 from proxy.errors import ApiError
-from proxy.gateway import attempt, intake, placement
+from proxy.gateway import attempt, disaggregated, intake, placement
 from proxy.gateway.admission import Admission
 from proxy.gateway.affinity import Affinity
 from proxy.gateway.context import RequestContext
+from proxy.gateway.continuation_metrics import ContinuationMetrics
 from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
+from proxy.gateway.live_streams import LiveStreams
 from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.memory_pressure import MemoryPressure
 from proxy.gateway.metrics import GatewayMetrics
@@ -44,6 +46,7 @@ from proxy.gateway.queueing import BackendQueues
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.gateway.resilience_metrics import ResilienceCollector
 from proxy.gateway.retry_budget import RetryBudget
+from proxy.gateway.token_counts import TokenCounts
 from proxy.routing.policy import Policy
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
@@ -89,6 +92,8 @@ class Gateway:
         self.metrics = metrics
         self.clock = clock
         self.admission = Admission(cfg.queue.max_size)
+        # Streams being relayed, ended by a shutdown whose drain time is over (proxy.api.drain).
+        self.live_streams = LiveStreams()
         # Without user:pass@ (aiohttp refuses those next to an Authorization header): each
         # backend's credential goes as a header instead, in place of the client's.
         self.urls = {b.name: b.plain_url for b in cfg.backends}
@@ -127,6 +132,9 @@ class Gateway:
         self.queues = BackendQueues(cfg, metrics.registry)
         # Projected KV peaks, learned output lengths, held-request fairness (paged engines).
         self.pressure = MemoryPressure(cfg, metrics.registry)
+        # The servers' usage.prompt_tokens against the gateway's counts, per model.
+        self.token_counts = TokenCounts(cfg, metrics.registry)
+        self.continuation_metrics = ContinuationMetrics(metrics.registry)
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
 
@@ -170,18 +178,28 @@ class Gateway:
         self._request_ended()
 
     async def _route(self, ctx: RequestContext) -> Response:
+        disaggregated.begin(self, ctx)
         try:
             while True:
+                # A two-step request that must wait for a decode server prefills meanwhile.
+                early = await disaggregated.prefill_while_holding(self, ctx)
+                if early is not None:
+                    return early
                 # 4. rank candidates, 5. reserve on the best that accepts (or wait, or give up)
                 placed = await placement.place(self, ctx)
                 if isinstance(placed, Response):
-                    return placed
+                    return disaggregated.finish(self, ctx, placed)
+                # A two-step request: step 1 on a prefill server, for the decode placed here.
+                ended = await disaggregated.prefill_if_wanted(self, ctx, placed)
+                if ended is not None:
+                    return ended
                 # 6. forward + relay; 7. the reservation is released whatever the outcome
                 answer = await attempt.forward(self, ctx, placed)
                 if answer is not None:
-                    return answer
+                    return disaggregated.finish(self, ctx, answer)
                 # diverted before the first byte: try the next candidate
                 await placement.move_on(self, ctx, placed)
+                disaggregated.after_divert(self, ctx, placed)
         finally:
             self.budget.release(ctx.retries)
 
@@ -205,6 +223,7 @@ class Gateway:
         """Follow a changed backend list (discovery). URLs of removed backends are kept, so a
         request already placed on one still reaches it; probes cover the current list only."""
         self.cfg = cfg
+        self.token_counts.reconfigure(cfg)
         self.urls.update({b.name: b.plain_url for b in cfg.backends})
         self.credentials.update({b.name: b.credential() for b in cfg.backends})
         self.health.retain([b.name for b in cfg.backends])

@@ -247,7 +247,14 @@ def test_a_request_in_flight_finishes_on_the_config_it_started_with(
         threads = [threading.Thread(target=send) for _ in range(2)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+
+        def started() -> int:
+            # A request counted active has read its config (``Gateway.handle``); one answered
+            # already ran on it. A fixed sleep here let a loaded machine reload first.
+            active = metric(url, "kvroute_active_requests ").split()
+            return int(float(active[-1])) + len(results) if active else len(results)
+
+        wait_until(lambda: started() >= 2, what="both requests in the gateway")
         path.write_text(text + "upstream: {ttfb_timeout_s: 1.5}\nretry: {max_attempts: 1}\n")
         assert reload(url).json()["changed"] == ["retry"]
         for t in threads:

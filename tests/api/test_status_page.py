@@ -72,6 +72,35 @@ def test_status_page_is_served_as_a_static_file(engine_factory: Callable[..., An
         r"""(src|href)=["']https?://""", page
     )  # no external resources, no build step
     assert "innerHTML" not in page  # backend names are set as text, never parsed as HTML
+    for link in ("/fleet", "/fleet/advice", "/metrics"):
+        assert f'<a href="{link}">{link}</a>' in page
+
+
+def test_fleet_counts_requests_errors_and_failovers_per_node(
+    engine_factory: Callable[..., Any],
+) -> None:
+    bad, good = engine_factory(name="bad"), engine_factory(name="good")
+    httpx.post(bad.url + "/admin/fault", json={"mode": "error500"}, timeout=5).raise_for_status()
+    cfg = gateway_cfg(
+        [
+            {"name": "bad", "url": bad.url, "kind": "contiguous"},
+            {"name": "good", "url": good.url, "kind": "contiguous"},
+        ],
+        routing={"policy": "round_robin"},
+        health={"active": {"enabled": False}},
+    )
+    with run_gateway(cfg) as url:
+        wait_until(lambda: all(b["report"] for b in fleet_state(url)["backends"]), what="reports")
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for _ in range(4):
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.headers["x-kvroute-backend"] == "good"
+        counts = {b["name"]: b["counts"] for b in fleet_state(url)["backends"]}
+    # Every request ended on "good"; round robin tried "bad" first at least once (it fails
+    # every request with a 500), and each of those attempts moved on: a failover.
+    assert counts["good"] == {"requests": 4, "errors": 0, "failovers": 0}
+    assert counts["bad"]["requests"] == 0 and counts["bad"]["errors"] == 0
+    assert counts["bad"]["failovers"] >= 1
 
 
 def test_status_page_in_headless_chromium(
@@ -99,6 +128,9 @@ def test_status_page_in_headless_chromium(
             lambda: all(b["report"] or not b["up"] for b in fleet_state(url)["backends"]),
             what="reports, and the dead backend marked down",
         )
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for _ in range(3):
+            httpx.post(url + "/v1/chat/completions", json=chat, timeout=30).raise_for_status()
         httpx.post(
             url + "/admin/backends/general-1/drain", headers={"x-admin-key": KEY}, timeout=10
         ).raise_for_status()
@@ -133,6 +165,11 @@ def test_status_page_in_headless_chromium(
     row = re.search(r'<tr data-node="general-1">.*?</tr>', html)
     assert row is not None and '<span class="state draining">draining</span>' in row.group(0)
     assert '<td class="ratio low">0.08</td>' in html  # general-0's block ratio, flagged
+    # This replica's counts per node: the three requests sent above, no errors.
+    answered = re.findall(r'<td class="count requests">(\d+)</td>', html)
+    assert len(answered) == 4 and sum(map(int, answered)) == 3, html[-3000:]
+    assert '<td class="count errors bad">' not in html
+    assert '<a href="/fleet/advice">/fleet/advice</a>' in html
     # Allocator and advice in words, not raw enums.
     assert "contiguous (fragments: needs whole blocks)" in html
     assert "configured kind: contiguous" in html

@@ -43,14 +43,14 @@ def test_vllm_hybrid_model_capacity_is_not_blocks_times_block_size() -> None:
     assert r.block_size == 8
 
 
-def test_vllm_data_parallel_totals_are_read_once_and_headroom_is_the_smallest_engines() -> None:
+def test_vllm_data_parallel_capacity_sums_engines_and_headroom_is_the_smallest_engines() -> None:
     r = parse("vllm", page("vllm_dp2.txt"))
-    # kv_cache_size_tokens="320000" is the sum over both engines, repeated per engine.
-    assert r.capacity_tokens == 320_000
+    # kv_cache_size_tokens="320000" is one engine's (vLLM does not sum it across DP).
+    assert r.capacity_tokens == 640_000
     assert r.engines == 2
-    assert r.engine_free_tokens == (80_000, 140_000)  # 160k each at 50% and 12.5% used
-    assert r.free_tokens == 220_000
-    assert r.largest_free_block_tokens == 80_000  # the front end may pick either engine
+    assert r.engine_free_tokens == (160_000, 280_000)  # 320k each at 50% and 12.5% used
+    assert r.free_tokens == 440_000
+    assert r.largest_free_block_tokens == 160_000  # the front end may pick either engine
     assert (r.running, r.waiting, r.preemptions) == (49, 3, 9)
     assert r.started_at == 0.0  # several API servers: no process start time
 
@@ -77,9 +77,9 @@ def test_vllm_prefill_counters_from_the_per_request_histograms() -> None:
 def test_vllm_data_parallel_blocks_without_kv_cache_size_tokens() -> None:
     text = page("vllm_dp2.txt").replace('kv_cache_size_tokens="320000",', "")
     r = parse("vllm", text)
-    # num_gpu_blocks="20000" in all: 10,000 blocks of 16 per engine, whole free blocks.
-    assert r.capacity_tokens == 20_000 * 16
-    assert r.engine_free_tokens == (5_000 * 16, 8_750 * 16)
+    # num_gpu_blocks="40000" is the sum: 20,000 blocks of 16 per engine, whole free blocks.
+    assert r.capacity_tokens == 40_000 * 16
+    assert r.engine_free_tokens == (10_000 * 16, 17_500 * 16)
 
 
 def test_vllm_num_gpu_blocks_none_needs_a_capacity() -> None:
@@ -114,7 +114,7 @@ def test_vllm_one_sleeping_data_parallel_engine_leaves_no_sure_headroom() -> Non
         'engine="1",model_name="Qwen/Qwen2.5-32B-Instruct",sleep_state="awake"} 0.0',
     )
     r = parse("vllm", text)
-    assert r.sleeping and r.engine_free_tokens == (80_000, 0)
+    assert r.sleeping and r.engine_free_tokens == (160_000, 0)
     assert r.largest_free_block_tokens == 0
 
 

@@ -27,6 +27,7 @@ import jsonschema
 import pytest
 import yaml
 
+from proxy.api.drain import CLOSE_GRACE_S
 from proxy.config import parse_config
 from tests.deploy.test_deploy_files import PROMTOOL_APT
 
@@ -34,7 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 CRDS = Path(__file__).parents[1] / "data" / "crds"
 KUBERNETES_VERSION = "1.32.0"
-RENDERED = ["base", "overlays/production", "overlays/redis-statefulset"]
+RENDERED = ["base", "overlays/production", "overlays/redis-statefulset", "fleet", "fleet-keda"]
+# The gateway's namespace, and the inference fleet's (deploy/kubernetes/fleet).
+GATEWAY_NS = "kvroute"
+FLEET_NS = "inference"
 CRD_FILES = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
@@ -136,7 +140,8 @@ def test_kustomizations_render_and_validate(target: str) -> None:
             validate_crd_object(doc)
         else:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-        assert doc["kind"] == "Namespace" or doc["metadata"].get("namespace") == "kvroute", doc[
+        namespace = FLEET_NS if target.startswith("fleet") else GATEWAY_NS
+        assert doc["kind"] == "Namespace" or doc["metadata"].get("namespace") == namespace, doc[
             "metadata"
         ]
 
@@ -150,7 +155,7 @@ def test_validation_catches_mistakes() -> None:
     bad["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, KUBERNETES_VERSION, strict=True)
-    so = find(render("overlays/production"), "ScaledObject")
+    so = find(render("fleet-keda"), "ScaledObject")
     bad = yaml.safe_load(yaml.safe_dump(so))
     bad["spec"]["minReplicas"] = 2
     with pytest.raises(jsonschema.ValidationError):
@@ -171,20 +176,40 @@ def test_gateway_deployment_is_production_shaped() -> None:
     (c,) = pod["containers"]
     assert spec["replicas"] >= 2
     assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert "livenessProbe" in c and c["livenessProbe"]["httpGet"]["path"] != "/health"
+    # /ready turns 503 the moment a shutdown begins (proxy.api.drain).
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert "livenessProbe" in c and c["livenessProbe"]["httpGet"]["path"] not in (
+        "/health",
+        "/ready",
+    )
+    assert "--reload-on-hup" in c["args"]
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     cfg = parse_config(yaml.safe_load((K8S / "base" / "kvroute.yaml").read_text()), environ={})
-    # Streams may run upstream.total_timeout_s; the pod outlives them plus the preStop pause.
+    # The pod outlives the preStop pause, the drain and the last events' close; the drain
+    # covers a whole stream (upstream.total_timeout_s).
     pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pod["terminationGracePeriodSeconds"] >= cfg.upstream.total_timeout_s + pre_stop
+    needed = pre_stop + cfg.shutdown.drain_s + CLOSE_GRACE_S
+    assert pod["terminationGracePeriodSeconds"] >= needed
+    assert cfg.shutdown.drain_s >= cfg.upstream.total_timeout_s
     pdb = find(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
     svc = find(docs, "Service", "kvroute")
     assert svc["spec"]["selector"] == spec["selector"]["matchLabels"]
     env = {e["name"]: e for e in c["env"]}
-    assert env["KVROUTE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "kvroute-admin"
-    find(docs, "Secret", "kvroute-admin")
+    ref = env["KVROUTE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
+    # The operator's Secret, referenced by name; kustomize never applies (or resets) it.
+    assert ref["name"] == "kvroute-admin" and ref["optional"] is True
+    assert not [d for d in docs if d["kind"] == "Secret"]
+
+
+@pytest.mark.parametrize("target", RENDERED)
+def test_no_secret_with_an_empty_key_is_ever_applied(target: str) -> None:
+    """An applied Secret with an empty key resets the operator's key on every `apply -k`."""
+    for doc in render(target):
+        if doc["kind"] != "Secret":
+            continue
+        values = {**doc.get("data", {}), **doc.get("stringData", {})}
+        assert values and all(v not in ("", None) for v in values.values()), doc["metadata"]
 
 
 def test_configmap_holds_a_valid_kubernetes_config() -> None:
@@ -204,9 +229,14 @@ def test_configmap_holds_a_valid_kubernetes_config() -> None:
     assert cfg.store.redis_url is not None and "kvroute-redis" in cfg.store.redis_url
 
 
-def test_rbac_grants_only_what_the_gateway_uses() -> None:
-    docs = render("base")
+def test_rbac_grants_only_what_the_gateway_uses_in_the_fleets_namespace() -> None:
+    docs = render("fleet")
     role = find(docs, "Role", "kvroute-gateway")
+    # The gateway looks where the RBAC lets it: discovery and restarts both in the fleet's namespace.
+    cfg = parse_config(yaml.safe_load((K8S / "base" / "kvroute.yaml").read_text()), environ={})
+    assert role["metadata"]["namespace"] == FLEET_NS
+    assert cfg.discovery.namespace == FLEET_NS
+    assert cfg.maintenance.hook.kubernetes.namespace == FLEET_NS
     grants = {
         (g, r, v)
         for rule in role["rules"]
@@ -223,10 +253,12 @@ def test_rbac_grants_only_what_the_gateway_uses() -> None:
     }
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     binding = find(docs, "RoleBinding")
-    assert (
-        binding["subjects"][0]["name"]
-        == find(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
-    )
+    (subject,) = binding["subjects"]
+    gateway = find(render("base"), "Deployment")
+    assert subject["name"] == gateway["spec"]["template"]["spec"]["serviceAccountName"]
+    assert subject["namespace"] == gateway["metadata"]["namespace"] == GATEWAY_NS
+    # Nothing in the gateway's own namespace grants anything.
+    assert not [d for d in render("base") if d["kind"] in ("Role", "RoleBinding")]
 
 
 def test_redis_external_by_default_statefulset_overlay() -> None:
@@ -277,7 +309,10 @@ def test_servicemonitor_and_dashboard_match_the_gateway() -> None:
 def test_keda_scales_on_demand_that_ignores_fragmentation() -> None:
     from proxy.ops import metrics as ops_metrics
 
-    so = find(render("overlays/production"), "ScaledObject")
+    so = find(render("fleet-keda"), "ScaledObject")
+    # A ScaledObject scales a Deployment of its own namespace: the fleet's.
+    assert so["metadata"]["namespace"] == FLEET_NS
+    assert not [d for d in render("overlays/production") if d["kind"] == "ScaledObject"]
     (trigger,) = so["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
     query = trigger["metadata"]["query"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -417,6 +418,7 @@ class FaultFleet:
         for p in self.engines:
             p.stop()
         self.redis.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     # ------------------------------------------------------------- state checks
     def fleet_state(self, url: str | None = None) -> dict[str, Any]:

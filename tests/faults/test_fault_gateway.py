@@ -285,7 +285,9 @@ def test_hop_by_hop_stripped_both_ways_and_authorization_never_logged(
 ) -> None:
     hop = backends("hop", "hop")
     secret = "sk-very-secret-0123"
-    with caplog.at_level(logging.DEBUG), run_gateway(cfg_for([hop]), run_collector=False) as url:
+    # The client's Authorization goes upstream only when configured to (the default: never).
+    forwarding = cfg_for([hop], auth={"forward_client_authorization": "when_no_backend_key"})
+    with caplog.at_level(logging.DEBUG), run_gateway(forwarding, run_collector=False) as url:
         sent = {
             "Authorization": f"Bearer {secret}",
             "Connection": "keep-alive, x-hop",

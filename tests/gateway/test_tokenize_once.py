@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import random
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any
@@ -20,6 +22,7 @@ import orjson
 import pytest
 from starlette.requests import Request
 
+from loadtest.workload import make_prompt
 from proxy.config import Config, parse_config
 from proxy.core.prefix import block_hashes
 from proxy.core.prefix_prompt import prompt_ids
@@ -188,23 +191,31 @@ async def test_short_texts_are_encoded_once_and_repeated_ones_not_at_all() -> No
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
-async def test_big_requests_are_sized_in_a_lowered_thread_the_loops_stays_as_it_was() -> None:
+async def test_big_requests_are_encoded_in_a_lowered_thread_the_loops_stays_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cfg = config()
+    # Loaded first: loading starts and warms the sizing threads (hops of its own).
+    await sizing.load_sizer(cfg)
     seen: list[tuple[int, int]] = []
-    real = sizing._size
+    real = sizing.sizing_pool.run
 
-    def spy(*a: Any) -> Any:
-        tid = threading.get_native_id()
-        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
-        return real(*a)
+    async def spy(fn: Any, *a: Any) -> Any:
+        def where(*args: Any) -> Any:
+            tid = threading.get_native_id()
+            seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+            return fn(*args)
 
+        return await real(where, *a)
+
+    monkeypatch.setattr(sizing.sizing_pool, "run", spy)
     loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    sizing._size = spy
-    try:
-        await sizing.size_request(parse({"messages": [{"role": "user", "content": BIG}]}), cfg)
-        await sizing.size_request(parse({"messages": [{"role": "user", "content": "hi"}]}), cfg)
-    finally:
-        sizing._size = real
-    (worker, worker_nice), (inline, inline_nice) = seen
+    # A text no other test sized: the process-wide chunk cache holds none of it.
+    new = make_prompt(20_000, random.Random(uuid.uuid4().int))
+    await sizing.size_request(parse({"messages": [{"role": "user", "content": new}]}), cfg)
+    await sizing.size_request(parse({"messages": [{"role": "user", "content": "hi"}]}), cfg)
+    # One hop for the big one (its encode), none for the small one.
+    ((worker, worker_nice),) = seen
     assert worker != threading.get_native_id() and worker_nice >= sizing.WORKER_NICE
-    assert inline == threading.get_native_id() and inline_nice == loop_nice < sizing.WORKER_NICE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice
+    assert loop_nice < sizing.WORKER_NICE

@@ -161,6 +161,27 @@ def test_compare_e2e_smoke(tmp_path: Path) -> None:
     assert "round_robin" in out.stdout and "kvroute" in out.stdout
 
 
+def test_bench_big_prompts_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "big.json"
+    out = run_module(
+        "loadtest.bench.big_prompts",
+        "--duration", "1", "--concurrency", "4", "--tiny-concurrency", "2", "--bodies", "4",
+        "--doc-chars", "20000", "--lone", "2", "--workers", "1", "--no-vllm-router",
+        "--json", str(out_json),
+    )  # fmt: skip
+    res = load(out_json)
+    assert "req/s" in out.stdout
+    for case in ("shared", "unique", "tiny_c2", "tiny_c1"):
+        rows = {r["target"]: r for r in res["load"][case]}
+        assert set(rows) == {"direct", "kvroute"}, case
+        for r in rows.values():
+            assert r["requests"] > 0 and r["errors"] == 0 and r["cpu_ms_per_req"] > 0, (case, r)
+    for case in ("same", "repeat", "fresh"):
+        lone = res["lone"][case]
+        assert lone["added_p50_ms"]["direct"] == 0 and "kvroute" in lone["added_p50_ms"]
+        assert lone["requests"] == 2
+
+
 def test_bench_sizing_smoke() -> None:
     out = run_module("loadtest.bench.sizing", "--trace-limit", "20", "--repeat", "2").stdout
     for line in ("## 30k-token prompt", "with cache:", "model / cl100k =", "NOT a real model's"):
@@ -194,3 +215,31 @@ def test_tree_ab_smoke() -> None:
     assert len(rounds) == 2, out
     assert all(line.endswith("errors 0") for line in rounds), out
     assert "paired B/A: req/s x" in out and "CPU per request x" in out
+
+
+def test_bench_pd_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "pd.json"
+    run_module(
+        "loadtest.bench.pd",
+        "--duration", "2", "--rate", "3", "--speedup", "20", "--routers", "kvroute",
+        "--json", str(out_json),
+    )  # fmt: skip
+    (row,) = json.loads(out_json.read_text())
+    assert row["router"] == "kvroute" and row["requests"] > 0 and row["failed"] == 0, row
+    assert row["decode_preemptions"] >= 0 and row["ttft_p99"] is not None
+    assert set(row["decode_kv_mean"]) == {"d0", "d1"} and row["prefill_held_at_end"] == 0
+
+
+def test_bench_continuation_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "c.json"
+    run_module(
+        "loadtest.bench.continuation",
+        "--duration", "3", "--rate", "3", "--kill-at", "1", "--down", "0.5",
+        "--systems", "kvroute", "--json", str(out_json),
+    )  # fmt: skip
+    rows = load(out_json)["rows"]
+    assert [r["system"] for r in rows] == ["kvroute"]
+    row = rows[0]
+    assert row["streams"] > 0 and 0 <= row["completed"] <= row["streams"]
+    for key in ("completed_pct", "continued", "added_p50_s", "added_p99_s", "failures", "gateway"):
+        assert key in row, key

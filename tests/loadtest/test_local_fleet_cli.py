@@ -72,10 +72,10 @@ def test_local_fleet_refuses_what_it_cannot_simulate(tmp_path: Path) -> None:
 
 
 def test_readme_engine_commands_match_the_shipped_config() -> None:
-    """The README's by-hand commands start exactly the engines config/kvroute.yaml expects."""
+    """The getting-started page's by-hand commands start exactly the engines config/kvroute.yaml expects."""
     import re
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "getting-started.md").read_text()
     section = readme.split("To run the gateway in front of servers", 1)[1].split("## Commands", 1)[
         0
     ]

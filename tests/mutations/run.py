@@ -65,6 +65,8 @@ NO_RESERVATION_LEFT = (
 )
 LEDGER_RETRY = "tests/gateway/test_ledger_and_cache.py::test_a_release_that_fails_is_queued_and_retried_until_it_lands"
 NO_REPORT_RANKING = "tests/routing/test_policy.py::test_nodes_without_a_report_go_by_length_and_spread_by_what_is_in_flight"
+DP_CAPACITY = "tests/backends/test_vllm_data_parallel.py"
+KV_INDEX = "tests/core/test_kv_events_index.py"
 LIMITS_BOTH_PATHS = "tests/api/test_lean_path.py::test_bad_input_is_answered_alike_on_both_paths"
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -99,7 +101,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             "tests/faults/test_fault_gateway_causes.py::test_fault_client_leaves_a_non_streamed_request",
         ),
-        "_forward",
+        "send_attempt",
         r"^(\s*)gw\.release_later\(ctx, backend\)\n(\s*)raise$",
         r"\1pass  # MUTATION\n\2raise",
     ),
@@ -311,11 +313,66 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- vLLM's metrics, data parallel included
     Mutation(
         "vllm-dp-override",
-        "data-parallel vLLM capacity not divided per engine",
-        ("tests/backends/test_collector.py",),
+        "data-parallel vLLM: a configured capacity not divided per engine",
+        ("tests/backends/test_collector.py", DP_CAPACITY),
         "vllm:report",
-        r"engine_capacity = total // engines",
-        "engine_capacity = total",
+        r"engine_capacity = capacity_override // engines",
+        "engine_capacity = capacity_override",
+        fast=True,
+    ),
+    Mutation(
+        "vllm-dp-size-divided",
+        "data-parallel vLLM: the per-engine kv_cache_size_tokens read as the whole server's",
+        (DP_CAPACITY,),
+        "Geometry.engine_tokens",
+        r"return self\.kv_cache_size_tokens$",
+        "return self.kv_cache_size_tokens // max(1, engines)",
+        fast=True,
+    ),
+    Mutation(
+        "vllm-dp-blocks-not-divided",
+        "data-parallel vLLM: the summed num_gpu_blocks read as one engine's",
+        (DP_CAPACITY, "tests/backends/test_collector.py"),
+        "Geometry.engine_tokens",
+        r"self\.num_gpu_blocks // max\(1, engines\) \* self\.block_size",
+        "self.num_gpu_blocks * self.block_size",
+        fast=True,
+    ),
+    # ---- KV-event index updates (proxy.core.exact_prefix)
+    Mutation(
+        "kv-removed-ignored",
+        "BlockRemoved events leave the blocks in the exact index",
+        (KV_INDEX,),
+        "EngineIndex.apply",
+        r"self\._drop\(\(event\.medium, key\)\)",
+        "pass  # MUTATION",
+        fast=True,
+    ),
+    Mutation(
+        "kv-cleared-ignored",
+        "AllBlocksCleared (an engine restart) leaves the exact index as it was",
+        (KV_INDEX, "tests/upstream/test_kv_events_protocol.py"),
+        "EngineIndex.apply",
+        r"^(\s*)self\.clear\(\)$",
+        r"\1pass  # MUTATION",
+        fast=True,
+    ),
+    Mutation(
+        "kv-index-unbounded",
+        "the exact index grows past max_blocks",
+        (KV_INDEX,),
+        "EngineIndex._stored",
+        r"while len\(self\._held\) > self\.max_blocks:",
+        "while False:",
+        fast=True,
+    ),
+    Mutation(
+        "kv-shared-block-dropped",
+        "a block two engine entries share is forgotten when one of them is removed",
+        (KV_INDEX,),
+        "EngineIndex._drop",
+        r"if n > 0:",
+        "if False:",
         fast=True,
     ),
     Mutation(
@@ -394,6 +451,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Gateway.handle",
         r"^(\s*)(request_id = safe_request_id\(.*\) or reservation_id)$",
         r'\1\2\n\1log.warning("request headers %s", dict(request.headers))',
+    ),
+    # ---- exact sizing from cached chunks
+    Mutation(
+        "chunk-cut-after-the-space",
+        "chunks cut right after the space instead of before it (not a piece boundary)",
+        ("tests/core/test_chunk_count.py::test_tiktoken_ids_equal_a_full_encode_cold_and_warm",),
+        "cut_points",
+        r"idx = np\.flatnonzero\(mask\) \+ w$",
+        "idx = np.flatnonzero(mask) + w + 1",
     ),
 )
 

@@ -22,9 +22,19 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from loadtest.engine.behaviours import disaggregation
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
 from loadtest.engine.behaviours.eos import output_tokens
-from loadtest.engine.behaviours.prefix_cache import prompt_block_hashes
+from loadtest.engine.behaviours.faults import (
+    FaultRequestError,
+    MidStreamFault,
+    StreamJournal,
+    StreamRecord,
+    error_event,
+    parse_fault,
+)
+from loadtest.engine.behaviours.kv_publisher import KvEventsOptions, attach_publishers
+from loadtest.engine.behaviours.prefix_cache import prompt_blocks
 from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
 from loadtest.engine.metrics import exposition
 from loadtest.engine.protocol import (
@@ -61,6 +71,14 @@ class BehaviourConfig:
     seed: int = 0
     prefix_caching: bool = True  # vLLM's automatic prefix caching (on by default in V1)
     serial_prefill: bool = False  # prefill one prompt after another (see scheduler.py)
+    # The server's tokenizer counts this many tokens per token of the gateway's default count
+    # (1.3: a Llama model behind a gateway that counts with cl100k). Shows in usage and KV.
+    tokenizer_ratio: float = 1.0
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (kv_publisher.py)
+    # Disaggregated serving: prefill, decode or both (``disaggregation.py``).
+    pd: disaggregation.RoleConfig = dataclasses.field(default_factory=disaggregation.RoleConfig)
+    # Every stream's connection is reset after this many tokens (faults.py: ``die``).
+    die_after_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.behaviour not in DIALECTS:
@@ -74,6 +92,10 @@ class BehaviourConfig:
         for key in ("capacity_tokens", "block_size", "max_num_seqs", "data_parallel"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        if not self.tokenizer_ratio > 0:
+            raise ValueError(f"tokenizer_ratio must be positive, got {self.tokenizer_ratio}")
+        if self.kv_events_config is not None:
+            KvEventsOptions.parse(self.kv_events_config)  # a bad flag fails at start, named
         if self.capacity_tokens < self.block_size:
             raise ValueError("capacity_tokens must hold at least one block")
         if self.max_model_len is not None and not 0 < self.max_model_len <= self.capacity_tokens:
@@ -112,26 +134,38 @@ class Front:
             )
             for _ in range(config.data_parallel)
         ]
+        self.publishers = attach_publishers(config.kv_events_config, self.cores)
         self.max_model_len = config.max_model_len or self.cores[0].capacity_tokens
         self.started_at = time.time()
         self._ids = secrets.token_hex(4)
         self._next = 0
         self._headers = {"x-engine-name": config.name}
+        self.roles = disaggregation.Roles(config.pd, f"{config.name}-{self._ids}", config.speedup)
+        self.fault: MidStreamFault | None = None
+        if config.die_after_tokens is not None:
+            self.fault = MidStreamFault("die", config.die_after_tokens)
+        self.journal = StreamJournal()
 
     @property
     def facts(self) -> ServerFacts:
         return ServerFacts(self.config.model, self.max_model_len, self.started_at, self.cores)
 
     def state(self) -> dict[str, Any]:
-        return {"behaviour": self.config.behaviour, "engines": [c.state() for c in self.cores]}
+        engines = [c.state() for c in self.cores]
+        return {"behaviour": self.config.behaviour, "engines": engines, **self.roles.state()}
 
     async def start(self) -> None:
         for c in self.cores:
             c.start()
+        for pub in self.publishers:
+            pub.start()
 
     async def stop(self) -> None:
         for c in self.cores:
             await c.stop()
+        for pub in self.publishers:
+            await pub.close()
+        await self.roles.close()
 
     # --- handlers ---------------------------------------------------------------------------
 
@@ -154,6 +188,8 @@ class Front:
             if status:
                 return self._answer(status, err)
         prompt = await count_prompt_async(body)
+        if self.config.tokenizer_ratio != 1.0:
+            prompt = max(1, round(prompt * self.config.tokenizer_ratio))
         explicit = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
         if not explicit:
             p = dataclasses.replace(
@@ -161,46 +197,63 @@ class Front:
             )
         if prompt + p.max_tokens > self.max_model_len:
             return self._answer(*self.dialect.too_long(self.facts, prompt, p.max_tokens, explicit))
+        arrival = await self.roles.arrive(body)
+        if arrival.answer is not None:
+            return arrival.answer
         core = min(self.cores, key=lambda c: c.load())
-        hashes = await self._prompt_hashes(body, prompt) if core.prefix is not None else ()
+        hashes, ids = (
+            await self._prompt_hashes(body, prompt) if core.prefix is not None else ((), ())
+        )
         now = asyncio.get_running_loop().time()
         # The simulated model's EOS (a prompt marker) may end it before max_tokens.
-        req = SimRequest(prompt, output_tokens(body, p.max_tokens), now, hashes=hashes)
+        output = output_tokens(body, p.max_tokens)
+        req = SimRequest(prompt, output, now, hashes=hashes, block_ids=ids)
+        req.keep_blocks = arrival.hold
+        req.transfer_tokens_per_s = arrival.transfer_tokens_per_s
         core.submit(req, now)
         self._next += 1
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{self._ids}-{self._next}"
         try:
             if p.stream:
-                return await self._stream(request, req, p, completion_id)
+                return await self._stream(request, req, p, completion_id, body)
             while not req.done:
                 req.changed.clear()
                 await req.changed.wait()
             text = generated_text(self._next + self.config.seed, req.max_tokens)
+            written = dataclasses.replace(p, max_tokens=req.max_tokens)
+            answer = full_body(completion_id, int(time.time()), written, text, prompt)
+            if arrival.hold and not req.aborted:
+                params = self.roles.hold(request, core, req)
+                answer = disaggregation.with_params(answer, params)
             return web.Response(
-                body=full_body(
-                    completion_id,
-                    int(time.time()),
-                    dataclasses.replace(p, max_tokens=req.max_tokens),
-                    text,
-                    prompt,
-                ),
+                body=answer,
                 content_type=JSON,
                 headers=self._headers,
             )
         finally:
             core.abort(req)
+            self.roles.unheld(core, req)
 
-    async def _prompt_hashes(self, body: dict[str, Any], prompt: int) -> tuple[int, ...]:
-        """The prompt's block hashes (big prompts off the loop), never more blocks than it has."""
+    async def _prompt_hashes(
+        self, body: dict[str, Any], prompt: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The prompt's block hashes and their token ids (big prompts off the loop), never
+        more blocks than it has."""
         bs = self.config.block_size
         if prompt > 2_000:
-            hashes = await asyncio.to_thread(prompt_block_hashes, body, bs)
+            hashes, ids = await asyncio.to_thread(prompt_blocks, body, bs)
         else:
-            hashes = prompt_block_hashes(body, bs)
-        return hashes[: prompt // bs]
+            hashes, ids = prompt_blocks(body, bs)
+        n = min(len(hashes), prompt // bs)
+        return hashes[:n], ids[: n * bs]
 
     async def _stream(
-        self, request: web.Request, req: SimRequest, p: Parsed, completion_id: str
+        self,
+        request: web.Request,
+        req: SimRequest,
+        p: Parsed,
+        completion_id: str,
+        body: dict[str, Any],
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={
@@ -210,14 +263,40 @@ class Front:
             }
         )
         await resp.prepare(request)
+        fault = self.fault.take() if self.fault is not None else None
+        record = self.journal.open(body)
+        try:
+            await self._relay_tokens(request, resp, req, p, completion_id, fault, record)
+        finally:
+            if record.end == "running":
+                # The client went away (the handler cancelled, or a write failed).
+                record.end = "cancelled"
+        return resp
+
+    async def _relay_tokens(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        req: SimRequest,
+        p: Parsed,
+        completion_id: str,
+        fault: MidStreamFault | None,
+        record: StreamRecord,
+    ) -> None:
         created = int(time.time())
         sent = 0
         with contextlib.suppress(ConnectionError, RuntimeError):
             while sent < req.max_tokens:
+                if fault is not None and sent >= fault.after_tokens:
+                    await _strike(request, resp, fault, record)
+                    return
                 req.changed.clear()
                 if req.generated <= sent:
                     await req.changed.wait()
                 new = req.generated - sent
+                if fault is not None:
+                    # Exactly ``after_tokens`` reach the client before the fault strikes.
+                    new = min(new, fault.after_tokens - sent)
                 if new <= 0:
                     continue
                 if sent == 0 and p.chat:
@@ -229,12 +308,13 @@ class Front:
                         completion_id, created, p, text, _finish(sent, req.max_tokens, p.max_tokens)
                     )
                 )
+                record.text.append(text)
             if p.include_usage:
                 written = dataclasses.replace(p, max_tokens=req.max_tokens)
                 await resp.write(usage_chunk(completion_id, created, written, req.prompt_tokens))
             await resp.write(SSE_DONE)
             await resp.write_eof()
-        return resp
+            record.end = "done"
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         with_len = self.config.behaviour != "tgi"
@@ -280,6 +360,41 @@ class Front:
     async def admin_state(self, request: web.Request) -> web.StreamResponse:
         return self._answer(200, orjson.dumps(self.state()))
 
+    async def admin_fault(self, request: web.Request) -> web.StreamResponse:
+        """``POST /admin/fault``: strike streams mid-answer (faults.py); GET: the fault now."""
+        if request.method == "POST":
+            try:
+                self.fault = parse_fault(orjson.loads(await request.read() or b"{}"))
+            except (FaultRequestError, orjson.JSONDecodeError) as exc:
+                return self._answer(400, error_body(str(exc), "invalid_request_error", "mode"))
+        f = self.fault
+        state = {"mode": "none"} if f is None else {"mode": f.mode, "after_tokens": f.after_tokens}
+        return self._answer(200, orjson.dumps(state | {"count": None if f is None else f.count}))
+
+    async def admin_streams(self, request: web.Request) -> web.StreamResponse:
+        """``GET /admin/streams``: the recent streams' bodies and texts (faults.StreamJournal)."""
+        return self._answer(200, orjson.dumps(self.journal.as_json()))
+
+
+async def _strike(
+    request: web.Request, resp: web.StreamResponse, fault: MidStreamFault, record: StreamRecord
+) -> None:
+    """Cut this stream as ``fault`` says: reset, stall until the client leaves, or an error event."""
+    if fault.mode == "die":
+        record.end = "died"
+        if request.transport is not None:
+            request.transport.abort()
+        return
+    if fault.mode == "stall":
+        record.end = "stalled"
+        # Until the client gives up (the handler is cancelled then).
+        await asyncio.Event().wait()
+        return
+    record.end = "error"
+    await resp.write(error_event("the engine failed while generating (simulated)"))
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+
 
 FRONT_KEY = web.AppKey("front", Front)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
@@ -306,6 +421,9 @@ def build_app(config: BehaviourConfig) -> web.Application:
     r.add_get("/health", front.health)
     r.add_get("/metrics", front.metrics)
     r.add_get("/admin/state", front.admin_state)
+    disaggregation.add_routes(app, front.roles)
+    r.add_route("*", "/admin/fault", front.admin_fault)
+    r.add_get("/admin/streams", front.admin_streams)
     if config.behaviour == "vllm":
         r.add_post("/sleep", front.sleep)
         r.add_post("/wake_up", front.wake_up)

@@ -189,14 +189,15 @@ class Vllm:
             yield fam
 
     def _cache_config(self, s: ServerFacts) -> GaugeMetricFamily:
-        """Every cache setting as a string label; the block and token totals cover all engines."""
+        """Every cache setting as a string label, as vLLM's front end keeps them: blocks summed
+        over the engines, ``kv_cache_size_tokens`` one engine's (``core_client.py``)."""
         first = s.cores[0]
         settings = {
             "block_size": str(first.block_size),
             "cache_dtype": "auto",
             "enable_prefix_caching": "True",
             "gpu_memory_utilization": "0.9",
-            "kv_cache_size_tokens": str(sum(c.capacity_tokens for c in s.cores)),
+            "kv_cache_size_tokens": str(first.capacity_tokens),
             "num_cpu_blocks": "None",
             "num_gpu_blocks": str(sum(c.num_blocks for c in s.cores)),
             "num_gpu_blocks_override": "None",

@@ -10,6 +10,10 @@ prompt's end is evicted before its start). Cached tokens skip prefill.
 
 The engine renders the prompt its own way (role markers, then text), not the gateway's: the
 gateway's prefix index must work from its own approximation, as it does against real servers.
+
+With a ``listener`` (``kv_publisher``: ``--kv-events-config``), the cache tells what it stores
+and evicts as vLLM's block pool does: newly computed blocks (with their parent's hash and
+token ids) when a request acquires them, evicted ones when the allocator reuses them.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.core.tokens import encoding
 
@@ -49,6 +53,11 @@ def _ids(text: str) -> tuple[int, ...]:
 
 def prompt_block_hashes(body: dict[str, Any], block_size: int) -> tuple[int, ...]:
     """Chained hashes of the rendered prompt's full blocks (token ids from cl100k)."""
+    return prompt_blocks(body, block_size)[0]
+
+
+def prompt_blocks(body: dict[str, Any], block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(chained hashes of the rendered prompt's full blocks, those blocks' token ids)."""
     p = body.get("prompt")
     if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
         ids: Sequence[int] = p
@@ -56,16 +65,29 @@ def prompt_block_hashes(body: dict[str, Any], block_size: int) -> tuple[int, ...
         ids = [t for part in render(body) for t in _ids(part)]
     out: list[int] = []
     parent = _ROOT
-    for i in range(len(ids) // block_size):
+    n = len(ids) // block_size
+    for i in range(n):
         parent = hash((parent, tuple(ids[i * block_size : (i + 1) * block_size])))
         out.append(parent)
-    return tuple(out)
+    return tuple(out), tuple(ids[: n * block_size])
+
+
+class CacheListener(Protocol):
+    """Told what the cache stores and evicts (the KV-event publisher)."""
+
+    def stored(
+        self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int
+    ) -> None: ...
+
+    def removed(self, hashes: Sequence[int]) -> None: ...
 
 
 class PrefixCache:
     """Which block hashes are in the cache: pinned by running requests, or cached in free blocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 16, listener: CacheListener | None = None) -> None:
+        self.block_size = block_size
+        self.listener = listener
         self.pinned: dict[int, int] = {}
         # Free blocks still holding content; the first is the next one the allocator reuses.
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -81,8 +103,10 @@ class PrefixCache:
             hits += 1
         return hits, shared
 
-    def acquire(self, hashes: Sequence[int]) -> None:
+    def acquire(self, hashes: Sequence[int], token_ids: Sequence[int] = ()) -> None:
         """A request now holds these blocks (reused or newly computed)."""
+        if self.listener is not None:
+            self._tell_stored(hashes, token_ids)
         for h in hashes:
             n = self.pinned.get(h)
             if n is None:
@@ -107,5 +131,28 @@ class PrefixCache:
 
     def trim(self, free_blocks: int) -> None:
         """Free blocks handed out for new content lose what they cached (LRU first)."""
+        evicted: list[int] = []
         while len(self.evictable) > max(0, free_blocks):
-            self.evictable.popitem(last=False)
+            evicted.append(self.evictable.popitem(last=False)[0])
+        if evicted and self.listener is not None:
+            self.listener.removed(evicted)
+
+    def _tell_stored(self, hashes: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Runs of blocks new to the cache, each as one stored event with its parent."""
+        assert self.listener is not None
+        bs = self.block_size
+        i = 0
+        while i < len(hashes):
+            if hashes[i] in self.pinned or hashes[i] in self.evictable:
+                i += 1
+                continue
+            j = i
+            while (
+                j < len(hashes) and hashes[j] not in self.pinned and hashes[j] not in self.evictable
+            ):
+                j += 1
+            ids = token_ids[i * bs : j * bs]
+            if len(ids) == (j - i) * bs:
+                parent = hashes[i - 1] if i > 0 else None
+                self.listener.stored(hashes[i:j], parent, ids, bs)
+            i = j

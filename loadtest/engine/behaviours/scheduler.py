@@ -95,6 +95,12 @@ class SimRequest:
     # The prompt's full-block hashes (prefix caching) and whether the core holds them now.
     hashes: tuple[int, ...] = ()
     holds_hashes: bool = False
+    # Those blocks' token ids, for the KV-cache events a publishing engine sends.
+    block_ids: tuple[int, ...] = ()
+    # Disaggregated serving (``disaggregation.py``): a prefill's blocks kept after it ends for
+    # a remote decode; a decode's prompt pulled at this rate instead of prefilled.
+    keep_blocks: bool = False
+    transfer_tokens_per_s: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -149,7 +155,7 @@ class PagedCore:
         self.running: list[SimRequest] = []
         self.sleeping = False
         self.stats = CoreStats()
-        self.prefix = PrefixCache() if prefix_caching else None
+        self.prefix = PrefixCache(block_size) if prefix_caching else None
         self.serial_prefill = serial_prefill
         # With serial prefill: when the prefill admitted last ends (loop time).
         self.prefill_free_at = 0.0
@@ -244,7 +250,8 @@ class PagedCore:
             if req.generated >= req.max_tokens:
                 req.done = True
                 self.running.remove(req)
-                self._release(req)
+                if not req.keep_blocks:
+                    self._release(req)
                 self._observe_finished(req)
             req.changed.set()
 
@@ -287,7 +294,7 @@ class PagedCore:
             if self.prefix is not None:
                 # The prompt's full blocks are shared and counted by hash, the rest are its own
                 # (taken before the allocator hands out free blocks, which evicts cached ones).
-                self.prefix.acquire(head.hashes)
+                self.prefix.acquire(head.hashes, head.block_ids)
                 head.holds_hashes = True
                 head.blocks = need - len(head.hashes)
                 self.stats.prefix_queries += head.prompt_tokens
@@ -295,18 +302,28 @@ class PagedCore:
             self._take(need - shared)
             # Recompute after a preemption: prompt and generated tokens are prefilled again
             # (less what the prefix cache still holds).
-            work = (head.tokens - max(0, cached)) / self.prefill_tokens_per_s
-            start = max(now, self.prefill_free_at) if self.serial_prefill else now
+            pulled = head.transfer_tokens_per_s is not None and not head.preempted
+            rate = head.transfer_tokens_per_s if pulled else None
+            work = (head.tokens - max(0, cached)) / (rate or self.prefill_tokens_per_s)
+            serial = self.serial_prefill and not pulled
+            start = max(now, self.prefill_free_at) if serial else now
             head.decode_at = start + work
             if head.prompt_tokens >= LONG_PROMPT and not head.preempted:
                 self.stats.long_waits += 1
                 self.stats.long_wait_s += start - head.arrived_at
-            if self.serial_prefill:
+            if serial:
                 self.prefill_free_at = head.decode_at
             self.stats.prompt_tokens += head.tokens
             if first_admission:
                 head.computed = head.prompt_tokens - max(0, cached)
             self.running.append(head)
+
+    def free_held(self, req: SimRequest, now: float) -> None:
+        """Free a finished request's kept blocks (a prefill pulled or timed out), admit what fits."""
+        self._release(req)
+        if not self.sleeping:
+            self._admit(now)
+        self._wake.set()
 
     def _take(self, n: int) -> None:
         self.free_blocks -= n

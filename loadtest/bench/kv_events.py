@@ -1,0 +1,344 @@
+"""KV-cache events against the approximate index: the document workload under disturbances.
+
+Four simulated vLLM engines (``--behaviour vllm --serial-prefill``, prefix cache, 200,000
+KV tokens each) publish KV-cache events as vLLM does (``--kv-events-config``); the
+shared-document workload (``loadtest.bench.prefix``: 40 documents of 15-30k tokens, more
+than the fleet's cache holds, and short chats) runs through each target, one fresh fleet
+per row, in four scenarios:
+
+* ``plain``: every request through the router;
+* ``restart``: engine e1's process is restarted half way through (its cache is empty after);
+* ``bypass``: 30% of requests go straight to a random engine, past the router (another
+  client filling caches the router never saw);
+* ``replicas``: two router processes, requests alternating between them (kvroute: one Redis
+  store, placements shared; vllm-router: two independent routers).
+
+Targets: kvroute with events (``backends[].kv_events``, ``routing.prefix.chat_render`` set to
+the engine's template), kvroute approximate (the same without events), vllm-router
+``cache_aware`` and, where it starts, ``kv_aware`` fed the same event sources
+(``--kv-event-source URL=tcp://...``). Measured: the engines' prefix-cache hit rate (all
+requests), and the time to first token of the documents' requests sent through the router
+(p50, p99), failed requests.
+
+    python -m loadtest.bench.kv_events --quick            # 120 requests a row
+    python -m loadtest.bench.kv_events --scenarios plain,bypass --json out/kv_events.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.bench.overhead_targets import find_vllm_router
+from loadtest.bench.prefix import bodies, pct, scrape, wait_reported, wait_serving
+from loadtest.local_fleet import EngineSpec, LocalFleet, Proc, free_port, wait_http
+from loadtest.workload import SharedDocs, shared_documents
+
+SCENARIOS = ("plain", "restart", "bypass", "replicas")
+TARGETS = (
+    "kvroute + events",
+    "kvroute approximate",
+    "vllm-router cache_aware",
+    "vllm-router kv_aware",
+)
+BYPASS_SHARE = 0.3
+
+
+@dataclass
+class Row:
+    scenario: str
+    target: str
+    hit_rate: float = 0.0
+    doc_p50_ms: float = 0.0
+    doc_p99_ms: float = 0.0
+    failed: int = 0
+    requests: int = 0
+    note: str = ""
+
+
+def free_port_pair() -> int:
+    """A base port with base+1 free too (the engine's PUB and replay ROUTER)."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            base: int = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError("no free port pair")
+
+
+def events_flag(base: int) -> str:
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{base}",
+            "replay_endpoint": f"tcp://127.0.0.1:{base + 1}",
+        }
+    )
+
+
+def make_fleet(args: Any, ports: list[int], redis: bool) -> LocalFleet:
+    specs = [
+        EngineSpec(
+            f"e{i}",
+            "general",
+            "contiguous",
+            args.capacity,
+            args.speedup,
+            16,
+            ("--behaviour", "vllm", "--serial-prefill", "--kv-events-config", events_flag(p)),
+        )
+        for i, p in enumerate(ports)
+    ]
+    overrides: dict[str, Any] = {
+        "queue": {"max_wait_s": 20.0},
+        "upstream": {"total_timeout_s": 120.0},
+    }
+    return LocalFleet(specs, use_redis=redis, config_overrides=overrides)
+
+
+def kvroute_backends(fleet: LocalFleet, ports: list[int], events: bool) -> list[dict[str, Any]]:
+    out = []
+    for spec, proc, base in zip(fleet.specs, fleet.engines, ports, strict=True):
+        b: dict[str, Any] = {"name": spec.name, "url": proc.url, "kind": "vllm"}
+        if events:
+            b["kv_events"] = {
+                "endpoint": f"tcp://127.0.0.1:{base}",
+                "replay_endpoint": f"tcp://127.0.0.1:{base + 1}",
+            }
+        out.append(b)
+    return out
+
+
+def start_kvroute(fleet: LocalFleet, ports: list[int], events: bool, replicas: int) -> list[Proc]:
+    fleet.config_overrides["backends"] = kvroute_backends(fleet, ports, events)
+    fleet.config_overrides["routing"] = {
+        "prefix": {"chat_render": {}, "events": {"enabled": events}}
+    }
+    procs = [fleet.start_gateway("kvroute")]
+    for i in range(1, replicas):
+        port = free_port()
+        argv = [sys.executable, "-m", "proxy.cli", "serve", "--config"]
+        argv += [str(fleet.workdir / "kvroute-kvroute.yaml"), "--port", str(port)]
+        extra = Proc(
+            f"gateway-{i + 1}", [*argv, "--log-level", "warning"], f"http://127.0.0.1:{port}"
+        )
+        extra.start(log_dir=fleet.workdir)
+        wait_http(extra.url + "/health", proc=extra.popen)
+        procs.append(extra)
+    for p in procs:
+        wait_reported(p.url)
+    return procs
+
+
+def start_router(exe: str, policy: str, fleet: LocalFleet, ports: list[int]) -> Proc:
+    port = free_port()
+    argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    argv += ["--log-level", "warning", "--worker-urls", *(p.url for p in fleet.engines)]
+    if policy == "kv_aware":
+        for proc, base in zip(fleet.engines, ports, strict=True):
+            argv += ["--kv-event-source", f"{proc.url}=tcp://127.0.0.1:{base}"]
+            argv += ["--kv-event-replay-source", f"{proc.url}=tcp://127.0.0.1:{base + 1}"]
+        argv += ["--kv-event-block-size", "16", "--kv-event-model", "sim-model"]
+    proc = Proc(f"vllm-router-{port}", argv, f"http://127.0.0.1:{port}")
+    proc.start(log_dir=fleet.workdir)
+    wait_serving(proc.url, proc, timeout_s=30.0)
+    return proc
+
+
+async def drive(
+    urls: list[str], w: SharedDocs, payloads: list[dict[str, Any]], restart: Any
+) -> list[dict[str, Any]]:
+    """Open loop; request i goes to ``urls[i]``; ``restart`` (or None) runs half way through."""
+    results: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    half = w.turns[len(w.turns) // 2].arrival_s if w.turns else 0.0
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+        start = time.monotonic()
+
+        async def one(kind: str, body: dict[str, Any], url: str, routed: bool) -> None:
+            t0 = time.monotonic()
+            res: dict[str, Any] = {"kind": kind, "status": 0, "ttft": None, "routed": routed}
+            try:
+                async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    res["status"] = r.status_code
+                    async for _ in r.aiter_bytes():
+                        if res["ttft"] is None:
+                            res["ttft"] = time.monotonic() - t0
+            except httpx.HTTPError:
+                res["status"] = -1
+            results.append(res)
+
+        tasks: list[asyncio.Task[None]] = []
+        restarted: asyncio.Task[None] | None = None
+        for i, (t, body) in enumerate(zip(w.turns, payloads, strict=True)):
+            delay = start + t.arrival_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if restart is not None and restarted is None and t.arrival_s >= half:
+                restarted = asyncio.create_task(asyncio.to_thread(restart))
+            routed = not urls[i].startswith("direct:")
+            url = urls[i].removeprefix("direct:")
+            tasks.append(asyncio.create_task(one(t.kind, body, url, routed)))
+        await asyncio.gather(*tasks)
+        if restarted is not None:
+            await restarted
+    return results
+
+
+def request_urls(
+    scenario: str, routers: list[str], engines: list[str], n: int, seed: int
+) -> list[str]:
+    rng = random.Random(seed + 7)
+    out = []
+    for i in range(n):
+        if scenario == "bypass" and rng.random() < BYPASS_SHARE:
+            out.append("direct:" + rng.choice(engines))
+        else:
+            out.append(routers[i % len(routers)])
+    return out
+
+
+def restart_of(proc: Proc, fleet: LocalFleet) -> Any:
+    def restart() -> None:
+        proc.stop()
+        proc.start(log_dir=fleet.workdir)
+        wait_http(proc.url + "/health", proc=proc.popen)
+
+    return restart
+
+
+def one_row(
+    scenario: str, target: str, w: SharedDocs, payloads: list[dict[str, Any]], args: Any
+) -> Row:
+    row = Row(scenario, target)
+    exe = find_vllm_router(None) if target.startswith("vllm-router") else None
+    if target.startswith("vllm-router") and exe is None:
+        row.note = "vllm-router not installed"
+        return row
+    ports = [free_port_pair() for _ in range(4)]
+    replicas = 2 if scenario == "replicas" else 1
+    fleet = make_fleet(args, ports, redis=replicas > 1 and exe is None)
+    routers: list[Proc] = []
+    try:
+        if fleet.use_redis:
+            fleet.start_redis()
+        fleet.start_engines()
+        if exe is None:
+            routers = start_kvroute(fleet, ports, target == "kvroute + events", replicas)
+        else:
+            policy = target.rpartition(" ")[2]
+            for _ in range(replicas):
+                routers.append(start_router(exe, policy, fleet, ports))
+        urls = request_urls(
+            scenario,
+            [r.url for r in routers],
+            [p.url for p in fleet.engines],
+            len(payloads),
+            args.seed,
+        )
+        restart = restart_of(fleet.engines[1], fleet) if scenario == "restart" else None
+        before = [scrape(p.url) for p in fleet.engines]
+        results = asyncio.run(drive(urls, w, payloads, restart))
+        after = [scrape(p.url) for p in fleet.engines]
+    except (RuntimeError, TimeoutError) as e:
+        row.note = f"did not start: {e}"
+        return row
+    finally:
+        for r in routers:
+            if r is not fleet.gateway:
+                r.stop()
+        fleet.stop()
+    fill(row, results, before, after, scenario)
+    return row
+
+
+def fill(
+    row: Row,
+    results: list[dict[str, Any]],
+    before: list[dict[str, float]],
+    after: list[dict[str, float]],
+    scenario: str,
+) -> None:
+    def delta(name: str) -> float:
+        got = 0.0
+        for b, a in zip(before, after, strict=True):
+            # A restarted engine's counters start again from 0: count what it did since.
+            got += a.get(name, 0.0) - (
+                b.get(name, 0.0) if a.get(name, 0.0) >= b.get(name, 0.0) else 0.0
+            )
+        return got
+
+    queries = delta("vllm:prefix_cache_queries_total")
+    row.hit_rate = delta("vllm:prefix_cache_hits_total") / queries if queries else 0.0
+    routed = [r for r in results if r["routed"]]
+    ok = [r for r in routed if r["status"] == 200 and r["ttft"] is not None]
+    docs = [r["ttft"] for r in ok if r["kind"] == "document"]
+    row.doc_p50_ms = 1000 * statistics.median(docs) if docs else 0.0
+    row.doc_p99_ms = 1000 * pct(docs, 0.99)
+    row.requests = len(routed)
+    row.failed = len(routed) - len(ok)
+    if scenario == "restart":
+        row.note = "restart counters: hit rate from the engines' counters since start"
+
+
+def table(rows: Sequence[Row]) -> str:
+    head = "| scenario | target | hit rate | doc TTFT p50 ms | doc TTFT p99 ms | failed |\n|---|---|---|---|---|---|"
+    lines = [
+        f"| {r.scenario} | {r.target} | {r.hit_rate:.1%} | {r.doc_p50_ms:.0f} | {r.doc_p99_ms:.0f} | "
+        f"{r.failed}/{r.requests} |" + (f" {r.note}" if r.note and not r.requests else "")
+        for r in rows
+    ]
+    return "\n".join([head, *lines])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.kv_events", description=__doc__)
+    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--rate", type=float, default=16.0, help="requests per second")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--capacity", type=int, default=200_000, help="KV tokens per engine")
+    p.add_argument("--speedup", type=float, default=20.0)
+    p.add_argument("--quick", action="store_true", help="120 requests a row")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--targets", default="", help="comma-separated substrings of target names")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    n = 120 if args.quick else args.requests
+    w = shared_documents(n, args.rate, seed=args.seed)
+    payloads = bodies(w)
+    targets = [
+        t for t in TARGETS if not args.targets or any(k in t for k in args.targets.split(","))
+    ]
+    rows: list[Row] = []
+    for scenario in args.scenarios.split(","):
+        for target in targets:
+            row = one_row(scenario, target, w, payloads, args)
+            print(json.dumps(row.__dict__), flush=True)
+            rows.append(row)
+    print(table(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,334 @@
+"""Disaggregated prefill/decode: kvroute vs vllm-router ``--vllm-pd-disaggregation``.
+
+Two prefill and two decode vLLM-mode engines (``kvroute engine --behaviour vllm --pd-role``:
+the prefill servers hold computed blocks until a decode server pulls them, the decode servers
+spend transfer time on pulled prompts, allocate lazily, queue and preempt as vLLM does).
+Decode memory is the scarce resource: each decode server holds a few long requests' whole KV
+(prompt + output), and the mix is the bimodal one with long outputs, sent open-loop, every
+client streaming. For each router the engines start fresh and get the same request list
+(same seed, same arrival times).
+
+Routers: kvroute (decode by KV fit, prefill by expected wait, conditional disaggregation),
+and vllm-router 0.1.17 in PD mode with its ``round_robin`` and ``cache_aware`` policies
+(found on PATH or in /tmp/vllm-router-venv; skipped with the reason printed otherwise),
+both with ``--kv-connector nixl`` against the same simulated servers.
+
+Reported per router: failed requests, preemptions on the decode servers (their own
+``vllm:num_preemptions_total``), time to first token p50/p99 (all, and long requests),
+and decode KV use (sampled from the decode servers every 0.25 s): the mean of each and how
+far apart they are (percentage points), plus blocks the prefill servers still hold at the end.
+
+    python -m loadtest.bench.pd --quick --json out/pd.json --plot docs/img/pd.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.bench.overhead_targets import find_vllm_router
+from loadtest.bench.queueing import Sample, counter, drive, start_gateway
+from loadtest.local_fleet import free_port
+from loadtest.workload import Request, bimodal
+
+ROUTERS = ("kvroute", "vllm-router:round_robin", "vllm-router:cache_aware")
+PREFILL = ("p0", "p1")
+DECODE = ("d0", "d1")
+
+
+@dataclass
+class Outcome:
+    router: str
+    samples: list[Sample] = field(default_factory=list)
+    decode_preemptions: int = 0
+    # Per decode server: KV used fraction, one sample per tick.
+    usage: dict[str, list[float]] = field(default_factory=dict)
+    held_at_end: int = 0
+
+    def ttft(self, q: float, kind: str | None = None) -> float | None:
+        xs = sorted(
+            s.ttft_s
+            for s in self.samples
+            if s.ttft_s is not None and (kind is None or s.kind == kind)
+        )
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+    def summary(self) -> dict[str, Any]:
+        means = {n: sum(u) / len(u) if u else 0.0 for n, u in self.usage.items()}
+        return {
+            "router": self.router,
+            "requests": len(self.samples),
+            "failed": sum(1 for s in self.samples if s.status != 200 or s.ttft_s is None),
+            "decode_preemptions": self.decode_preemptions,
+            "ttft_p50": self.ttft(0.5),
+            "ttft_p99": self.ttft(0.99),
+            "long_ttft_p99": self.ttft(0.99, "long"),
+            "decode_kv_mean": means,
+            "decode_kv_gap_pp": 100 * (max(means.values()) - min(means.values())) if means else 0.0,
+            "prefill_held_at_end": self.held_at_end,
+        }
+
+
+def start_engine(
+    name: str, role: str, args: argparse.Namespace
+) -> tuple[subprocess.Popen[str], str]:
+    capacity = args.decode_capacity if role == "decode" else args.prefill_capacity
+    argv = [sys.executable, "-m", "proxy.cli", "engine", "--behaviour", "vllm", "--port", "0"]
+    argv += ["--name", name, "--model", "sim-model", "--pd-role", role]
+    argv += ["--capacity-tokens", str(capacity), "--block-size", "16"]
+    argv += ["--prefill-tokens-per-s", str(args.prefill), "--decode-tokens-per-s", "30"]
+    argv += ["--speedup", str(args.speedup), "--max-num-seqs", str(args.max_num_seqs)]
+    argv += ["--serial-prefill"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise RuntimeError(f"engine {name} did not start: {line!r}")
+    return proc, line.split("listening on ", 1)[1].strip()
+
+
+def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    backends = [
+        {
+            "name": name,
+            "url": urls[name],
+            "kind": "vllm",
+            "role": "prefill" if name in PREFILL else "decode",
+            "prefill_tokens_per_s": args.prefill * args.speedup,
+            "decode_tokens_per_s": 30 * args.speedup,
+        }
+        for name in (*PREFILL, *DECODE)
+    ]
+    return {
+        "listen": {"host": "127.0.0.1", "port": free_port()},
+        "backends": backends,
+        "routing": {"policy": "kvroute", "long_threshold_tokens": args.long_min // 2},
+        "collector": {"scrape_interval_s": 0.25, "stale_after_s": 5.0},
+        "health": {"active": {"enabled": False}},
+        "queue": {"max_wait_s": 30.0},
+        "disaggregation": {"min_uncached_prompt_tokens": args.min_uncached},
+    }
+
+
+def start_vllm_router(
+    exe: str, policy: str, urls: dict[str, str], workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """vllm-router in PD mode (NIXL); ready once a real request gets a 200 through it."""
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    port = free_port()
+    argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--log-level", "warning"]
+    for name in PREFILL:
+        argv += ["--prefill", urls[name]]
+    for name in DECODE:
+        argv += ["--decode", urls[name]]
+    # Its defaults (100 queued, 60 s) would fail requests a saturated fleet can still serve.
+    argv += ["--queue-size", "10000", "--request-timeout-secs", "600"]
+    log_path = workdir / f"vllm-router-{policy}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.post(url + "/v1/chat/completions", json=body, timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait(10)
+    raise RuntimeError(
+        f"vllm-router --policy {policy} did not serve: {log_path.read_text()[-400:]!r}"
+    )
+
+
+class UsageSampler:
+    """Each decode server's used KV fraction, every ``tick_s``, from its own state."""
+
+    def __init__(self, urls: dict[str, str], tick_s: float = 0.25) -> None:
+        self.urls = urls
+        self.tick_s = tick_s
+        self.usage: dict[str, list[float]] = {n: [] for n in urls}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> UsageSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2) as client:
+            while not self._stop.wait(self.tick_s):
+                for name, url in self.urls.items():
+                    try:
+                        engines = client.get(url + "/admin/state").json()["engines"]
+                    except (httpx.HTTPError, ValueError, KeyError):
+                        continue
+                    used = sum(e["used_tokens"] for e in engines)
+                    self.usage[name].append(used / sum(e["capacity_tokens"] for e in engines))
+
+
+def run_router(router: str, requests: list[Request], args: argparse.Namespace) -> Outcome:
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        urls: dict[str, str] = {}
+        for name in (*PREFILL, *DECODE):
+            proc, urls[name] = start_engine(name, "prefill" if name in PREFILL else "decode", args)
+            procs.append(proc)
+        with tempfile.TemporaryDirectory() as tmp:
+            peer = router.partition("vllm-router:")[2]
+            if peer:
+                gw, gw_url = start_vllm_router(args.vllm_router_exe, peer, urls, Path(tmp))
+            else:
+                gw, gw_url = start_gateway(gateway_config(urls, args), Path(tmp))
+            procs.append(gw)
+            decode_urls = {n: urls[n] for n in DECODE}
+            with UsageSampler(decode_urls) as sampler:
+                samples = asyncio.run(drive(gw_url, requests, args.seed))
+            out = Outcome(router, samples, usage=sampler.usage)
+            out.decode_preemptions = int(
+                sum(counter(u, "vllm:num_preemptions") for u in decode_urls.values())
+            )
+            out.held_at_end = sum(
+                httpx.get(urls[n] + "/admin/state", timeout=5).json()["kv_holds"] for n in PREFILL
+            )
+        return out
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    head = (
+        "| router | failed | decode preemptions | TTFT p50 / p99 (s) | long TTFT p99 (s) "
+        "| decode KV use, mean per server | gap (pp) | prefill holds left |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    lines = [
+        f"| {r['router']} | {r['failed']}/{r['requests']} | {r['decode_preemptions']} "
+        f"| {fmt(r['ttft_p50'])} / {fmt(r['ttft_p99'])} | {fmt(r['long_ttft_p99'])} "
+        f"| {' / '.join(f'{100 * v:.0f}%' for v in r['decode_kv_mean'].values())} "
+        f"| {r['decode_kv_gap_pp']:.1f} | {r['prefill_held_at_end']} |"
+        for r in rows
+    ]
+    return "\n".join([head, *lines])
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["router"].replace("vllm-router:", "vllm-router\n") for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    xs = range(len(rows))
+    axes[0].bar(xs, [r["ttft_p99"] or 0.0 for r in rows], color="tab:blue")
+    axes[0].set_title("TTFT p99 (s)")
+    axes[1].bar(xs, [r["decode_preemptions"] for r in rows], color="tab:red")
+    axes[1].set_title("decode preemptions")
+    for i, r in enumerate(rows):
+        for j, v in enumerate(r["decode_kv_mean"].values()):
+            axes[2].bar(i + 0.35 * j - 0.17, 100 * v, width=0.33, color=f"C{j + 2}")
+    axes[2].set_title("decode KV use, mean per server (%)")
+    for ax in axes:
+        ax.set_xticks(list(xs), names, fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.pd", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="a short run (shared machines)")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
+    p.add_argument("--rate", type=float, default=2.0, help="arrivals per second")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--decode-capacity", type=int, default=16_000, help="KV tokens per decode server"
+    )
+    p.add_argument(
+        "--prefill-capacity", type=int, default=64_000, help="KV tokens per prefill server"
+    )
+    p.add_argument("--prefill", type=float, default=4_000.0, help="prefill tokens/s per engine")
+    p.add_argument("--speedup", type=float, default=4.0)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--long-min", type=int, default=2_000, help="long prompts: min tokens")
+    p.add_argument("--long-max", type=int, default=4_000, help="long prompts: max tokens")
+    p.add_argument("--min-uncached", type=int, default=512, help="kvroute: conditional threshold")
+    p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument("--vllm-router", default=None, help="path of vllm-router (default: PATH, venv)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.duration = min(args.duration, 20.0)
+    routers = args.routers.split(",")
+    args.vllm_router_exe = find_vllm_router(args.vllm_router)
+    if args.vllm_router_exe is None and any(r.startswith("vllm-router:") for r in routers):
+        print("vllm-router skipped: not installed (PATH or /tmp/vllm-router-venv)", flush=True)
+        routers = [r for r in routers if not r.startswith("vllm-router:")]
+    requests = bimodal(
+        args.rate,
+        duration_s=args.duration,
+        seed=args.seed,
+        short=(20, 400),
+        long=(args.long_min, args.long_max),
+        short_output=(64, 256),
+        long_output=(512, 1_500),
+    )
+    rows: list[dict[str, Any]] = []
+    for router in routers:
+        try:
+            res = run_router(router, requests, args).summary()
+        except RuntimeError as exc:
+            if not router.startswith("vllm-router:"):
+                raise
+            print(f"| {router} | skipped: {exc} |", flush=True)
+            continue
+        rows.append(res)
+        print(table([res]).splitlines()[-1], flush=True)
+    print(table(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
+    if args.plot is not None:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""Disaggregated prefill and decode (docs/disaggregation.md): when a request takes two steps."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from proxy.config.base import _Strict
+
+
+class DisaggregationConfig(_Strict):
+    """Two-step requests, on a fleet where some backend has ``role: prefill``.
+
+    Without any prefill backend nothing here applies: every request is one step, as before.
+    """
+
+    protocol: Literal["nixl"] = Field(
+        default="nixl",
+        description="how the KV moves: vLLM's kv_transfer_params (NIXL and the connectors "
+        "that share its proxy protocol)",
+    )
+    min_uncached_prompt_tokens: int = Field(
+        default=512,
+        ge=0,
+        description="conditional disaggregation: a prompt with fewer tokens not already cached "
+        "on a decode server goes straight to that server as one ordinary request",
+    )

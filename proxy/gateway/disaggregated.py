@@ -1,0 +1,270 @@
+"""Two-step requests (disaggregated prefill and decode): step 1 inside the one request walk.
+
+The walk places the decode step first, as any request: by fit, since the decode server holds
+the prompt and the whole output for the whole generation (lazy growth and every reservation
+in flight counted, prefix affinity and fragmentation as for any request). With that
+reservation held, step 1 runs here (or before the decode placement, when no decode server
+fits yet and the decode step will hold: the prompt is computed while it waits): a prefill server chosen by expected prefill wait
+(``proxy.routing.prefill_wait``) computes the prompt and returns ``kv_transfer_params``
+(``proxy.core.two_step``); the walk then forwards step 2 to the decode server it reserved,
+with those params in the body. Step 1 is itself a one-step request on a sub-context: the
+same placement, reservation, retry budget, diversion, client watch and error answers.
+
+What each failure does:
+
+* step 1 fails on every prefill server (down, broken, overloaded): the decode server runs
+  the request itself (a decode server without ``kv_transfer_params`` computes the prompt);
+  the client gets an answer, slower, never an outage that another backend could serve;
+* the client's own mistake (a 4xx from the prefill server) is its answer, as in one step;
+* the client leaves during step 1: the decode reservation is released, the answer is 499;
+* step 2 refused for memory before the pull: the prefill server still holds the KV, the
+  next decode server gets the same params;
+* step 2 fails otherwise (the prefill server died, the pull broke): step 1 runs again.
+
+Blocks a prefill server holds for a decode that never comes (the client left between the
+steps, the decode failed before its pull) are freed by the prefill server itself: vLLM's
+NIXL connector frees them after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` seconds (480 by
+default) without a read; no API lets a proxy free them sooner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import orjson
+from starlette.responses import Response
+
+from proxy.core.two_step import (
+    Step,
+    TwoStep,
+    decode_body,
+    failure_cause,
+    not_prefill,
+    prefill_body,
+    prefill_only,
+    transfer_params,
+    worth_two_steps,
+)
+from proxy.gateway import attempt, placement
+from proxy.gateway.context import RequestContext
+from proxy.routing.policy import RouteRequest
+from proxy.routing.prefill_wait import PrefillWaitPolicy
+
+if TYPE_CHECKING:
+    from proxy.gateway.walk import Gateway
+
+log = logging.getLogger("kvroute.gateway")
+
+# The answer a client that left gets (nobody reads it), as ``attempt`` answers it.
+CLIENT_LEFT = 499
+
+
+def begin(gw: Gateway, ctx: RequestContext) -> None:
+    """Prefill-only servers never take an ordinary request; a disaggregated fleet takes two steps."""
+    backends = ctx.cfg.backends
+    only = prefill_only(backends)
+    if not only:
+        return
+    ruled_out = ctx.ruled_out
+    ctx.ruled_out = ruled_out | only
+    body = ctx.parsed.body
+    if "kv_transfer_params" in body:
+        # The client drives the transfer itself (a proxy in front of us): one step.
+        return
+    ctx.two_step = TwoStep(
+        body=body,
+        raw=ctx.parsed.raw,
+        ruled_out=ruled_out,
+        prefill_only=only,
+        decode_only=not_prefill(backends),
+        # Read before the decode placement records the prompt as cached where it goes.
+        cached=_cached(gw, ctx),
+    )
+
+
+async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | None:
+    """Step 1 before the decode placement when no decode server fits now.
+
+    The decode step will hold at the gateway until one fits; step 1 does not need it, so the
+    prompt is computed meanwhile (the prefill server holds the blocks a little longer, well
+    within its pull timeout). A Response ends the request (nothing reserved yet).
+    """
+    two = ctx.two_step
+    if two is None or two.step == "decode":
+        return None
+    avoid = gw.health.avoid() | ctx.ruled_out | ctx.exclude
+    request = RouteRequest(ctx.demand, ctx.cls, avoid)
+    if ctx.policy.rank(gw.local.apply(ctx.snap), request, gw.clock()):
+        # A decode server fits now: reserve it first, then prefill for it.
+        return None
+    cached = max((v for n, v in two.cached.items() if n not in two.prefill_only), default=0)
+    if not worth_two_steps(
+        ctx.prompt_tokens, cached, ctx.cfg.disaggregation.min_uncached_prompt_tokens
+    ):
+        return None
+    gw.metrics.two_step.labels("prefill", "while_holding").inc()
+    return await _prefill(gw, ctx, two)
+
+
+async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Response | None:
+    """Step 1 for a request placed on ``decode``; a Response ends the request (reservation freed)."""
+    two = ctx.two_step
+    if two is None or two.step == "decode":
+        return None
+    threshold = ctx.cfg.disaggregation.min_uncached_prompt_tokens
+    if not worth_two_steps(ctx.prompt_tokens, two.cached.get(decode, 0), threshold):
+        two.skipped = True
+        gw.metrics.two_step.labels("prefill", "skipped").inc()
+        return None
+    try:
+        answer = await _prefill(gw, ctx, two)
+    except BaseException:
+        gw.release_later(ctx, decode)
+        raise
+    if answer is not None:
+        gw.release_later(ctx, decode)
+    return answer
+
+
+async def _prefill(gw: Gateway, ctx: RequestContext, two: TwoStep) -> Response | None:
+    sub = _prefill_context(gw, ctx, two)
+    try:
+        while True:
+            placed = await placement.place(gw, sub)
+            if isinstance(placed, Response):
+                _no_prefill(gw, ctx, two, placed)
+                return None
+            answer = await attempt.forward(gw, sub, placed)
+            if answer is None:
+                await placement.move_on(gw, sub, placed)
+                continue
+            return _prefilled(gw, ctx, two, placed, answer)
+    finally:
+        gw.budget.release(sub.retries)
+        two.prefill_attempts += sub.attempts
+
+
+def _prefill_context(gw: Gateway, ctx: RequestContext, two: TwoStep) -> RequestContext:
+    """Step 1 as a one-step request of its own: one token, no stream, a remote decode asked for."""
+    body = prefill_body(two.body)
+    parsed = dataclasses.replace(
+        ctx.parsed, body=body, raw=orjson.dumps(body), stream=False, max_tokens=1, sequences=1
+    )
+    rates = gw.queues.current(ctx.snap).rates
+    return RequestContext(
+        request=ctx.request,
+        parsed=parsed,
+        reservation_id=ctx.reservation_id,
+        request_id=ctx.request_id,
+        started=ctx.started,
+        deadline=ctx.deadline,
+        prompt_tokens=ctx.prompt_tokens,
+        demand=ctx.prompt_tokens + 1,
+        cls=ctx.cls,
+        snap=ctx.snap,
+        retry_key=None,
+        upstream_headers=ctx.upstream_headers,
+        cfg=ctx.cfg,
+        policy=PrefillWaitPolicy(ctx.policy.settings, rates),
+        exclude=set(two.prefill_exclude),
+        ruled_out=two.ruled_out | two.decode_only,
+        decided=True,
+        affinity=ctx.affinity,
+        counts_request=False,
+    )
+
+
+def _prefilled(
+    gw: Gateway, ctx: RequestContext, two: TwoStep, prefill: str, answer: Response
+) -> Response | None:
+    """A prefill server answered: the transfer params make step 2's body; anything else ends here."""
+    if answer.status_code == CLIENT_LEFT:
+        gw.metrics.two_step.labels("prefill", "client_disconnect").inc()
+        return answer
+    if 400 <= answer.status_code < 500 and answer.status_code != 429:
+        # The client's own mistake, relayed as in one step.
+        gw.metrics.two_step.labels("prefill", "failed").inc()
+        _name_failure(answer, "prefill", allocation=False)
+        return answer
+    if answer.status_code >= 400:
+        # The last prefill server could not allocate it: the decode server prefills.
+        _no_prefill(gw, ctx, two, answer)
+        return None
+    try:
+        params = transfer_params(orjson.loads(answer.body))
+    except orjson.JSONDecodeError:
+        params = None
+    two.prefill_backend = prefill
+    if params is None:
+        # Not holding the KV for us (no KV connector there): the decode server recomputes.
+        log.warning("request %s: %s returned no kv_transfer_params", ctx.request_id, prefill)
+        gw.metrics.two_step.labels("prefill", "no_transfer_params").inc()
+        two.skipped = True
+        return None
+    gw.metrics.two_step.labels("prefill", "ok").inc()
+    two.params = params
+    raw = orjson.dumps(decode_body(two.body, params))
+    ctx.parsed = dataclasses.replace(ctx.parsed, raw=raw)
+    return None
+
+
+def _no_prefill(gw: Gateway, ctx: RequestContext, two: TwoStep, answer: Response) -> None:
+    """No prefill server could take step 1: the decode server computes the prompt itself."""
+    log.warning(
+        "request %s: no prefill server took it (HTTP %d); the decode server prefills",
+        ctx.request_id,
+        answer.status_code,
+    )
+    gw.metrics.two_step.labels("prefill", "failed").inc()
+    two.skipped = True
+
+
+def after_divert(gw: Gateway, ctx: RequestContext, decode: str) -> None:
+    """Step 2 on ``decode`` failed before answering: keep the prefilled KV or compute it again."""
+    two = ctx.two_step
+    if two is None or two.params is None:
+        return
+    if decode in ctx.no_room:
+        # Refused for memory before any pull: the prefill server still holds the blocks.
+        gw.metrics.two_step.labels("decode", "refused").inc()
+        return
+    # Anything else may have lost the KV on its way (the prefill server died, the pull broke).
+    gw.metrics.two_step.labels("decode", "failed").inc()
+    # Step 1 again, elsewhere: that server may be gone (if none is left, the decode prefills).
+    two.prefill_exclude.add(two.prefill_backend)
+    two.params = None
+    ctx.parsed = dataclasses.replace(ctx.parsed, raw=two.raw)
+
+
+def finish(gw: Gateway, ctx: RequestContext, answer: Response) -> Response:
+    """The request's answer after step 2 (or its placement): counted, and its failed step named."""
+    two = ctx.two_step
+    if two is None:
+        return answer
+    if answer.status_code == CLIENT_LEFT:
+        gw.metrics.two_step.labels("decode", "client_disconnect").inc()
+    elif answer.status_code < 400:
+        gw.metrics.two_step.labels("decode", "ok" if two.params is not None else "alone").inc()
+    else:
+        gw.metrics.two_step.labels("decode", "failed").inc()
+        allocation = bool(ctx.failed_on) and ctx.failed_on[-1] in ctx.no_room
+        _name_failure(answer, "decode", allocation)
+    return answer
+
+
+def _name_failure(answer: Response, step: Step, allocation: bool) -> None:
+    """The failed step and its cause, in the answer's headers."""
+    answer.headers["x-kvroute-failed-step"] = step
+    answer.headers["x-kvroute-failure-cause"] = failure_cause(
+        answer.status_code, bytes(answer.body), allocation
+    )
+
+
+def _cached(gw: Gateway, ctx: RequestContext) -> Mapping[str, int]:
+    """Prompt tokens each backend probably caches already (prefix affinity's index)."""
+    request = RouteRequest(ctx.demand, ctx.cls)
+    view = gw.local.apply(ctx.snap)
+    return gw.affinity.route_request(ctx.affinity, request, view, gw.clock()).cached
