@@ -1,4 +1,4 @@
-"""The memory-pressure benchmark's report: tables, the issue's targets, preemptions over time."""
+"""The memory-pressure benchmark's report: tables, the five targets, preemptions over time."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def targets(rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's five targets, checked per workload and run (one line each)."""
+    """The five targets (0 failed, preemptions, goodput, short and long TTFT p99), per workload and run."""
     out = []
     keys = sorted({(r["workload"], r["run"]) for r in rows})
     for wl, run in keys:
