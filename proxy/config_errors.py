@@ -219,7 +219,7 @@ def cross_problems(data: Any) -> list[str]:
     return lines
 
 
-def report(source: str, lines: list[str]) -> str:
+def problems_message(source: str, lines: list[str]) -> str:
     """The whole message: a header with the count, one line per problem."""
     head = f"{source}: {len(lines)} problem(s) (list positions count from 0)"
     return "\n".join([head, *(f"  {line}" for line in lines)])

@@ -7,6 +7,12 @@ The hierarchy (the httpx ``_exceptions.py`` habit: one base, the whole tree in o
     ├── StoreUnavailable       the state store did not answer within its deadline
     ├── ScrapeError            a backend's metrics could not become a memory report
     ├── RestartRefused         a manual restart/drain that cannot start now (``reason``)
+    ├── RestartFailed          a restart under way that cannot finish (hook, store, timeout)
+    ├── KubernetesApiError     a non-2xx answer (``status``) or an unreachable API server
+    ├── WatchExpired           a Kubernetes watch's resourceVersion is gone (HTTP 410)
+    ├── WireError              the lean client's connection, below the upstream boundary
+    │   ├── ConnectionLost         closed before the answer ended
+    │   └── BadAnswer              bytes that are not an HTTP/1.1 answer
     ├── UpstreamError          a backend failed us before anything reached the client
     │   ├── UpstreamTimeout        no response headers in time (connect or TTFB)
     │   ├── UpstreamConnectError   refused or dropped before answering
@@ -15,8 +21,9 @@ The hierarchy (the httpx ``_exceptions.py`` habit: one base, the whole tree in o
     │   └── AnswerTooLarge         a whole answer above ``upstream.max_answer_bytes``
     └── ApiError               an error answered to the client as OpenAI-format JSON
 
-Library errors (aiohttp, OSError) are translated into ``UpstreamError`` inside
-``proxy.upstream.client``; nothing above it catches a library's exceptions. Only ``ApiError``
+Library errors (aiohttp, OSError) and the lean client's ``WireError`` are translated into
+``UpstreamError`` inside ``proxy.upstream`` (``client``, ``lean``); nothing above it catches
+a library's exceptions. Only ``ApiError``
 carries an HTTP status: the domain errors carry a kind, and the layer that answers HTTP maps
 the kind to a status (``UPSTREAM_ANSWERS`` below, ``proxy.api.admin`` for restarts).
 """
@@ -61,6 +68,35 @@ class RestartRefused(KvrouteError):
         super().__init__(message)
         self.reason: RefusalReason = reason
         self.message = message
+
+
+class RestartFailed(KvrouteError):
+    """A restart under way cannot finish; the node goes back into service (proxy.ops.restart)."""
+
+
+class KubernetesApiError(KvrouteError):
+    """A non-2xx answer from the Kubernetes API (``status`` is the HTTP code; 0: unreachable)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"kubernetes api: HTTP {status}: {message}" if status else message)
+        self.status = status
+
+
+class WatchExpired(KvrouteError):
+    """The watch's resourceVersion is gone (HTTP 410 or an ERROR event with code 410)."""
+
+
+class WireError(KvrouteError):
+    """The lean upstream client's connection failed (proxy.upstream.wire); ``proxy.upstream``
+    turns it into ``UpstreamBroken``, so nothing above that package sees it."""
+
+
+class ConnectionLost(WireError):
+    """The backend closed the connection, or it was closed under us, before the answer ended."""
+
+
+class BadAnswer(WireError):
+    """The backend's bytes are not an HTTP/1.1 answer (the parser refused them)."""
 
 
 # What went wrong with one upstream attempt; keys of UPSTREAM_ANSWERS.

@@ -1,7 +1,8 @@
 """Background loops, written once: start, a round every interval, and a stop that cannot hang.
 
 The collector, the maintenance loop, the active health checks and the reservation ledger's
-release retries each run one of these.
+release retries each run one of these; a loop of another shape (discovery's watch with its
+backoff) stops through ``stop_task``.
 
 Why the stop is more than ``task.cancel(); await task``: timeout helpers in libraries below
 us (HTTP, Redis) can turn a cancellation that races their own deadline into their timeout
@@ -103,17 +104,24 @@ class PeriodicTask:
         if task is None:
             return True
         self._stopping = True
-        loop = asyncio.get_running_loop()
         limit = self.stop_timeout_s if timeout_s is None else timeout_s
-        give_up_at = loop.time() + limit
-        while not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=max(0.0, min(0.2, give_up_at - loop.time())))
-            if not task.done() and loop.time() >= give_up_at:
-                log.error(
-                    "%s: the loop did not stop within %gs; leaving it behind", self.name, limit
-                )
-                return False
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s: the loop had failed", self.name, exc_info=task.exception())
-        return True
+        return await stop_task(task, self.name, limit)
+
+
+async def stop_task(task: asyncio.Task[None], name: str, timeout_s: float) -> bool:
+    """Cancel ``task`` until it is done, bounded: True once it ended, False if left behind.
+
+    For a loop that also checks a stop flag of its own (set before calling this): the flag
+    ends it even when a library below turned the cancellation into its own error.
+    """
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=max(0.0, min(0.2, give_up_at - loop.time())))
+        if not task.done() and loop.time() >= give_up_at:
+            log.error("%s: the loop did not stop within %gs; leaving it behind", name, timeout_s)
+            return False
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s: the loop had failed", name, exc_info=task.exception())
+    return True

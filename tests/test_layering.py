@@ -49,7 +49,6 @@ APP_IMPORTERS = frozenset(
     {
         "proxy.cli",
         "loadtest.bench.overhead",
-        "loadtest.bench.overhead_variants",
         "loadtest.bench.overhead_decision",
     }
 )

@@ -171,7 +171,7 @@ def print_report(res: dict[str, Any]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.compare_e2e",
+        prog="python -m loadtest.bench compare",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
     p.add_argument("--requests", type=int, default=400, help="requests per run (default 400)")

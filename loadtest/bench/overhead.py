@@ -8,10 +8,14 @@ tiny OpenAI chat request at each target and concurrency with the same load gener
 - ``kvroute``: ``kvroute serve`` as shipped (FastAPI on uvicorn, httptools, uvloop, aiohttp
   upstream client), embedded store; ``kvroute-redis``: the same on a local redis-server;
 - ``vllm-router``: the Rust router from PyPI (``--policy round_robin``), where installed;
-- with ``--variants``: the same gateway on other server stacks (plain Starlette routes,
-  h11, the asyncio loop, two uvicorn workers on Redis) and two do-nothing pass-through
-  proxies (aiohttp.web, Starlette) that show each stack's floor. These are measurements
-  for choosing settings; ``proxy/`` itself is not changed by this script.
+- ``bare-aiohttp-proxy``: a do-nothing round-robin relay (``loadtest.bench.bare_proxy``),
+  the floor of any Python proxy on the same libraries;
+- ``--client-ab``, ``--coalesce-ab``, ``--lean-ab``: the same gateway with one switch
+  turned the other way (upstream.client aiohttp; head and body in two writes; inference
+  requests through the ASGI stack), measured in the same run.
+
+(The server-stack variants and the FastAPI-vs-Starlette layer cost that chose today's
+settings are in docs/benchmarks.md, "History".)
 
 For each it prints requests/s and the ratio to direct, p50/p99 latency and what the router
 adds to them, the router's CPU time per request (the least noisy figure on a shared box),
@@ -29,7 +33,6 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -57,98 +60,6 @@ from loadtest.bench.overhead_report import (
     summary,
 )
 from loadtest.bench.overhead_targets import Bench, Target, count_sse_events
-from loadtest.bench.overhead_variants import VARIANTS, gateway_starlette, serve_variant
-
-# ------------------------------------------------------------------ in-process ASGI layer cost
-
-
-def _asgi_scope(body: bytes) -> dict[str, Any]:
-    headers = [
-        (b"host", b"127.0.0.1"),
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": CHAT_PATH,
-        "raw_path": CHAT_PATH.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": headers,
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 8000),
-        "state": {},
-    }
-
-
-async def _asgi_cpu_per_request(app: Any, n: int, concurrency: int = 16) -> float:
-    """CPU microseconds per request of `app` called directly (no HTTP server), backend over the network."""
-    body = request_body(False)
-
-    async def one() -> None:
-        statuses: list[int] = []
-        sent = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.sleep(3600)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                statuses.append(message["status"])
-
-        await app(_asgi_scope(body), receive, send)
-        if statuses != [200]:
-            raise RuntimeError(f"in-process request answered {statuses}")
-
-    sem = asyncio.Semaphore(concurrency)
-
-    async def guarded() -> None:
-        async with sem:
-            await one()
-
-    async with app.router.lifespan_context(app):
-        await asyncio.gather(
-            *(guarded() for _ in range(min(200, n)))
-        )  # warm: tokenizer, pools, snapshot
-        t0 = time.process_time()
-        await asyncio.gather(*(guarded() for _ in range(n)))
-        return (time.process_time() - t0) / n * 1e6
-
-
-def asgi_layer_cost(cfg_path: Path, n: int, rounds: int) -> dict[str, Any]:
-    """The same Gateway behind FastAPI's route vs a plain Starlette route, called in-process, alternating."""
-    from proxy.api.app import create_app
-    from proxy.config import load_config
-
-    runs: dict[str, list[float]] = {"fastapi": [], "starlette": []}
-    for _ in range(rounds):
-        for kind in runs:
-            app = (
-                create_app(load_config(cfg_path))
-                if kind == "fastapi"
-                else gateway_starlette(str(cfg_path))
-            )
-            runs[kind].append(asyncio.run(_asgi_cpu_per_request(app, n)))
-    fa, st = statistics.median(runs["fastapi"]), statistics.median(runs["starlette"])
-    return {
-        "requests_per_round": n,
-        "rounds": rounds,
-        "fastapi_cpu_us_per_req": round(fa, 1),
-        "starlette_cpu_us_per_req": round(st, 1),
-        "fastapi_extra_us_per_req": round(fa - st, 1),
-        "fastapi_over_starlette": round(fa / st, 3) if st > 0 else None,
-        "all_rounds": {k: [round(x, 1) for x in v] for k, v in runs.items()},
-    }
-
 
 # ------------------------------------------------------------------ measuring
 
@@ -198,9 +109,17 @@ def calibrate(bench: Bench, wrk: str | None) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.overhead",
+        prog="python -m loadtest.bench overhead",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
+    add_point_options(p)
+    add_target_options(p)
+    add_run_options(p)
+    return p
+
+
+def add_point_options(p: argparse.ArgumentParser) -> None:
+    """What one measured point is: its length, concurrencies, modes, rounds, backends."""
     p.add_argument(
         "--duration", type=float, default=3.0, help="seconds per measurement point (default 3)"
     )
@@ -235,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="kvroute",
         help="kvroute routing policy for the gateway (default kvroute)",
     )
+
+
+def add_target_options(p: argparse.ArgumentParser) -> None:
+    """Which targets run beside direct and kvroute."""
     p.add_argument("--no-redis", action="store_true", help="skip the kvroute-redis target")
     p.add_argument(
         "--client-ab",
@@ -260,16 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="path of the vllm-router executable (default: PATH, then /tmp/vllm-router-venv)",
     )
     p.add_argument(
-        "--variants",
-        default="",
-        help=f"comma list of server variants to add, or 'all': {', '.join(VARIANTS)}",
+        "--no-bare-proxy",
+        action="store_true",
+        help="skip the bare aiohttp round-robin proxy (the stand-in for vllm-router's floor)",
     )
-    p.add_argument(
-        "--variant-concurrency",
-        type=int,
-        default=None,
-        help="variants run at this concurrency only (default: the highest)",
-    )
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The load generator, the extra figures, the run's size and output."""
     p.add_argument(
         "--loadgen",
         choices=["auto", "wrk", "python"],
@@ -281,18 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate",
         action="store_true",
         help="measure wrk and the python generator against direct first",
-    )
-    p.add_argument(
-        "--asgi-layers",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also time N in-process requests through FastAPI vs Starlette routes",
-    )
-    p.add_argument(
-        "--no-bare-proxy",
-        action="store_true",
-        help="skip the bare aiohttp round-robin proxy (the stand-in for vllm-router's floor)",
     )
     p.add_argument(
         "--no-extras",
@@ -313,7 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", dest="json_out", default=None, help="write all results as JSON to this file"
     )
-    return p
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -326,86 +234,101 @@ def apply_quick(args: argparse.Namespace) -> None:
         args.long_requests = min(args.long_requests, 5)
 
 
+def start_targets(bench: Bench, args: argparse.Namespace) -> tuple[list[Target], list[Target]]:
+    """The targets every point measures, and the extra ones measured at the top concurrency."""
+    targets = [bench.direct(), bench.kvroute("kvroute", redis=False)]
+    if args.client_ab:
+        targets.append(bench.kvroute("kvroute-aiohttp-client", redis=False, client="aiohttp"))
+    if args.coalesce_ab:
+        env = {"KVROUTE_COALESCE_WRITES": "0"}
+        targets.append(bench.kvroute("kvroute-two-writes", redis=False, env=env))
+    if args.lean_ab:
+        targets.append(bench.kvroute("kvroute-asgi", redis=False, env={"KVROUTE_LEAN": "0"}))
+    if not args.no_redis:
+        if shutil.which("redis-server"):
+            targets.append(bench.kvroute("kvroute-redis", redis=True))
+        else:
+            bench.skipped["kvroute-redis"] = "redis-server is not installed"
+    if not args.no_vllm_router:
+        vr = bench.vllm_router()
+        if vr is not None:
+            targets.append(vr)
+    if not args.no_bare_proxy:
+        targets.append(bench.bare_proxy())
+    extra: list[Target] = []
+    if not args.no_extras and "kvroute-redis" in {t.name for t in targets}:
+        extra.append(bench.kvroute("kvroute-redis-w2", redis=True, workers=2))
+    return targets, extra
+
+
+def measure_all(
+    bench: Bench, targets: list[Target], extra: list[Target], gen: str, wrk: str | None
+) -> list[Point]:
+    """Every point, ``--rounds`` times interleaved, merged; ratios to direct added."""
+    args = bench.args
+    modes = [m for m in args.modes.split(",") if m]
+    events = {t.name: count_sse_events(t.url) for t in targets + extra} if "sse" in modes else {}
+    raw: dict[tuple[str, str, int], list[Point]] = {}
+    top = max(args.concurrency)
+    for _ in range(args.rounds):
+        for mode in modes:
+            for conc in args.concurrency:
+                for t in targets + extra if conc == top else targets:
+                    point = measure(bench, t, mode, conc, gen, wrk)
+                    raw.setdefault((t.name, mode, conc), []).append(point)
+    points = [merge_rounds(v) for v in raw.values()]
+    add_ratios(points, events)
+    return points
+
+
+def measure_extras(bench: Bench, targets: list[Target]) -> dict[str, Any]:
+    """Store round trips (with Redis) and the 30k-token decision and loop lag."""
+    args = bench.args
+    extras: dict[str, Any] = {}
+    by_name = {t.name: t for t in targets}
+    if "kvroute-redis" in by_name and bench.redis is not None:
+        extras["store_round_trips"] = store_round_trips(
+            by_name["kvroute-redis"].url, bench.redis.url, n=120 if args.quick else 600
+        )
+    extras["decision"] = decision_and_lag(
+        bench.gateway_config_path("decision", False),
+        n_long=args.long_requests,
+        mix_n=7 * args.long_requests,
+    )
+    return extras
+
+
+def print_report(result: dict[str, Any], points: list[Point], skipped: dict[str, str]) -> None:
+    """The run's header lines, table and summary on stdout."""
+    machine, cal = result["machine"], result["calibration"]
+    print(
+        f"load generator: {result['loadgen']}; {machine['cpus']} CPUs; load average before "
+        f"{machine['loadavg_before']}, after {machine['loadavg_after']}"
+    )
+    if cal:
+        print(
+            f"calibration against direct at c={cal['concurrency']}: "
+            + "; ".join(f"{k}: {v}" for k, v in cal.items() if k != "concurrency")
+        )
+    print_table(points, skipped, result["notes"])
+    print_summary(result["summary"])
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     apply_quick(args)
     wrk = find_wrk()
     gen = "wrk" if args.loadgen == "wrk" or (args.loadgen == "auto" and wrk) else "python"
     if gen == "wrk" and wrk is None:
         raise SystemExit("--loadgen wrk: wrk is not installed (Debian: apt-get install -y wrk)")
-    modes = [m for m in args.modes.split(",") if m]
-    variants = (
-        list(VARIANTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
-    )
-    for v in variants:
-        if v not in VARIANTS:
-            raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     bench = Bench(args)
     started = time.time()
     load_before = loadavg()
     try:
         bench.start_backends()
-        targets = [bench.direct(), bench.kvroute("kvroute", redis=False)]
-        if args.client_ab:
-            targets.append(bench.kvroute("kvroute-aiohttp-client", redis=False, client="aiohttp"))
-        if args.coalesce_ab:
-            targets.append(
-                bench.kvroute(
-                    "kvroute-two-writes", redis=False, env={"KVROUTE_COALESCE_WRITES": "0"}
-                )
-            )
-        if args.lean_ab:
-            targets.append(bench.kvroute("kvroute-asgi", redis=False, env={"KVROUTE_LEAN": "0"}))
-        if not args.no_redis:
-            if shutil.which("redis-server"):
-                targets.append(bench.kvroute("kvroute-redis", redis=True))
-            else:
-                bench.skipped["kvroute-redis"] = "redis-server is not installed"
-        if not args.no_vllm_router:
-            vr = bench.vllm_router()
-            if vr is not None:
-                targets.append(vr)
-        if not args.no_bare_proxy:
-            bare = bench.variant("passthrough-aiohttp")
-            bare.name = "bare-aiohttp-proxy"
-            bare.note = "a few dozen lines: aiohttp.web + aiohttp client, round robin, no routing"
-            targets.append(bare)
-        extra = [bench.variant(v) for v in variants]
-        if not args.no_extras and "kvroute-redis" in {t.name for t in targets}:
-            extra.append(bench.kvroute("kvroute-redis-w2", redis=True, workers=2))
+        targets, extra = start_targets(bench, args)
         cal = calibrate(bench, wrk) if args.calibrate else None
-        layers = (
-            asgi_layer_cost(bench.gateway_config_path("asgi-layers", False), args.asgi_layers, 3)
-            if args.asgi_layers > 0
-            else None
-        )
-        events = (
-            {t.name: count_sse_events(t.url) for t in targets + extra} if "sse" in modes else {}
-        )
-        raw: dict[tuple[str, str, int], list[Point]] = {}
-        vconc = args.variant_concurrency or max(args.concurrency)
-        for _ in range(args.rounds):
-            for mode in modes:
-                for conc in args.concurrency:
-                    todo = targets + extra if conc == vconc else targets
-                    for t in todo:
-                        raw.setdefault((t.name, mode, conc), []).append(
-                            measure(bench, t, mode, conc, gen, wrk)
-                        )
-        points = [merge_rounds(v) for v in raw.values()]
-        add_ratios(points, events)
-        notes = {t.name: t.note for t in targets + extra}
-        extras: dict[str, Any] = {}
-        if not args.no_extras:
-            by_name = {t.name: t for t in targets}
-            if "kvroute-redis" in by_name and bench.redis is not None:
-                extras["store_round_trips"] = store_round_trips(
-                    by_name["kvroute-redis"].url, bench.redis.url, n=120 if args.quick else 600
-                )
-            extras["decision"] = decision_and_lag(
-                bench.gateway_config_path("decision", False),
-                n_long=args.long_requests,
-                mix_n=7 * args.long_requests,
-            )
+        points = measure_all(bench, targets, extra, gen, wrk)
+        extras = {} if args.no_extras else measure_extras(bench, targets)
     finally:
         bench.stop_all()
     result = {
@@ -420,29 +343,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "backends": args.backends,
         "stream_chunks": args.stream_chunks,
         "calibration": cal,
-        "asgi_layers": layers,
         "points": [asdict(p) for p in points],
         "extras": extras,
-        "summary": summary(points, extras, vconc),
+        "summary": summary(points, extras, max(args.concurrency)),
         "skipped": bench.skipped,
-        "notes": notes,
+        "notes": {t.name: t.note for t in targets + extra},
         "elapsed_s": round(time.time() - started, 1),
     }
-    print(
-        f"load generator: {gen}; {os.cpu_count()} CPUs; load average before {load_before}, after {result['machine']['loadavg_after']}"
-    )
-    if cal:
-        print(
-            f"calibration against direct at c={cal['concurrency']}: "
-            + "; ".join(f"{k}: {v}" for k, v in cal.items() if k != "concurrency")
-        )
-    if layers:
-        print(
-            f"in-process, same gateway: FastAPI route {layers['fastapi_cpu_us_per_req']} us CPU/request, "
-            f"Starlette route {layers['starlette_cpu_us_per_req']} us ({layers['fastapi_over_starlette']}x)"
-        )
-    print_table(points, bench.skipped, notes)
-    print_summary(result["summary"])
+    print_report(result, points, bench.skipped)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=2))
@@ -450,9 +358,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "serve-variant":
-        return serve_variant(argv[1:])
     run(build_parser().parse_args(argv))
     return 0
 

@@ -26,7 +26,6 @@ import random
 import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -119,7 +118,7 @@ async def _decision_and_lag(
     from proxy.api.app import create_app
     from proxy.api.server import server_config
     from proxy.config import load_config
-    from proxy.gateway import sizing
+    from proxy.gateway import sizing_pool
 
     cfg = load_config(cfg_path)
     app = create_app(cfg)
@@ -156,19 +155,22 @@ async def _decision_and_lag(
             observe(v)
 
         rt.metrics.decision.observe = observe_both
-        # CPU of each big sizing call in its thread (steadier than wall time on a busy box).
+        # CPU of each call in a sizing thread (steadier than wall time on a busy box): since
+        # the chunk cache, a big request's thread work is encoding its new chunks.
         cpu: list[float] = []
-        size = sizing._size
+        run_in_thread = sizing_pool.run
 
-        def timed_size(*args: Any) -> Any:
-            c = time.thread_time()
-            try:
-                return size(*args)
-            finally:
-                if threading.current_thread() is not threading.main_thread():
+        async def timed_run(fn: Any, *args: Any) -> Any:
+            def timed(*inner: Any) -> Any:
+                c = time.thread_time()
+                try:
+                    return fn(*inner)
+                finally:
                     cpu.append(time.thread_time() - c)
 
-        sizing._size = timed_size  # type: ignore[assignment]
+            return await run_in_thread(timed, *args)
+
+        sizing_pool.run = timed_run
         workdir = cfg_path.parent
         # Each prompt is new text: no cached count helps.
         await _send(url, [long_body(long_tokens, rng) for _ in range(n_long)], 1, workdir)
@@ -187,7 +189,7 @@ async def _decision_and_lag(
         stop.set()
         await task
     finally:
-        sizing._size = size
+        sizing_pool.run = run_in_thread
         server.should_exit = True
         await serving
     busy = [lag for t, lag in lags if start <= t <= end]

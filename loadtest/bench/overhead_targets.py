@@ -1,4 +1,4 @@
-"""The overhead benchmark's targets: trivial backends, kvroute, its variants and
+"""The overhead benchmark's targets: trivial backends, kvroute, the bare proxy and
 vllm-router, started as processes and torn down together."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import yaml
 
+from loadtest.bench.bare_proxy import NOTE as BARE_PROXY_NOTE
 from loadtest.bench.overhead_load import CHAT_PATH, MODEL, request_body
-from loadtest.bench.overhead_variants import VARIANT_NOTES
 from loadtest.local_fleet import EngineSpec, Proc, free_port, gateway_config, redis_proc, wait_http
 
 VLLM_ROUTER_CANDIDATES = ("/tmp/vllm-router-venv/bin/vllm-router",)
@@ -196,39 +196,23 @@ class Bench:
             name,
             p.url,
             [p],
-            "kvroute serve (uvicorn httptools+uvloop, hot routes past FastAPI)"
+            "kvroute serve (uvicorn httptools+uvloop, inference requests on the lean path)"
             + (", Redis store" if redis else "")
             + (f", --workers {workers}" if workers > 1 else "")
             + (f", upstream.client {client}" if client else "")
             + (", head and body in two writes" if env else ""),
         )
 
-    def variant(self, kind: str) -> Target:
+    def bare_proxy(self) -> Target:
+        """The do-nothing relay (``loadtest.bench.bare_proxy``) over the same backends."""
         port = free_port()
-        redis = kind in (
-            "workers2-redis",
-            "redis-bg-release",
-            "redis-stock-client",
-            "redis-no-batch",
-        )
-        cfg = self.gateway_config_path(kind, redis)
         backends = ",".join(p.url for p in self.backends)
-        argv = [
-            sys.executable,
-            "-m",
-            "loadtest.bench.overhead",
-            "serve-variant",
-            kind,
-            "--config",
-            str(cfg),
-            "--port",
-            str(port),
-            "--backends",
-            backends,
-        ]
-        p = self.start(Proc(kind, argv, f"http://127.0.0.1:{port}"), env=self.env())
+        argv = [sys.executable, "-m", "loadtest.bench.bare_proxy", "--port", str(port)]
+        argv += ["--backends", backends]
+        name = "bare-aiohttp-proxy"
+        p = self.start(Proc(name, argv, f"http://127.0.0.1:{port}"), env=self.env())
         wait_post_ok(p.url, proc=p)
-        return Target(kind, p.url, [p], VARIANT_NOTES[kind])
+        return Target(name, p.url, [p], BARE_PROXY_NOTE)
 
     def vllm_router(self) -> Target | None:
         exe = find_vllm_router(self.args.vllm_router)

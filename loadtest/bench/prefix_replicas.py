@@ -102,7 +102,7 @@ def one_row(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.prefix_replicas", description=__doc__
+        prog="python -m loadtest.bench prefix-replicas", description=__doc__
     )
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--rate", type=float, default=16.0)

@@ -111,70 +111,83 @@ def _flag(request: Request, name: str) -> bool:
 READ_CACHE_S = 1.0
 
 
-def ops_router() -> APIRouter:
-    router = APIRouter()
-    advice_cache: Coalesced[bytes] = Coalesced(READ_CACHE_S)
-    events_cache: Coalesced[list[dict[str, Any]]] = Coalesced(READ_CACHE_S)
+async def openapi(request: Request) -> Response:
+    if (denied := check_admin(request)) is not None:
+        return denied
+    return _json(request.app.openapi())
 
-    @router.get("/openapi.json", include_in_schema=False)
-    async def openapi(request: Request) -> Response:
-        if (denied := check_admin(request)) is not None:
-            return denied
-        return _json(request.app.openapi())
 
-    @router.post("/admin/reload")
-    async def reload(request: Request) -> Response:
-        if (denied := check_admin(request)) is not None:
-            return denied
-        outcome = await request.app.state.rt.reloader.reload("POST /admin/reload")
-        peers = getattr(request.app.state, "worker_peers", None)
-        if peers is not None and request.headers.get(FANOUT_HEADER) != "0":
-            # --workers N: every other worker reloads too, each reports (proxy.api.worker_peers).
-            others = await peers.reload_others(credentials(request.headers))
-            return _json(*combined(outcome.as_dict(), others))
-        # 422: the file is invalid and nothing changed; the body says what is wrong.
-        return _json(outcome.as_dict(), 422 if outcome.result == "invalid" else 200)
+async def reload(request: Request) -> Response:
+    if (denied := check_admin(request)) is not None:
+        return denied
+    outcome = await request.app.state.rt.reloader.reload("POST /admin/reload")
+    peers = getattr(request.app.state, "worker_peers", None)
+    if peers is not None and request.headers.get(FANOUT_HEADER) != "0":
+        # --workers N: every other worker reloads too, each reports (proxy.api.worker_peers).
+        others = await peers.reload_others(credentials(request.headers))
+        return _json(*combined(outcome.as_dict(), others))
+    # 422: the file is invalid and nothing changed; the body says what is wrong.
+    return _json(outcome.as_dict(), 422 if outcome.result == "invalid" else 200)
 
-    @router.post("/admin/backends/{name}/drain")
-    async def drain(name: str, request: Request) -> Response:
-        if (denied := check_admin(request)) is not None:
-            return denied
-        try:
-            await _ops(request).set_draining(name, True)
-        except RestartRefused as exc:
-            return _refused(exc)
-        return _json({"backend": name, "draining": True})
 
-    @router.post("/admin/backends/{name}/undrain")
-    async def undrain(name: str, request: Request) -> Response:
-        if (denied := check_admin(request)) is not None:
-            return denied
-        ops = _ops(request)
-        if name in ops.restarting and not _flag(request, "force"):
-            return _refused(
-                RestartRefused(
-                    "conflict",
-                    f"{name} is being restarted; it returns to service by itself (add ?force=true to undrain now)",
-                )
+async def drain(name: str, request: Request) -> Response:
+    if (denied := check_admin(request)) is not None:
+        return denied
+    try:
+        await _ops(request).set_draining(name, True)
+    except RestartRefused as exc:
+        return _refused(exc)
+    return _json({"backend": name, "draining": True})
+
+
+async def undrain(name: str, request: Request) -> Response:
+    if (denied := check_admin(request)) is not None:
+        return denied
+    ops = _ops(request)
+    if name in ops.restarting and not _flag(request, "force"):
+        return _refused(
+            RestartRefused(
+                "conflict",
+                f"{name} is being restarted; it returns to service by itself (add ?force=true to undrain now)",
             )
-        try:
-            await ops.set_draining(name, False)
-        except RestartRefused as exc:
-            return _refused(exc)
-        return _json({"backend": name, "draining": False})
+        )
+    try:
+        await ops.set_draining(name, False)
+    except RestartRefused as exc:
+        return _refused(exc)
+    return _json({"backend": name, "draining": False})
 
-    @router.post("/admin/backends/{name}/restart")
-    async def restart(name: str, request: Request) -> Response:
-        if (denied := check_admin(request)) is not None:
-            return denied
-        try:
-            started = await _ops(request).request_restart(name, force=_flag(request, "force"))
-        except RestartRefused as exc:
-            return _refused(exc)
-        return _json(started, 202)
 
-    @router.get("/fleet/advice")
-    async def advice(request: Request) -> Response:
+async def restart(name: str, request: Request) -> Response:
+    if (denied := check_admin(request)) is not None:
+        return denied
+    try:
+        started = await _ops(request).request_restart(name, force=_flag(request, "force"))
+    except RestartRefused as exc:
+        return _refused(exc)
+    return _json(started, 202)
+
+
+async def index(request: Request) -> Response:
+    return Response(
+        status_page(),
+        media_type="text/html; charset=utf-8",
+        headers={
+            "cache-control": "no-cache",
+            "content-security-policy": STATUS_PAGE_CSP,
+            "x-content-type-options": "nosniff",
+        },
+    )
+
+
+class OpsReads:
+    """The open read endpoints of operations, each answer shared for ``READ_CACHE_S``."""
+
+    def __init__(self) -> None:
+        self.advice_cache: Coalesced[bytes] = Coalesced(READ_CACHE_S)
+        self.events_cache: Coalesced[list[dict[str, Any]]] = Coalesced(READ_CACHE_S)
+
+    async def advice(self, request: Request) -> Response:
         ops = _ops(request)
 
         async def compute() -> bytes:
@@ -195,13 +208,12 @@ def ops_router() -> APIRouter:
             body["memory_pressure"] = preemption_advice(rt.gateway.pressure.headroom, snap)
             return orjson.dumps(body)
 
-        payload = await advice_cache.get("advice", compute)
+        payload = await self.advice_cache.get("advice", compute)
         return Response(
             payload, media_type="application/json", headers={"cache-control": "no-store"}
         )
 
-    @router.get("/fleet/events")
-    async def events(request: Request) -> Response:
+    async def events(self, request: Request) -> Response:
         raw = request.query_params.get("limit", "100")
         if not raw.isdigit() or not 1 <= int(raw) <= 1000:
             return ApiError(
@@ -210,7 +222,7 @@ def ops_router() -> APIRouter:
         backend = request.query_params.get("backend")
         store = _ops(request).store
         try:
-            items = await events_cache.get(int(raw), lambda: store.events(int(raw)))
+            items = await self.events_cache.get(int(raw), lambda: store.events(int(raw)))
         except StoreUnavailable:
             return ApiError(
                 503, "state store unavailable", type="server_error", code="store_unavailable"
@@ -219,16 +231,17 @@ def ops_router() -> APIRouter:
             items = [e for e in items if e.get("backend") == backend]
         return _json({"events": items})
 
-    @router.get("/", include_in_schema=False)
-    async def index(request: Request) -> Response:
-        return Response(
-            status_page(),
-            media_type="text/html; charset=utf-8",
-            headers={
-                "cache-control": "no-cache",
-                "content-security-policy": STATUS_PAGE_CSP,
-                "x-content-type-options": "nosniff",
-            },
-        )
 
+def ops_router() -> APIRouter:
+    """Admin actions, ``/fleet/advice``, ``/fleet/events`` and the status page at ``/``."""
+    router = APIRouter()
+    reads = OpsReads()
+    router.add_api_route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
+    router.add_api_route("/admin/reload", reload, methods=["POST"])
+    router.add_api_route("/admin/backends/{name}/drain", drain, methods=["POST"])
+    router.add_api_route("/admin/backends/{name}/undrain", undrain, methods=["POST"])
+    router.add_api_route("/admin/backends/{name}/restart", restart, methods=["POST"])
+    router.add_api_route("/fleet/advice", reads.advice, methods=["GET"])
+    router.add_api_route("/fleet/events", reads.events, methods=["GET"])
+    router.add_api_route("/", index, methods=["GET"], include_in_schema=False)
     return router

@@ -2,7 +2,7 @@
 
 A pure ASGI middleware, so that it costs one function call per request and so that the
 concurrency count covers a streamed response until its last byte. The server's lean path
-(``proxy.api.lean``) serves the inference routes through the same instance and the same
+(``proxy.api.entry``) serves the inference routes through the same instance and the same
 rules (``header_refusal``, ``with_body``, ``read_body``/``whole_body``): one home for each. Every refusal is an
 OpenAI-format error: 431 for oversized headers, 400 for more than one ``Authorization``
 header, 401 for a missing or wrong key, 413 for a body over ``limits.max_body_bytes``,
@@ -101,9 +101,6 @@ class RequestGuard:
     ) -> None:
         self.app = app
         self.inflight = 0
-        # Plain handlers of the inference routes (proxy.api.hot): past the guard's checks a
-        # POST on one of these paths goes straight to it instead of the framework's stack.
-        self.hot: dict[str, ASGIApp] = {}
         self.refused: dict[Refusal, int] = {
             "headers": 0,
             "auth": 0,
@@ -181,12 +178,9 @@ class RequestGuard:
             return
 
         async def run(body: bytes) -> None:
-            app = self.app
-            if self.hot and scope["method"] == "POST":
-                app = self.hot.get(scope["path"], app)
             # The walk takes the body from the scope (no second read through receive).
             scope[READ_BODY] = body
-            await app(scope, replay(body, receive), send)
+            await self.app(scope, replay(body, receive), send)
 
         await self.with_body(lambda: self.read_body(headers, receive), run, refuse)
 
@@ -200,7 +194,7 @@ class RequestGuard:
 
         ``read`` gives the body and the budget it holds (``read_body``, or the lean path's
         ``whole_body``); ``refuse`` answers a refusal. The ASGI guard and the server's lean
-        path (proxy.api.lean) both go through here: one place for the slot and the budget.
+        path (proxy.api.entry) both go through here: one place for the slot and the budget.
         """
         held = 0
         try:

@@ -22,7 +22,7 @@ the bound lives here, in a subclass of uvicorn's protocol:
 The body's time and rate are the guard's business (``proxy.api.limits``).
 
 A ``POST`` to an inference route skips the ASGI cycle: the protocol hands it to the lean
-path (``proxy.api.lean``: the same guard and handler, the answer written straight to the
+path (``proxy.api.entry``: the same guard and handler, the answer written straight to the
 socket). ``KVROUTE_LEAN=0`` sends it through the ASGI stack like every other request.
 
 The protocol also holds each response's head (status line and headers) until its body's
@@ -42,7 +42,9 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from proxy.api.lean import LeanPath, close_if_body_unread, find_app, missing_cycle_parts
+from proxy.api.entry import LeanPath, missing_cycle_parts
+from proxy.api.gateway_app import find_app
+from proxy.api.socket_answer import close_if_body_unread
 from proxy.config import Config, LimitsConfig
 from proxy.errors import ApiError
 
@@ -148,7 +150,7 @@ class GuardedProtocol(HttpToolsProtocol):
     timed_out_headers: int = 0
     # Head and body of a response in one write (switchable for the benchmark's A/B).
     coalesce: bool = True
-    # The inference routes past the ASGI cycle (proxy.api.lean; switchable for the A/B).
+    # The inference routes past the ASGI cycle (proxy.api.entry; switchable for the A/B).
     lean: bool = True
     # Found from uvicorn's loaded app on the first request: None when no GatewayApp is
     # reachable through proxy-header layers only.

@@ -36,9 +36,9 @@ from typing import Any, Protocol
 import httpx
 
 from proxy.backends.base import ModelsInfo
-from proxy.backends.models import ModelsDirectory
 from proxy.backends.parse import ScrapeError, parse_report
 from proxy.backends.scrape import BackendStatus, ScrapeOutcome, scrape, scrape_client
+from proxy.backends.served_models import ModelsDirectory
 from proxy.config import BackendConfig, Config
 from proxy.core.fleet import MemoryReport
 from proxy.state.base import StateStore, StoreUnavailable

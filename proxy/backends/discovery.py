@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from proxy.config import BackendConfig, Config, DiscoveryConfig
 from proxy.config.base import ServingRole
+from proxy.tasks import stop_task
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -27,6 +27,8 @@ ChangeHook = Callable[[list[BackendConfig]], None]
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 FIRST_LIST_TIMEOUT_S = 10.0
+# How long a stop waits for the loop before leaving it behind (logged), as PeriodicTask does.
+STOP_TIMEOUT_S = 5.0
 
 
 class Discovery(abc.ABC):
@@ -39,6 +41,8 @@ class Discovery(abc.ABC):
         self.on_change: list[ChangeHook] = []
         self.updates = 0
         self._task: asyncio.Task[None] | None = None
+        # Ends the loop at its next turn even if a library swallowed the cancellation.
+        self._stopping = False
 
     @abc.abstractmethod
     async def _run(self) -> None:
@@ -80,13 +84,14 @@ class Discovery(abc.ABC):
         except Exception as exc:  # the loop keeps trying; the gateway starts regardless
             log.warning("discovery: first list failed (%s); retrying in the background", exc)
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.get_running_loop().create_task(
                 self._loop(), name="kvroute-discovery"
             )
 
     async def _loop(self) -> None:
         delay = BACKOFF_START_S
-        while True:
+        while not self._stopping:
             try:
                 await self._run()
                 delay = BACKOFF_START_S
@@ -100,9 +105,8 @@ class Discovery(abc.ABC):
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            self._stopping = True
+            await stop_task(task, "kvroute-discovery", STOP_TIMEOUT_S)
         await self.close()
 
     async def close(self) -> None:

@@ -18,13 +18,10 @@ from typing import Any
 from proxy.backends.discovery import Discovery, backend
 from proxy.config import BackendConfig, DiscoveryConfig
 from proxy.config.base import ServingRole
-from proxy.upstream.kubernetes_api import KubernetesApi, KubernetesApiError
+from proxy.errors import KubernetesApiError, WatchExpired
+from proxy.upstream.kubernetes_api import KubernetesApi
 
 log = logging.getLogger("kvroute.discovery")
-
-
-class WatchExpired(Exception):
-    """The watch's resourceVersion is gone (HTTP 410 or an ERROR event with code 410)."""
 
 
 def _port(cfg: DiscoveryConfig, ports: list[dict[str, Any]]) -> int | None:

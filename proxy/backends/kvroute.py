@@ -25,7 +25,7 @@ def has_gauges(samples: sm.Samples) -> bool:
     return any(n in samples for n in REQUIRED)
 
 
-def report(
+def memory_report(
     samples: sm.Samples, kind: str, now: float, capacity_override: int | None
 ) -> MemoryReport:
     """The report from the kvroute gauges; ``kind`` gives the allocator when no info label does."""
@@ -74,7 +74,7 @@ class KvrouteAdapter:
         samples = sm.parse_selected(text, WANTED)
         if not has_gauges(samples):
             raise missing()
-        return report(samples, self.kind, now, capacity_override)
+        return memory_report(samples, self.kind, now, capacity_override)
 
     def parse_models(self, body: bytes) -> ModelsInfo:
         return parse_openai_models(body)

@@ -57,7 +57,7 @@ def _per_dp(samples: sm.Samples, name: str, required: bool) -> dict[str, float]:
     return out
 
 
-def report(samples: sm.Samples, now: float, capacity_override: int | None) -> MemoryReport:
+def memory_report(samples: sm.Samples, now: float, capacity_override: int | None) -> MemoryReport:
     caps = _per_dp(samples, CAPACITY, required=True)
     usage = _per_dp(samples, TOKEN_USAGE, required=True)
     ranks = sorted(caps)
@@ -92,7 +92,7 @@ class SglangAdapter:
     def parse_metrics(
         self, text: str, now: float, capacity_override: int | None = None
     ) -> MemoryReport:
-        return report(sm.parse_selected(text, WANTED), now, capacity_override)
+        return memory_report(sm.parse_selected(text, WANTED), now, capacity_override)
 
     def parse_models(self, body: bytes) -> ModelsInfo:
         return parse_openai_models(body)

@@ -38,7 +38,7 @@ START_TIME = "process_start_time_seconds"
 WANTED: frozenset[str] = frozenset({CAPACITY, USED, RUNNING, WAITING, START_TIME})
 
 
-def report(samples: sm.Samples, now: float, capacity_override: int | None) -> MemoryReport:
+def memory_report(samples: sm.Samples, now: float, capacity_override: int | None) -> MemoryReport:
     capacity = sm.count(CAPACITY, sm.required_sum(samples, CAPACITY))
     if capacity <= 0 and capacity_override is None:
         raise sm.ScrapeError(f"{CAPACITY} is {capacity}; TGI has not finished warm-up")
@@ -88,7 +88,7 @@ class TgiAdapter:
     def parse_metrics(
         self, text: str, now: float, capacity_override: int | None = None
     ) -> MemoryReport:
-        return report(sm.parse_selected(text, WANTED), now, capacity_override)
+        return memory_report(sm.parse_selected(text, WANTED), now, capacity_override)
 
     def parse_models(self, body: bytes) -> ModelsInfo:
         return parse_models(body)

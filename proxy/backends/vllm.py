@@ -170,7 +170,7 @@ def prefill_counters(samples: sm.Samples) -> tuple[float, float]:
     return tokens, seconds
 
 
-def report(samples: sm.Samples, now: float, capacity_override: int | None) -> MemoryReport:
+def memory_report(samples: sm.Samples, now: float, capacity_override: int | None) -> MemoryReport:
     usage = _usage_by_engine(samples)
     engines = len(usage)
     geo = geometry(samples)
@@ -235,7 +235,7 @@ class VllmAdapter:
         if kvroute.has_gauges(samples):
             # Exact gauges, taken with the exporter's own semantics: a server that exports
             # them (the simulated kvroute engine) allocates at admission, so not "queueing".
-            exact = kvroute.report(samples, "vllm", now, capacity_override)
+            exact = kvroute.memory_report(samples, "vllm", now, capacity_override)
             return dataclasses.replace(
                 exact, preemptions=sm.count(PREEMPTIONS, sm.optional_sum(samples, PREEMPTIONS))
             )
@@ -244,7 +244,7 @@ class VllmAdapter:
                 f"required metric {KV_USAGE} (or {KV_USAGE_REMOVED}, "
                 f"or the kvroute gauges {', '.join(kvroute.REQUIRED)}) is missing"
             )
-        return report(samples, now, capacity_override)
+        return memory_report(samples, now, capacity_override)
 
     def parse_models(self, body: bytes) -> ModelsInfo:
         return parse_openai_models(body)
@@ -264,7 +264,7 @@ class PagedAdapter(kvroute.KvrouteAdapter):
     ) -> MemoryReport:
         samples = sm.parse_selected(text, WANTED | kvroute.WANTED)
         if kvroute.has_gauges(samples):
-            return kvroute.report(samples, "paged", now, capacity_override)
+            return kvroute.memory_report(samples, "paged", now, capacity_override)
         if has_gauges(samples):
-            return report(samples, now, capacity_override)
+            return memory_report(samples, now, capacity_override)
         raise kvroute.missing()

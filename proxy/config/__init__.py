@@ -147,7 +147,7 @@ def apply_env(
 def _format_errors(err: ValidationError, data: dict[str, Any], source: str) -> str:
     # Config-level (loc ()) errors are the cross checks, which cross_problems reports itself.
     lines = pydantic_problems((e for e in err.errors() if e["loc"]), data, Config)
-    return config_errors.report(source, lines + config_errors.cross_problems(data))
+    return config_errors.problems_message(source, lines + config_errors.cross_problems(data))
 
 
 def parse_config(

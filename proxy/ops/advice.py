@@ -76,6 +76,278 @@ def effective_demand_tokens(snapshot: FleetSnapshot, capacity_failures: Iterable
     return used + sum(f.demand for f in capacity_failures if not f.fixable_by_restart)
 
 
+@dataclass(frozen=True, slots=True)
+class Findings:
+    """What ``decide`` found and chose: every number the explanation quotes, no text."""
+
+    action: Action
+    window_s: float
+    fixable: tuple[Failure, ...]  # fragmentation failures of the window
+    capacity: tuple[Failure, ...]  # capacity failures of the window
+    capacity_still_short: int  # capacity failures no node could take even now
+    transient: int  # capacity failures some node could take now (a passing peak)
+    candidates: tuple[NodeAdvice, ...]  # restart candidates, most fragmented first, judged
+    busy: frozenset[str]  # nodes being restarted now
+    nodes: tuple[NodeAdvice, ...]
+    watch: tuple[str, ...]
+    ready: tuple[str, ...]
+    failures: Mapping[str, float]
+    fleet: Mapping[str, float]
+
+
+def _failed_here(fixable: Iterable[Failure]) -> dict[str, int]:
+    """The largest fragmentation failure each node had room for (but no block)."""
+    out: dict[str, int] = {}
+    for f in fixable:
+        for name in f.room_on:
+            out[name] = max(out.get(name, 0), f.demand)
+    return out
+
+
+def _judge_candidates(
+    snapshot: FleetSnapshot,
+    assessed: list[NodeAdvice],
+    now: float,
+    cfg: MaintenanceConfig,
+    stale_after_s: float,
+    busy: frozenset[str],
+) -> tuple[tuple[NodeAdvice, ...], tuple[str, ...]]:
+    """Candidates, most fragmented first, each ready only if the fleet can spare it on top
+    of those before (and of the restarts under way); the ready ones in order."""
+    ordered = sorted(
+        (a for a in assessed if a.candidate and a.name not in busy),
+        key=lambda a: (a.largest_contiguous_free_block_ratio or 0.0, a.name),
+    )
+    taken = set(busy)
+    ready: list[str] = []
+    judged: list[NodeAdvice] = []
+    for a in ordered:
+        ok, why = can_take_out(snapshot, a.name, now, cfg, stale_after_s, taken)
+        if ok and len(taken) < cfg.max_concurrent_restarts:
+            taken.add(a.name)
+            ready.append(a.name)
+        elif ok:
+            why = f"waiting: {len(taken)} node(s) restarting or going first (max_concurrent_restarts {cfg.max_concurrent_restarts})"
+            ok = False
+        judged.append(NodeAdvice(**{**asdict(a), "ready": ok, "why": why}))
+    return tuple(judged), tuple(ready)
+
+
+def _watched(nodes: Iterable[NodeAdvice], trends: Mapping[str, Trend]) -> tuple[str, ...]:
+    """Nodes fragmenting (high, severe or rising) but not yet restart candidates."""
+    return tuple(
+        a.name
+        for a in nodes
+        if not a.candidate
+        and a.state == "up"
+        and (
+            a.level in ("high", "severe")
+            or (trends.get(a.name) is not None and trends[a.name].rising)
+        )
+    )
+
+
+def _still_fragmented(snapshot: FleetSnapshot, f: Failure) -> bool:
+    """A fragmentation failure stands while a node it names still has the memory for it and
+    no block (not once that node restarted, or filled up)."""
+    by_name = snapshot.by_name()
+    for name in f.room_on:
+        n = by_name.get(name)
+        r = n.report if n is not None else None
+        # In whole blocks, as NodeView.fits decides: a block a few tokens short is short.
+        if (
+            r is not None
+            and r.largest_free_block_tokens < r.whole_blocks(f.demand) <= r.free_tokens
+        ):
+            return True
+    return False
+
+
+def _fleet_numbers(
+    snapshot: FleetSnapshot, now: float, stale_after_s: float, judged: float, demand: int
+) -> dict[str, float]:
+    # A down node's last report is not fleet memory.
+    reporting = [n for n in snapshot.nodes if n.up and n.report is not None]
+    reports = [n.report for n in reporting if n.report is not None]
+    cap_total = sum(r.capacity_tokens for r in reports)
+    free_total = sum(r.free_tokens for r in reports)
+    return {
+        "nodes": len(snapshot.nodes),
+        "healthy_nodes": sum(1 for n in snapshot.nodes if healthy(n, now, stale_after_s, judged)),
+        "capacity_tokens": cap_total,
+        "free_tokens": free_total,
+        "free_fraction": round(free_total / cap_total, 4) if cap_total else 0.0,
+        "largest_free_block_tokens": max((r.largest_free_block_tokens for r in reports), default=0),
+        "largest_node_free_tokens": max((n.usable_free() for n in reporting), default=0),
+        "effective_demand_tokens": demand,
+        "effective_utilisation": round(demand / cap_total, 4) if cap_total else 0.0,
+    }
+
+
+def _failure_numbers(
+    fails: list[Failure], fixable: list[Failure], capacity: list[Failure], window: float
+) -> dict[str, float]:
+    return {
+        "window_s": window,
+        "total": len(fails),
+        "fragmentation": len(fixable),
+        "capacity": len(capacity),
+        "at_high_free_memory": sum(1 for f in fails if f.at_high_free),
+        "max_fragmentation_demand_tokens": max((f.demand for f in fixable), default=0),
+        "max_capacity_demand_tokens": max((f.demand for f in capacity), default=0),
+    }
+
+
+def decide(
+    snapshot: FleetSnapshot,
+    now: float,
+    cfg: MaintenanceConfig,
+    *,
+    stale_after_s: float,
+    failures: Iterable[Failure] = (),
+    rate_failures: Iterable[Failure] | None = None,
+    trends: Mapping[str, Trend] | None = None,
+    below_since: Mapping[str, float] | None = None,
+    busy: Iterable[str] = (),
+    blocked_until: Mapping[str, float] | None = None,
+) -> Findings:
+    """The action and what it rests on (parameters as ``advise``)."""
+    fails = list(failures)
+    trends = trends or {}
+    busy_set = frozenset(busy)
+    fixable = [f for f in fails if f.fixable_by_restart]
+    capacity = [f for f in fails if not f.fixable_by_restart]
+    failed_here = _failed_here(fixable)
+    # Staleness judged as routing judges it (proxy.core.freshness): against the newest report.
+    judged = judged_at(snapshot, now, stale_after_s)
+    assessed = [
+        assess(
+            n, now, cfg, stale_after_s, trends.get(n.name), (below_since or {}).get(n.name),
+            failed_here.get(n.name, 0), (blocked_until or {}).get(n.name), judged,
+        )
+        for n in snapshot.nodes
+    ]  # fmt: skip
+    candidates, ready = _judge_candidates(snapshot, assessed, now, cfg, stale_after_s, busy_set)
+    by_name = {a.name: a for a in candidates}
+    nodes = tuple(by_name.get(a.name, a) for a in assessed)
+    demand = effective_demand_tokens(snapshot, fails if rate_failures is None else rate_failures)
+    fleet = _fleet_numbers(snapshot, now, stale_after_s, judged, demand)
+    # A capacity failure still stands while no node has that much free memory; once one has
+    # (requests finished), it was a peak, and adding replicas for it would be premature.
+    short = sum(1 for f in capacity if f.demand > fleet["largest_node_free_tokens"])
+    still_fragmented = sum(1 for f in fixable if _still_fragmented(snapshot, f))
+    numbers = _failure_numbers(fails, fixable, capacity, cfg.failure_window_s)
+    numbers["capacity_still_short"] = short
+    numbers["fragmentation_still_fragmented"] = still_fragmented
+    action: Action = "none"
+    if short and short >= still_fragmented:
+        action = "scale_up"
+    elif candidates or busy_set:
+        # While a restart is under way, "restart" keeps autoscalers from scaling up.
+        action = "restart"
+    return Findings(
+        action, cfg.failure_window_s, tuple(fixable), tuple(capacity), short,
+        len(capacity) - short, candidates, busy_set, nodes, _watched(nodes, trends),
+        ready if action == "restart" else (), numbers, fleet,
+    )  # fmt: skip
+
+
+def _scale_up_reasons(f: Findings) -> list[str]:
+    fleet, window = f.fleet, f.window_s
+    out = [
+        f"{f.capacity_still_short} allocation failure(s) in the last {window:.0f}s were capacity: demand up to "
+        f"{f.failures['max_capacity_demand_tokens']} tokens exceeds the total free memory of every node "
+        f"(most free on one node now: {fleet['largest_node_free_tokens']}; fleet free "
+        f"{fleet['free_tokens']} of {fleet['capacity_tokens']})"
+    ]
+    if f.fixable:
+        out.append(
+            f"{len(f.fixable)} other failure(s) were fragmentation: restart those nodes as well"
+        )
+    out.append(
+        f"effective demand {fleet['effective_demand_tokens']} tokens of {fleet['capacity_tokens']} "
+        f"({fleet['effective_utilisation']:.0%})"
+    )
+    return out
+
+
+def _restart_reasons(f: Findings) -> list[str]:
+    out = []
+    for a in f.candidates:
+        uptime = a.uptime_s if a.uptime_s is not None else "?"
+        out.append(
+            f"{a.name} ({', '.join(a.restart_reasons)}): largest free block {a.largest_free_block_tokens} of "
+            f"{a.free_tokens} free tokens (ratio {a.largest_contiguous_free_block_ratio:.2f}, "
+            f"{(a.free_fraction or 0):.0%} free), uptime {uptime}s; "
+            + ("ready: " if a.ready else "not yet: ")
+            + a.why
+        )
+    if f.fixable:
+        out.append(
+            f"{len(f.fixable)} allocation failure(s) in the last {f.window_s:.0f}s were fragmentation: a node "
+            f"had enough free memory in total but no block of up to "
+            f"{f.failures['max_fragmentation_demand_tokens']} tokens; "
+            "a restart restores it, more replicas would not be needed"
+        )
+    else:
+        out.append("no capacity failures: do not scale up")
+    return out
+
+
+def _quiet_reasons(f: Findings) -> list[str]:
+    if f.fixable:
+        return [
+            f"{len(f.fixable)} fragmentation failure(s) in the last {f.window_s:.0f}s, but no node is below "
+            "the restart thresholds now"
+        ]
+    return ["no allocation failures and no node past the fragmentation thresholds"]
+
+
+def _context_reasons(f: Findings, cfg: MaintenanceConfig) -> list[str]:
+    """What every answer adds: restarts under way, nodes down, nodes to watch."""
+    out = []
+    if f.busy:
+        out.append("restarting now: " + ", ".join(sorted(f.busy)))
+    down = sorted(a.name for a in f.nodes if a.state in ("down", "stale"))
+    if down:
+        # Requests refused for want of a reachable node are not recorded as failures at all.
+        out.append(
+            f"{len(down)} node(s) down or not reporting ({', '.join(down)}): an outage, "
+            "not a capacity shortage; bring them back rather than scale up"
+        )
+    for name in f.watch:
+        w = next(a for a in f.nodes if a.name == name)
+        since = (
+            f", below {cfg.restart_below_ratio:.2f} for {w.below_threshold_for_s:.0f}s of {cfg.restart_after_s:.0f}s"
+            if w.below_threshold_for_s is not None
+            else ""
+        )
+        out.append(
+            f"watch {name}: largest block / free {w.largest_contiguous_free_block_ratio:.2f}{since}"
+        )
+    return out
+
+
+def explain(f: Findings, cfg: MaintenanceConfig) -> tuple[str, ...]:
+    """The reasons an operator reads in ``/fleet/advice``, from what ``decide`` found."""
+    if f.action == "restart" and not f.candidates:
+        # Only restarts under way: their line says it all ("restarting now" comes first).
+        head = [f"restarting now: {', '.join(sorted(f.busy))}; do not scale up meanwhile"]
+        return tuple(head + _context_reasons(f, cfg)[1:])
+    if f.action == "scale_up":
+        reasons = _scale_up_reasons(f)
+    elif f.action == "restart":
+        reasons = _restart_reasons(f)
+    else:
+        reasons = _quiet_reasons(f)
+    if f.transient and f.action != "scale_up":
+        reasons.append(
+            f"{f.transient} capacity failure(s) in the last {f.window_s:.0f}s, but a node now has "
+            f"{f.fleet['largest_node_free_tokens']} tokens free: a passing peak, not a reason to scale up"
+        )
+    return tuple(reasons + _context_reasons(f, cfg))
+
+
 def advise(
     snapshot: FleetSnapshot,
     now: float,
@@ -89,204 +361,23 @@ def advise(
     busy: Iterable[str] = (),
     blocked_until: Mapping[str, float] | None = None,
 ) -> Advice:
-    """What to do now. ``failures``: those of the last ``failure_window_s``; ``rate_failures``:
-    those of the last minute, for the effective demand (defaults to ``failures``);
-    ``busy``: nodes being restarted now (they count as out of the fleet); ``blocked_until``:
-    no restart of a node before this time (its last attempt, from the shared event log)."""
-    fails = list(failures)
-    trends = trends or {}
-    below_since = below_since or {}
-    blocked_until = blocked_until or {}
-    busy_set = set(busy)
-    fixable = [f for f in fails if f.fixable_by_restart]
-    capacity = [f for f in fails if not f.fixable_by_restart]
-    failed_here: dict[str, int] = {}
-    for f in fixable:
-        for name in f.room_on:
-            failed_here[name] = max(failed_here.get(name, 0), f.demand)
-
-    # Staleness judged as routing judges it (proxy.core.freshness): against the newest report.
-    judged = judged_at(snapshot, now, stale_after_s)
-    assessed = [
-        assess(
-            n,
-            now,
-            cfg,
-            stale_after_s,
-            trends.get(n.name),
-            below_since.get(n.name),
-            failed_here.get(n.name, 0),
-            blocked_until.get(n.name),
-            judged,
-        )
-        for n in snapshot.nodes
-    ]
-    # Most fragmented first; each one ready only if the fleet can spare it on top of those before.
-    ordered = sorted(
-        (a for a in assessed if a.candidate and a.name not in busy_set),
-        key=lambda a: (a.largest_contiguous_free_block_ratio or 0.0, a.name),
-    )
-    taken = set(busy_set)
-    ready: list[str] = []
-    updated: dict[str, NodeAdvice] = {}
-    for a in ordered:
-        ok, why = can_take_out(snapshot, a.name, now, cfg, stale_after_s, taken)
-        if ok and len(taken) < cfg.max_concurrent_restarts:
-            taken.add(a.name)
-            ready.append(a.name)
-        elif ok:
-            why = f"waiting: {len(taken)} node(s) restarting or going first (max_concurrent_restarts {cfg.max_concurrent_restarts})"
-            ok = False
-        updated[a.name] = NodeAdvice(**{**asdict(a), "ready": ok, "why": why})
-    nodes = tuple(updated.get(a.name, a) for a in assessed)
-    candidates = ordered
-    watch = tuple(
-        a.name
-        for a in nodes
-        if not a.candidate
-        and a.state == "up"
-        and (
-            a.level in ("high", "severe")
-            or (trends.get(a.name) is not None and trends[a.name].rising)
-        )
-    )
-
-    reported = [n for n in snapshot.nodes if n.up and n.report is not None]
-    cap_total = sum(n.report.capacity_tokens for n in reported if n.report is not None)
-    free_total = sum(n.report.free_tokens for n in reported if n.report is not None)
-    largest = max(
-        (n.report.largest_free_block_tokens for n in reported if n.report is not None), default=0
-    )
-    largest_node_free = max(
-        (n.usable_free() for n in reported if n.report is not None),
-        default=0,
-    )
-    # A capacity failure still stands while no node has that much free memory; once one has
-    # (requests finished), it was a peak, and adding replicas for it would be premature.
-    current = [f for f in capacity if f.demand > largest_node_free]
-    transient = len(capacity) - len(current)
-    # Likewise a fragmentation failure stands while a node it names still has the memory for
-    # it and no block (not once that node restarted, or filled up).
-    by_name = snapshot.by_name()
-
-    def still_fragmented(f: Failure) -> bool:
-        for name in f.room_on:
-            n = by_name.get(name)
-            r = n.report if n is not None else None
-            # In whole blocks, as NodeView.fits decides: a block a few tokens short is short.
-            if (
-                r is not None
-                and r.largest_free_block_tokens < r.whole_blocks(f.demand) <= r.free_tokens
-            ):
-                return True
-        return False
-
-    current_fixable = [f for f in fixable if still_fragmented(f)]
-    demand = effective_demand_tokens(snapshot, fails if rate_failures is None else rate_failures)
-    window = cfg.failure_window_s
-    max_cap_demand = max((f.demand for f in capacity), default=0)
-    max_frag_demand = max((f.demand for f in fixable), default=0)
-    failures_out: dict[str, float] = {
-        "window_s": window,
-        "total": len(fails),
-        "fragmentation": len(fixable),
-        "capacity": len(capacity),
-        "capacity_still_short": len(current),
-        "fragmentation_still_fragmented": len(current_fixable),
-        "at_high_free_memory": sum(1 for f in fails if f.at_high_free),
-        "max_fragmentation_demand_tokens": max_frag_demand,
-        "max_capacity_demand_tokens": max_cap_demand,
-    }
-    fleet_out: dict[str, float] = {
-        "nodes": len(snapshot.nodes),
-        "healthy_nodes": sum(1 for n in snapshot.nodes if healthy(n, now, stale_after_s, judged)),
-        "capacity_tokens": cap_total,
-        "free_tokens": free_total,
-        "free_fraction": round(free_total / cap_total, 4) if cap_total else 0.0,
-        "largest_free_block_tokens": largest,
-        "largest_node_free_tokens": largest_node_free,
-        "effective_demand_tokens": demand,
-        "effective_utilisation": round(demand / cap_total, 4) if cap_total else 0.0,
-    }
-
-    reasons: list[str] = []
-    action: Action
-    if current and len(current) >= len(current_fixable):
-        action = "scale_up"
-        reasons.append(
-            f"{len(current)} allocation failure(s) in the last {window:.0f}s were capacity: demand up to "
-            f"{max_cap_demand} tokens exceeds the total free memory of every node "
-            f"(most free on one node now: {largest_node_free}; fleet free {free_total} of {cap_total})"
-        )
-        if fixable:
-            reasons.append(
-                f"{len(fixable)} other failure(s) were fragmentation: restart those nodes as well"
-            )
-        reasons.append(
-            f"effective demand {demand} tokens of {cap_total} ({fleet_out['effective_utilisation']:.0%})"
-        )
-    elif candidates:
-        action = "restart"
-        for a in candidates:
-            a2 = updated[a.name]
-            what = ", ".join(a.restart_reasons)
-            reasons.append(
-                f"{a.name} ({what}): largest free block {a.largest_free_block_tokens} of "
-                f"{a.free_tokens} free tokens (ratio {a.largest_contiguous_free_block_ratio:.2f}, "
-                f"{(a.free_fraction or 0):.0%} free), uptime {a.uptime_s if a.uptime_s is not None else '?'}s; "
-                + ("ready: " if a2.ready else "not yet: ")
-                + a2.why
-            )
-        if fixable:
-            reasons.append(
-                f"{len(fixable)} allocation failure(s) in the last {window:.0f}s were fragmentation: a node "
-                f"had enough free memory in total but no block of up to {max_frag_demand} tokens; "
-                "a restart restores it, more replicas would not be needed"
-            )
-        else:
-            reasons.append("no capacity failures: do not scale up")
-    else:
-        action = "none"
-        if fixable:
-            reasons.append(
-                f"{len(fixable)} fragmentation failure(s) in the last {window:.0f}s, but no node is below "
-                "the restart thresholds now"
-            )
-        else:
-            reasons.append("no allocation failures and no node past the fragmentation thresholds")
-    if transient and action != "scale_up":
-        reasons.append(
-            f"{transient} capacity failure(s) in the last {window:.0f}s, but a node now has "
-            f"{largest_node_free} tokens free: a passing peak, not a reason to scale up"
-        )
-    if busy_set and action == "none":
-        action = "restart"  # keep autoscalers from scaling up while a restart is under way
-        reasons = ["restarting now: " + ", ".join(sorted(busy_set)) + "; do not scale up meanwhile"]
-    elif busy_set:
-        reasons.append("restarting now: " + ", ".join(sorted(busy_set)))
-    down = sorted(a.name for a in nodes if a.state in ("down", "stale"))
-    if down:
-        # Requests refused for want of a reachable node are not recorded as failures at all.
-        reasons.append(
-            f"{len(down)} node(s) down or not reporting ({', '.join(down)}): an outage, "
-            "not a capacity shortage; bring them back rather than scale up"
-        )
-    for name in watch:
-        w = next(a for a in nodes if a.name == name)
-        ratio = w.largest_contiguous_free_block_ratio
-        since = (
-            f", below {cfg.restart_below_ratio:.2f} for {w.below_threshold_for_s:.0f}s of {cfg.restart_after_s:.0f}s"
-            if w.below_threshold_for_s is not None
-            else ""
-        )
-        reasons.append(f"watch {name}: largest block / free {ratio:.2f}{since}")
+    """What to do now, and why. ``failures``: those of the last ``failure_window_s``;
+    ``rate_failures``: those of the last minute, for the effective demand (defaults to
+    ``failures``); ``busy``: nodes being restarted now (they count as out of the fleet);
+    ``blocked_until``: no restart of a node before this time (its last attempt, from the
+    shared event log). ``decide`` chooses, ``explain`` writes the reasons."""
+    found = decide(
+        snapshot, now, cfg, stale_after_s=stale_after_s, failures=failures,
+        rate_failures=rate_failures, trends=trends, below_since=below_since, busy=busy,
+        blocked_until=blocked_until,
+    )  # fmt: skip
     return Advice(
-        action=action,
+        action=found.action,
         at=now,
-        reasons=tuple(reasons),
-        restart=tuple(ready) if action == "restart" else (),
-        nodes=nodes,
-        failures=failures_out,
-        fleet=fleet_out,
-        watch=watch,
+        reasons=explain(found, cfg),
+        restart=found.ready,
+        nodes=found.nodes,
+        failures=found.failures,
+        fleet=found.fleet,
+        watch=found.watch,
     )

@@ -14,12 +14,14 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.config import MaintenanceConfig
 from proxy.core.fleet import MemoryReport
+from proxy.errors import RestartFailed
 from proxy.ops.node_advice import RestartReason
-from proxy.ops.restart_hooks import RestartHook
+from proxy.ops.restart_hooks import HookResult, RestartHook
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
 
@@ -28,8 +30,17 @@ log = logging.getLogger("kvroute.maintenance")
 POLL_S = 0.05
 
 
-class _Failed(Exception):
-    pass
+@dataclass(slots=True)
+class RestartRun:
+    """One restart under way: what its steps and its clean-up need to know."""
+
+    name: str
+    reason: RestartReason
+    restart_id: str
+    before: MemoryReport | None
+    started: float = field(default_factory=time.monotonic)
+    # Marked draining in the store: whatever ends the restart must undrain it.
+    drained: bool = False
 
 
 class RestartRunner:
@@ -87,100 +98,85 @@ class RestartRunner:
         }
 
     async def _restart(self, name: str, reason: RestartReason, restart_id: str) -> None:
+        """One restart; whatever ends it (done, failed, shutdown, a bug) leaves the node in service."""
         snap = self.fleet.latest or await self.fleet.snapshot(force=True)
         node = snap.by_name().get(name)
-        before = node.report if node is not None else None
-        old_started = before.started_at if before is not None else 0.0
-        t0 = time.monotonic()
-        drained = False
+        run = RestartRun(name, reason, restart_id, node.report if node is not None else None)
         await self._event(
-            "restart_started",
-            name,
-            restart_id=restart_id,
-            reason=reason,
-            before=self._figures(before),
-        )
+            "restart_started", name, restart_id=restart_id, reason=reason,
+            before=self._figures(run.before),
+        )  # fmt: skip
         log.info("maintenance: restarting %s (%s)", name, reason)
         try:
-            try:
-                await self.store.set_draining(name, True)
-            except StoreUnavailable:
-                raise _Failed("state store unavailable: could not mark the node draining") from None
-            drained = True
-            left = await self._wait_drained(name)
-            await self._event(
-                "drained", name, restart_id=restart_id, inflight_left=left, timed_out=left > 0
-            )
-            hook_at = self.clock()
-            result = await self.hook.restart(name, self.urls[name])
-            # The output (and an HTTP hook's target) goes to the log; the open event log
-            # gets the summary only.
-            log.log(
-                logging.INFO if result.ok else logging.WARNING,
-                "maintenance: restart hook for %s: %s",
-                name,
-                result.detail,
-            )
-            await self._event(
-                "restart_hook",
-                name,
-                restart_id=restart_id,
-                ok=result.ok,
-                detail=result.public,
-                hook=self.hook.kind,
-            )
-            if not result.ok:
-                raise _Failed(f"restart hook failed: {result.public}")
-            # A deleted pod comes back under a new name (its ReplicaSet's replacement): wait
-            # for that one to report, so the next restart starts only after it serves.
-            fresh = result.replaced_by or name
-            after = await self._wait_fresh(fresh, old_started, hook_at)
-            if after is None:
-                raise _Failed(
-                    f"not up with a fresh allocator within healthy_timeout_s ({self.settings.healthy_timeout_s:g}s)"
-                )
+            after = await self._drain_and_restart(run)
             await self._undrain(name)
-            drained = False
-            self.restarts[(name, reason)] += 1
-            await self._event(
-                "restart_done",
-                name,
-                restart_id=restart_id,
-                reason=reason,
-                duration_s=round(time.monotonic() - t0, 3),
-                before=self._figures(before),
-                after=self._figures(after),
-            )
-            log.info("maintenance: %s restarted and back in service", name)
-        except _Failed as exc:
+            run.drained = False
+            await self._restart_done(run, after)
+        except RestartFailed as exc:
             log.warning("maintenance: restart of %s failed: %s", name, exc)
-            if drained:
-                await self._undrain(name)
-            await self._event(
-                "restart_failed", name, restart_id=restart_id, reason=reason, error=str(exc)
-            )
+            await self._abandon(run, "restart_failed", str(exc))
         except asyncio.CancelledError:
-            if drained:
-                await self._undrain(name)
-            await self._event(
-                "restart_aborted",
-                name,
-                restart_id=restart_id,
-                reason=reason,
-                error="gateway shutting down",
-            )
+            await self._abandon(run, "restart_aborted", "gateway shutting down")
             raise
         except Exception as exc:  # a bug must not leave the node drained forever
             log.exception("maintenance: restart of %s broke", name)
-            if drained:
-                await self._undrain(name)
-            await self._event(
-                "restart_failed",
-                name,
-                restart_id=restart_id,
-                reason=reason,
-                error=f"{type(exc).__name__}: {exc}",
+            await self._abandon(run, "restart_failed", f"{type(exc).__name__}: {exc}")
+
+    async def _drain_and_restart(self, run: RestartRun) -> MemoryReport:
+        """Drain, run the hook, wait for a fresh allocator: its first report after the hook."""
+        name = run.name
+        try:
+            await self.store.set_draining(name, True)
+        except StoreUnavailable:
+            raise RestartFailed(
+                "state store unavailable: could not mark the node draining"
+            ) from None
+        run.drained = True
+        left = await self._wait_drained(name)
+        await self._event(
+            "drained", name, restart_id=run.restart_id, inflight_left=left, timed_out=left > 0
+        )
+        hook_at = self.clock()
+        result = await self._run_hook(run)
+        # A deleted pod comes back under a new name (its ReplicaSet's replacement): wait
+        # for that one to report, so the next restart starts only after it serves.
+        old_started = run.before.started_at if run.before is not None else 0.0
+        after = await self._wait_fresh(result.replaced_by or name, old_started, hook_at)
+        if after is None:
+            raise RestartFailed(
+                f"not up with a fresh allocator within healthy_timeout_s ({self.settings.healthy_timeout_s:g}s)"
             )
+        return after
+
+    async def _run_hook(self, run: RestartRun) -> HookResult:
+        """The restart hook; RestartFailed when it says it failed."""
+        result = await self.hook.restart(run.name, self.urls[run.name])
+        # The output (and an HTTP hook's target) goes to the log; the open event log
+        # gets the summary only.
+        level = logging.INFO if result.ok else logging.WARNING
+        log.log(level, "maintenance: restart hook for %s: %s", run.name, result.detail)
+        await self._event(
+            "restart_hook", run.name, restart_id=run.restart_id, ok=result.ok,
+            detail=result.public, hook=self.hook.kind,
+        )  # fmt: skip
+        if not result.ok:
+            raise RestartFailed(f"restart hook failed: {result.public}")
+        return result
+
+    async def _restart_done(self, run: RestartRun, after: MemoryReport) -> None:
+        self.restarts[(run.name, run.reason)] += 1
+        await self._event(
+            "restart_done", run.name, restart_id=run.restart_id, reason=run.reason,
+            duration_s=round(time.monotonic() - run.started, 3),
+            before=self._figures(run.before), after=self._figures(after),
+        )  # fmt: skip
+        log.info("maintenance: %s restarted and back in service", run.name)
+
+    async def _abandon(self, run: RestartRun, kind: str, error: str) -> None:
+        """A restart that did not finish: the node back in service, the event recorded."""
+        if run.drained:
+            await self._undrain(run.name)
+        await self._event(kind, run.name, restart_id=run.restart_id, reason=run.reason, error=error)
 
     async def _undrain(self, name: str) -> None:
         for _ in range(3):

@@ -1,6 +1,6 @@
 """Upstream connections and the byte relay: the gateway's hot path.
 
-The POSTs to backends go through the lean client (``proxy.upstream.lean``: asyncio +
+The POSTs to backends go through the lean client (``proxy.upstream.lean_client``: asyncio +
 httptools, ``upstream.client: lean``) or aiohttp's (``upstream.client: aiohttp``); both
 answers have the shape of ``UpstreamAnswer`` and every library error becomes one of
 ``proxy.errors``' ``UpstreamError`` here. aiohttp stays for GETs (health probes, admin):
@@ -34,7 +34,8 @@ from proxy.errors import (
 from proxy.errors import (
     UpstreamTimeout as UpstreamTimeout,
 )
-from proxy.upstream import lean
+from proxy.errors import WireError
+from proxy.upstream import lean_client as lean
 from proxy.upstream.wire import BodyReader
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus fields the proxy recomputes itself.
@@ -141,8 +142,8 @@ class UpstreamAnswer(Protocol):
     def release(self) -> Any: ...
 
 
-# Library errors that mean "the connection broke" while a body was being read.
-_BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError)
+# Library errors (and the lean client's) that mean "the connection broke" while a body was read.
+_BROKEN = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, WireError)
 
 
 class _MapBroken:

@@ -24,18 +24,11 @@ import httpx
 import orjson
 
 from proxy.config import SERVICE_ACCOUNT_DIR, KubernetesApiConfig
+from proxy.errors import KubernetesApiError
 
 ENDPOINTSLICES = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 PODS = "/api/v1/namespaces/{ns}/pods"
 CALL_TIMEOUT_S = 10.0
-
-
-class KubernetesApiError(Exception):
-    """A non-2xx answer (``status`` is the HTTP code) or an unreachable API server."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"kubernetes api: HTTP {status}: {message}" if status else message)
-        self.status = status
 
 
 def own_namespace(default: str = "default") -> str:

@@ -1,6 +1,6 @@
 """One HTTP/1.1 connection to a backend: an asyncio Protocol with httptools' response parser.
 
-The lean upstream client (``proxy.upstream.lean``) sends the gateway's POSTs over these.
+The lean upstream client (``proxy.upstream.lean_client``) sends the gateway's POSTs over these.
 Profiled, aiohttp's client was ~31% of the gateway's samples for a tiny request (request
 object, headers, writer, connector, parser); this does the one thing the hot path needs:
 write a request in one ``transport.write`` and hand back status, headers and a body reader.
@@ -24,16 +24,10 @@ from typing import cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.errors import BadAnswer, ConnectionLost
+
 # Unread body bytes above which the socket stops being read (aiohttp's default is 64 KiB too).
 HIGH_WATER = 64 * 1024
-
-
-class ConnectionLost(ConnectionError):
-    """The backend closed the connection, or it was closed under us, before the answer ended."""
-
-
-class BadAnswer(ConnectionError):
-    """The backend's bytes are not an HTTP/1.1 answer (the parser refused them)."""
 
 
 class BodyReader:

@@ -1,4 +1,4 @@
-"""``proxy.api.lean.answer``: what reaches the socket, on a real uvicorn cycle.
+"""``proxy.api.socket_answer.answer``: what reaches the socket, on a real uvicorn cycle.
 
 The transport is a recorder (pure logic: what is written, in how many writes, closed or
 not); the cycle, its flow control and the responses are the real ones.
@@ -15,7 +15,8 @@ from starlette.responses import Response
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from proxy.api.lean import CYCLE_PARTS, answer, missing_cycle_parts
+from proxy.api.entry import CYCLE_PARTS, missing_cycle_parts
+from proxy.api.socket_answer import answer
 from proxy.gateway.relay import OnceCallback, RelayResponse
 
 

@@ -1,4 +1,4 @@
-"""The lean path (proxy.api.lean) answers like the ASGI stack, over real HTTP.
+"""The lean path (proxy.api.entry) answers like the ASGI stack, over real HTTP.
 
 A real gateway on uvicorn in front of a simulated engine; raw sockets where a client's
 behaviour matters (pipelining, Expect, leaving mid-stream). ``KVROUTE_LEAN=0`` serves the
@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from proxy.api.lean import LeanPath
+from proxy.api.entry import LeanPath
 from proxy.config import Config
 from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_until
 

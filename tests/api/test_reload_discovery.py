@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.api.app import follow_backends, keep_discovered
 from proxy.api.reload import ConfigHolder
+from proxy.api.wiring import follow_backends, keep_discovered
 from proxy.backends.discovery import Discovery, backend
 from proxy.config import Config, parse_config
 

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.api.models import kind_errors
+from proxy.api.model_listing import kind_errors
 from proxy.core import backend_contract as bc
 from proxy.upstream.classify import classify_response
 

@@ -17,7 +17,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.config import UpstreamConfig
-from proxy.errors import BodyTimeout, UpstreamBroken, UpstreamConnectError, UpstreamTimeout
+from proxy.errors import (
+    BodyTimeout,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamTimeout,
+    WireError,
+)
 from proxy.upstream.client import (
     Upstream,
     forward_headers,
@@ -150,7 +156,7 @@ async def test_a_body_that_breaks_off_is_upstream_broken_not_aiohttps_error(
         await read_body(resp, 5.0, far_deadline(), 1 << 20)
     assert not isinstance(err.value, aiohttp.ClientError)
     assert err.value.failure == "broken"
-    assert isinstance(err.value.__cause__, aiohttp.ClientError | ConnectionError)
+    assert isinstance(err.value.__cause__, aiohttp.ClientError | WireError)
     assert err.value.cause == type(err.value.__cause__).__name__
 
 

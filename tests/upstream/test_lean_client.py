@@ -388,7 +388,7 @@ async def test_bytes_after_a_complete_answer_keep_the_connection_from_reuse() ->
 async def test_a_connection_idle_past_the_keepalive_is_not_reused(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from proxy.upstream import lean
+    from proxy.upstream import lean_client as lean
 
     monkeypatch.setattr(lean, "KEEPALIVE_S", 0.05)
     up = make("lean")

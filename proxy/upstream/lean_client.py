@@ -12,7 +12,7 @@ cannot tell the two apart except by cost (docs/benchmarks.md, Issue 12: wire cos
   calls those a ``ClientResponseError``, which became a connect error: a backend that
   answers garbage is reached, so it is not reported as unreachable); a header value that cannot go on the wire (CR, LF, not
   Latin-1): ``UpstreamConnectError`` ("request refused by the client library");
-* body errors surface from the reader as ``ConnectionError`` subclasses, which the body
+* body errors surface from the reader as ``WireError`` (``proxy.errors``), which the body
   helpers in ``proxy.upstream.client`` turn into ``UpstreamBroken`` as they do aiohttp's.
 
 Redirects are never followed (the answer is returned as it is). The pool is bounded by
@@ -31,8 +31,14 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDictProxy
 
 from proxy.config import UpstreamConfig
-from proxy.errors import UpstreamBroken, UpstreamConnectError, UpstreamTimeout
-from proxy.upstream.wire import BadAnswer, WireConnection
+from proxy.errors import (
+    BadAnswer,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamTimeout,
+    WireError,
+)
+from proxy.upstream.wire import WireConnection
 
 # Idle connections older than this are not reused. Below the 5 s keep-alive of engines served
 # by uvicorn (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default, SGLang's), so the gateway never
@@ -246,7 +252,7 @@ async def post(
         raise UpstreamBroken(
             "answered with bytes that are not an HTTP answer (BadAnswer)"
         ) from None
-    except ConnectionError as exc:
+    except (WireError, ConnectionError) as exc:
         _drop(pool, conn)
         raise UpstreamBroken(
             f"closed the connection before answering ({exc.__class__.__name__})"

@@ -1,0 +1,58 @@
+"""The benchmarks users run, behind one entry: ``python -m loadtest.bench <subcommand> [args]``.
+
+Each subcommand is a module of this package with a ``main(argv) -> int | None``; it is
+imported only when chosen, so one benchmark's dependencies (locust, wrk, redis-server) do
+not stand in another's way. Registering a benchmark is one line in ``SUBCOMMANDS``; each
+one is documented in docs/benchmarks.md. ``python -m loadtest.bench <subcommand> --help``
+shows its own options.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+#: subcommand -> (module under loadtest.bench, what it measures)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "overhead": ("overhead", "gateway overhead vs direct, a bare proxy and vllm-router"),
+    "routing": ("routing", "the routing decision's cost, tokenization included; loop lag"),
+    "sizing": ("sizing", "what sizing a request costs; cl100k vs a model's tokenizer"),
+    "compare": ("compare_e2e", "one workload through the gateway: round robin vs kvroute"),
+    "prefix": ("prefix", "prefix-cache affinity on a shared-document workload"),
+    "prefix-replicas": ("prefix_replicas", "two gateway replicas, sharing the prefix index or not"),
+    "queueing": ("queueing", "queueing (vLLM-like) backends near saturation, by policy"),
+    "kv-events": ("kv_events", "prefix routing on vLLM's KV-cache events vs its own guess"),
+    "pd": ("pd", "disaggregated prefill and decode: kvroute vs vllm-router's PD mode"),
+    "continuation": ("continuation", "one engine of four killed under streaming load"),
+    "big-prompts": ("big_prompts", "big prompts at high concurrency: sizing, the chunk cache"),
+    "soak": ("soak", "a long run under the problem's mix: the gateway's memory, files, tasks"),
+    "locust": ("locustfile", "locust users against a local fleet (arguments after --)"),
+    "ab": ("tree_ab", "two checkouts of kvroute, alternating rounds: paired ratios"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in SUBCOMMANDS.items()]
+    return "usage: python -m loadtest.bench <subcommand> [args]\n\nsubcommands:\n" + "\n".join(
+        lines
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"loadtest.bench.{SUBCOMMANDS[name][0]}")
+    code = module.main(rest)
+    return code if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
