@@ -25,6 +25,7 @@ from proxy.api.cache import Coalesced
 from proxy.api.worker_peers import FANOUT_HEADER, combined, credentials
 from proxy.errors import ApiError, RefusalReason, RestartRefused
 from proxy.ops.maintenance import Maintenance
+from proxy.ops.preemption_advice import preemption_advice
 from proxy.state.base import StoreUnavailable
 
 STATUS_PAGE_CSP = (
@@ -203,6 +204,8 @@ class OpsReads:
             if snap is not None:
                 # Long pool vs general pool by expected wait (queueing backends).
                 body["pools"] = rt.gateway.queues.pool_advice(snap, rt.store.now())
+            # Preemptions under the projection: which nodes the gateway fills less, and why.
+            body["memory_pressure"] = preemption_advice(rt.gateway.pressure.headroom, snap)
             return orjson.dumps(body)
 
         payload = await self.advice_cache.get("advice", compute)

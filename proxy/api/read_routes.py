@@ -106,18 +106,23 @@ async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
                 "held": len(r.gateway.ledger.held),
                 "pending_releases": len(r.gateway.ledger.pending),
             },
-            "backends": with_counts(
-                with_prefix_source(
-                    with_health(
-                        snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
+            # Each lazily allocating backend's KV projection (proxy.gateway.memory_pressure).
+            "backends": r.gateway.pressure.annotate(
+                with_counts(
+                    with_prefix_source(
+                        with_health(
+                            snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
+                        ),
+                        kv_events,
+                        r.store.now(),
                     ),
-                    kv_events,
-                    r.store.now(),
-                ),
-                node_counts(r.gateway.metrics.requests, r.gateway.metrics.attempts),
+                    node_counts(r.gateway.metrics.requests, r.gateway.metrics.attempts),
+                )
             ),
             # Prompt counts against the servers' usage, per model (proxy.gateway.token_counts).
             "token_counts": r.gateway.token_counts.view(),
+            # Output lengths learned for the KV projection.
+            "memory_pressure": {"learned_output": r.gateway.pressure.learned_json()},
         }
     )
 

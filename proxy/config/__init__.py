@@ -29,6 +29,7 @@ from proxy.config.continuation import ContinuationConfig as ContinuationConfig
 from proxy.config.disaggregation import DisaggregationConfig as DisaggregationConfig
 from proxy.config.kv_events import KvEventsEndpoint as KvEventsEndpoint
 from proxy.config.kv_events import KvEventsSettings as KvEventsSettings
+from proxy.config.memory_pressure import MemoryPressureConfig as MemoryPressureConfig
 from proxy.config.ops import HookType as HookType
 from proxy.config.ops import MaintenanceConfig as MaintenanceConfig
 from proxy.config.ops import RestartHookConfig as RestartHookConfig
@@ -67,6 +68,7 @@ class Config(_Strict):
     collector: CollectorConfig = CollectorConfig()
     retry: RetryConfig = RetryConfig()
     queue: QueueConfig = QueueConfig()
+    memory_pressure: MemoryPressureConfig = MemoryPressureConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     continuation: ContinuationConfig = ContinuationConfig()
     limits: LimitsConfig = LimitsConfig()

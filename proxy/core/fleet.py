@@ -95,6 +95,10 @@ class Overlay:
     # Why the node is full for new work whatever its KV says (proxy.core.pressure):
     # "queue", "slots", "preemption", "asleep"; empty when it may take work.
     pressure: str = ""
+    # Lazily allocating servers: KV the in-flight work will hold at its projected peak, per
+    # engine, with this request's unused output discounted (``proxy.core.projection``, set
+    # per request by ``proxy.gateway.pressure``); None: every reservation at full demand.
+    projected_tokens: int | None = None
 
     def plus_pending(self, tokens: int, count: int) -> Overlay:
         """With ``count`` more reservations (``tokens`` in all) that the report cannot show yet.
@@ -111,6 +115,7 @@ class Overlay:
             self.ceiling_tokens,
             self.ceiling_until,
             self.pressure,
+            self.projected_tokens,
         )
 
 
@@ -149,6 +154,9 @@ class NodeView:
         if self.report is None:
             return 0
         if self.report.queueing:
+            projected = self.overlay.projected_tokens
+            if projected is not None:
+                return lazy_headroom(self.report, projected)
             return lazy_headroom(self.report, self.overlay.reserved_tokens)
         return max(0, self.report.largest_free_block_tokens - self.overlay.pending_tokens)
 

@@ -76,6 +76,7 @@ async def error_answer(
         gw.metrics.attempts.labels(backend, verdict.verdict).inc()
         gw.health.success(backend)
         gw.local.remove(backend, ctx.reservation_id)
+        gw.pressure.ended(ctx, backend)
         await gw.ledger.release(backend, ctx.reservation_id)
         gw.metrics.requests.labels(ctx.cls, backend, "rejected").inc()
         headers = ctx.answer_headers(backend, response_headers(resp.headers))

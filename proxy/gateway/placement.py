@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from starlette.responses import Response
 
@@ -34,6 +34,20 @@ if TYPE_CHECKING:
 
 async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
     """The backend that now holds this request's reservation, or the request's final answer."""
+    try:
+        placed = await _place(gw, ctx)
+    except BaseException:
+        gw.pressure.not_placed(ctx)
+        raise
+    if isinstance(placed, str):
+        # No await since the reservation: the flight is counted before anyone else ranks.
+        gw.pressure.placed(ctx, placed)
+    else:
+        gw.pressure.not_placed(ctx)
+    return placed
+
+
+async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
     loop = asyncio.get_running_loop()
     while ctx.attempts < ctx.cfg.retry.max_attempts:
         if loop.time() >= ctx.deadline:
@@ -44,10 +58,12 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
         if ctx.exclude:
             avoid |= ctx.exclude
         now = gw.clock()
-        view = gw.local.apply(ctx.snap)
+        view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
         request = RouteRequest(ctx.demand, ctx.cls, avoid)
         request = gw.affinity.route_request(ctx.affinity, request, view, now)
-        ranked = ctx.policy.rank(view, request, now)
+        # An older held request that reached its overtake limit: the room is kept for it.
+        fair = gw.pressure.order.may_place(ctx.reservation_id)
+        ranked = ctx.policy.rank(view, request, now) if fair else []
         if not ctx.decided:
             gw.metrics.decision.observe(time.perf_counter() - ctx.started)
             ctx.decided = True
@@ -73,24 +89,37 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
             return nothing_fits(gw, ctx, verdict)
         if queueing.hold_over(gw, ctx, view, avoid):
             # A queueing backend with KV room, only its queue full: no hold at all.
-            queued = await join_queue(gw, ctx, avoid)
-            if queued is not None:
-                _begin_attempt(gw, ctx)
+            if (queued := await join_queue(gw, ctx, avoid, recheck=True)) is not None:
                 return queued
         if ctx.queue_deadline is None:
-            ctx.queue_deadline = time.monotonic() + ctx.cfg.queue.max_wait_s
+            ctx.queue_deadline = time.monotonic() + hold_limit_s(gw, ctx, view)
         waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
+        if waited == "hand_over":
+            if (queued := await join_queue(gw, ctx, avoid, recheck=True)) is not None:
+                return queued
+            # The room went to a request that joined first: hold again.
+            continue
         if waited is None:
             # Queueing backends (vLLM, SGLang, TGI) are a place to wait, never a 503.
-            queued = await join_queue(gw, ctx, avoid)
-            if queued is not None:
-                _begin_attempt(gw, ctx)
+            if (queued := await join_queue(gw, ctx, avoid)) is not None:
                 return queued
             return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=ctx.attempts > 0)
         ctx.snap = waited
     if ctx.failure is not None:
         return give_up(gw, ctx)
     return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=True)
+
+
+def hold_limit_s(gw: Gateway, ctx: RequestContext, view: FleetSnapshot) -> float:
+    """The longest hold: ``queue.max_wait_s``, or longer where a lazily allocating node waits.
+
+    A hold for a queueing backend ends by joining its queue, never in a 503, so holding it
+    longer (``memory_pressure.max_hold_s``) only trades a preemption for a wait at the gateway.
+    """
+    limit = ctx.cfg.queue.max_wait_s
+    if gw.pressure.enabled and any(n.report is not None and n.report.queueing for n in view.nodes):
+        limit = max(limit, gw.pressure.max_hold_s)
+    return limit
 
 
 def _verdict_now(gw: Gateway, ctx: RequestContext) -> NothingFits:
@@ -190,27 +219,45 @@ async def reserve_first(
     return None
 
 
-async def join_queue(gw: Gateway, ctx: RequestContext, avoid: frozenset[str]) -> str | None:
-    """Hand the request to the queueing backend expected to start it soonest (or None)."""
+async def join_queue(
+    gw: Gateway, ctx: RequestContext, avoid: frozenset[str], recheck: bool = False
+) -> str | None:
+    """Hand the request to the queueing backend expected to start it soonest (or None).
+
+    A reservation taken there begins the attempt.
+
+    ``recheck``: only if the hold is still over on the fresh view. Several held requests
+    see the same room free up; the first to join takes it, and the others, projected with
+    it, hold again instead of all joining into a preemption.
+    """
     ctx.snap = await gw.fleet.snapshot(force=True)
     now = gw.clock()
-    ranked = gw.queues.ranked(ctx, gw.local.apply(ctx.snap), avoid, now)
+    view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
+    if recheck and gw.pressure.enabled and not queueing.hold_over(gw, ctx, view, avoid):
+        return None
+    ranked = gw.queues.ranked(ctx, view, avoid, now)
     backend = await reserve_first(gw, ctx, [name for name, _ in ranked], now, check_fit=False)
     if backend is not None:
         gw.queues.handed.labels(backend, "hold_over").inc()
+        _begin_attempt(gw, ctx)
     return backend
 
 
 async def wait_for_fit(
     gw: Gateway, ctx: RequestContext, exclude: frozenset[str], deadline: float
-) -> FleetSnapshot | None:
-    """The admission queue: wait (bounded) for a report that shows a big enough block."""
+) -> FleetSnapshot | Literal["hand_over"] | None:
+    """The admission queue: wait (bounded) for a report that shows a big enough block.
+
+    ``"hand_over"``: a queueing backend's queue is now the better place (``hold_over``);
+    None: the wait's time ran out or the admission queue is full.
+    """
     if time.monotonic() >= deadline or not gw.admission.try_enter():
         return None
     gw.metrics.queue_depth.set(gw.admission.depth)
     start = time.monotonic()
     if ctx.hold_started is None:
         ctx.hold_started = start
+    gw.pressure.order.hold(ctx.reservation_id)
     try:
         while True:
             remaining = deadline - time.monotonic()
@@ -221,10 +268,14 @@ async def wait_for_fit(
             # The latest view, also for the answer's verdict if the wait ends with nothing.
             ctx.snap = snap
             request = RouteRequest(ctx.demand, ctx.cls, exclude | gw.health.avoid())
-            if ctx.policy.rank(gw.local.apply(snap), request, gw.clock()):
+            now = gw.clock()
+            view = gw.pressure.apply(gw.local.apply(snap), ctx, now)
+            if gw.pressure.order.may_place(ctx.reservation_id) and ctx.policy.rank(
+                view, request, now
+            ):
                 return snap
-            if queueing.hold_over(gw, ctx, gw.local.apply(snap), request.exclude):
-                return None
+            if queueing.hold_over(gw, ctx, view, request.exclude):
+                return "hand_over"
     finally:
         gw.admission.leave()
         gw.metrics.queue_depth.set(gw.admission.depth)

@@ -127,6 +127,9 @@ def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: froz
     a report interval). Otherwise once the hold has lasted as long as that backend's expected
     wait (it is short of KV: holding avoids preemption while it lasts).
     """
+    if not gw.pressure.order.may_place(ctx.reservation_id):
+        # An older held request reached its overtake limit: it goes first.
+        return False
     ranked = gw.queues.ranked(ctx, snap, avoid, gw.clock())
     if not ranked:
         return False
@@ -138,4 +141,5 @@ def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: froz
         # holds here until one fits, up to ``queue.max_wait_s`` (docs/disaggregation.md).
         return False
     held = time.monotonic() - ctx.hold_started if ctx.hold_started is not None else 0.0
-    return held >= ranked[0][1]
+    rate = gw.queues.settings.rates.get(best.name, Rates()).decode_tokens_per_s
+    return gw.pressure.hand_over(ctx, best, held, ranked[0][1], rate)

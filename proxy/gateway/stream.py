@@ -157,8 +157,11 @@ class StreamRelay:
         # The last two chunks as the server sent them: its final usage chunk is in them.
         self.tail = (b"", first)
         try:
+            pressure = self.gw.pressure
             chunk = first
             while chunk:
+                # Progress for the KV projection: tokens this stream has carried so far.
+                pressure.progress(self.ctx, backend, chunk)
                 out = chunk if transcript is None else transcript.feed(chunk, rewrite)
                 if out:
                     yield out
@@ -173,6 +176,7 @@ class StreamRelay:
                 raise UpstreamBroken("the stream ended before its last event")
             # The body's end, even if interrupt() came just after it: the stream is whole.
             self.outcome = "success"
+            pressure.finished(self.ctx, backend)
             health.success(backend)
             if rewrite is None:
                 # The server's count of the prompt the gateway sized (not a continuation's).

@@ -39,6 +39,7 @@ from proxy.gateway.divert import AllocationFailureHook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.live_streams import LiveStreams
 from proxy.gateway.local_view import LocalReservations
+from proxy.gateway.memory_pressure import MemoryPressure
 from proxy.gateway.metrics import GatewayMetrics
 from proxy.gateway.models import CatalogCache, KindErrors, ModelsLookup
 from proxy.gateway.queueing import BackendQueues
@@ -129,6 +130,8 @@ class Gateway:
         # the app wires the adapters in. Unset, the generic verdict stands.
         self.kind_errors: KindErrors = lambda kind, status, body: None
         self.queues = BackendQueues(cfg, metrics.registry)
+        # Projected KV peaks, learned output lengths, held-request fairness (paged engines).
+        self.pressure = MemoryPressure(cfg, metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.
         self.token_counts = TokenCounts(cfg, metrics.registry)
         self.continuation_metrics = ContinuationMetrics(metrics.registry)
@@ -260,6 +263,7 @@ class Gateway:
     def release_later(self, ctx: RequestContext, backend: str) -> None:
         """Free this request's reservation on ``backend`` (the ledger retries a failed release)."""
         self.local.remove(backend, ctx.reservation_id)
+        self.pressure.ended(ctx, backend)
         if not self.ledger.release_at_once(backend, ctx.reservation_id):
             self.spawn(self.ledger.release(backend, ctx.reservation_id))
 

@@ -110,14 +110,19 @@ def test_a_saturated_node_ranks_as_full_and_shows_why() -> None:
 
 def test_queueing_backends_are_never_a_503_and_a_burst_spreads() -> None:
     # Each engine holds two requests at full demand; twelve arrive at once, and the
-    # gateway's hold is short: what does not fit joins an engine's queue, nothing fails.
+    # gateway's hold is short (also for memory pressure): what does not fit joins an
+    # engine's queue, nothing fails.
     flags = {"capacity_tokens": 2048, "block_size": 16, "speedup": 10, "model": "m"}
     with engines(("vllm", "v0", flags), ("vllm", "v1", flags)) as urls:
         # Staleness is not under test: on a loaded machine an engine busy generating can miss
         # scrapes for 2 s, and a stale node is (rightly) excluded, which piled the burst onto
         # the other one (seen: 10 vs 2). A long staleness bound keeps both nodes eligible.
+        # The hold is short for memory pressure too (memory_pressure.max_hold_s).
         cfg = gateway_cfg(
-            backends(urls), queue={"max_wait_s": 0.3}, collector={"stale_after_s": 60.0}
+            backends(urls),
+            queue={"max_wait_s": 0.3},
+            collector={"stale_after_s": 60.0},
+            memory_pressure={"max_hold_s": 0.3},
         )
         with run_gateway(cfg) as gw:
             wait_until(lambda: reported(gw, 2), what="reports")

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from loadtest.engine.behaviours import disaggregation
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
+from loadtest.engine.behaviours.eos import output_tokens
 from loadtest.engine.behaviours.faults import (
     FaultRequestError,
     MidStreamFault,
@@ -204,7 +205,9 @@ class Front:
             await self._prompt_hashes(body, prompt) if core.prefix is not None else ((), ())
         )
         now = asyncio.get_running_loop().time()
-        req = SimRequest(prompt, p.max_tokens, now, hashes=hashes, block_ids=ids)
+        # The simulated model's EOS (a prompt marker) may end it before max_tokens.
+        output = output_tokens(body, p.max_tokens)
+        req = SimRequest(prompt, output, now, hashes=hashes, block_ids=ids)
         req.keep_blocks = arrival.hold
         req.transfer_tokens_per_s = arrival.transfer_tokens_per_s
         core.submit(req, now)
@@ -216,8 +219,9 @@ class Front:
             while not req.done:
                 req.changed.clear()
                 await req.changed.wait()
-            text = generated_text(self._next + self.config.seed, p.max_tokens)
-            answer = full_body(completion_id, int(time.time()), p, text, prompt)
+            text = generated_text(self._next + self.config.seed, req.max_tokens)
+            written = dataclasses.replace(p, max_tokens=req.max_tokens)
+            answer = full_body(completion_id, int(time.time()), written, text, prompt)
             if arrival.hold and not req.aborted:
                 params = self.roles.hold(request, core, req)
                 answer = disaggregation.with_params(answer, params)
@@ -282,7 +286,7 @@ class Front:
         created = int(time.time())
         sent = 0
         with contextlib.suppress(ConnectionError, RuntimeError):
-            while sent < p.max_tokens:
+            while sent < req.max_tokens:
                 if fault is not None and sent >= fault.after_tokens:
                     await _strike(request, resp, fault, record)
                     return
@@ -301,12 +305,13 @@ class Front:
                 sent += new
                 await resp.write(
                     chunk(
-                        completion_id, created, p, text, "length" if sent >= p.max_tokens else None
+                        completion_id, created, p, text, _finish(sent, req.max_tokens, p.max_tokens)
                     )
                 )
                 record.text.append(text)
             if p.include_usage:
-                await resp.write(usage_chunk(completion_id, created, p, req.prompt_tokens))
+                written = dataclasses.replace(p, max_tokens=req.max_tokens)
+                await resp.write(usage_chunk(completion_id, created, written, req.prompt_tokens))
             await resp.write(SSE_DONE)
             await resp.write_eof()
             record.end = "done"
@@ -425,3 +430,10 @@ def build_app(config: BehaviourConfig) -> web.Application:
     if config.behaviour == "tgi":
         r.add_get("/info", front.info)
     return app
+
+
+def _finish(sent: int, output: int, max_tokens: int) -> str | None:
+    """The chunk's finish reason: ``length`` at max_tokens, ``stop`` at the model's EOS."""
+    if sent >= max_tokens:
+        return "length"
+    return "stop" if sent >= output else None

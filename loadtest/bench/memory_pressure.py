@@ -1,0 +1,368 @@
+"""Memory pressure on paged engines: preemptions, goodput and TTFT, kvroute against its peers.
+
+Four vLLM-mode engines (``kvroute engine --behaviour vllm``: paged 16-token blocks allocated
+lazily, a FIFO waiting queue, preemption with recompute, ``vllm:num_preemptions_total``),
+the fleet of ``loadtest.bench.queueing`` (two data-parallel 2 in the general pool, two single
+engines in a ``long`` pool), with little KV for the work: what fails here is not admission
+but decode growth. Clients ask for more output than they use, as real ones do: each class
+of request sends one fixed ``max_tokens`` and the simulated model stops at its own length
+(the prompt's ``[eos:N]`` marker, ``loadtest.engine.behaviours.eos``). Workloads:
+
+* ``bimodal-low`` / ``bimodal-high``: 70% short chats, 30% documents with long answers, at
+  two arrival rates;
+* ``trace``: the shipped Azure code trace (``loadtest/data``), outputs scaled up
+  (``--trace-output-scale``): long answers, KV growing through decode.
+
+For each workload and router: fresh engines, then the router, then the same request list
+(same seed, same arrival times), every client streaming. Reported: failed requests,
+preemptions (the engines' own counter), goodput (output tokens of completed requests per
+second of the run), time to first token p99 for short and long requests, and preemptions
+over time (sampled every 0.5 s; ``--plot``).
+
+    python -m loadtest.bench.memory_pressure --quick --json out/mp.json --plot docs/img/memory-pressure.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from loadtest.bench import queueing as q
+from loadtest.bench.memory_pressure_report import plot, table, targets
+from loadtest.bench.overhead_targets import find_vllm_router
+from loadtest.engine.behaviours.eos import marker
+from loadtest.local_fleet import free_port
+from loadtest.workload import Kind, Request, bimodal, chat_overhead_tokens, load_trace, make_prompt
+
+POLICIES = ("kvroute", "round_robin", "least_loaded")
+PEERS = ("vllm-router:power_of_two", "vllm-router:cache_aware")
+WORKLOADS = ("bimodal-low", "bimodal-high", "trace")
+TRACE = Path(__file__).resolve().parent.parent / "data" / "AzureLLMInferenceTrace_code.csv"
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[Request]
+    # The max_tokens each client class sends (its answers are shorter: the [eos:N] marker).
+    caps: dict[str, int]
+    capacity: int  # KV tokens per engine
+    long_min: int  # smallest long prompt (the gateway's long threshold is half of it)
+
+
+@dataclass
+class Outcome:
+    policy: str
+    samples: list[q.Sample]
+    outputs: list[int]  # each request's real output length, in request order
+    wall_s: float
+    preemptions: int
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        run = q.PolicyRun(self.policy, self.samples, self.preemptions, wall_s=self.wall_s)
+        done = [
+            out
+            for s, out in zip(self.samples, self.outputs, strict=True)
+            if s.status == 200 and s.ttft_s is not None
+        ]
+        return {
+            "policy": self.policy,
+            "requests": len(self.samples),
+            "failed": len(self.samples) - len(done),
+            "preemptions": self.preemptions,
+            "goodput_tokens_per_s": sum(done) / max(self.wall_s, 1e-9),
+            "short_ttft_p99": run.pct("short", 0.99),
+            "long_ttft_p99": run.pct("long", 0.99),
+            "short_ttft_p50": run.pct("short", 0.5),
+            "long_ttft_p50": run.pct("long", 0.5),
+        }
+
+
+def workload(name: str, args: argparse.Namespace, seed: int) -> Workload:
+    """The request list of one workload (the same for every router of a run)."""
+    if name == "trace":
+        reqs = load_trace(TRACE, output_scale=args.trace_output_scale, rate_scale=1.0)
+        # Arrivals re-spaced to --trace-rate (the trace's own is ~2.6/s), order kept.
+        rng = random.Random(seed)
+        t, out = 0.0, []
+        start = rng.randrange(0, max(1, len(reqs) - 10_000))
+        for r in reqs[start:]:
+            t += rng.expovariate(args.trace_rate)
+            if t > args.duration:
+                break
+            kind: Kind = "long" if r.prompt_tokens >= 4_000 else "short"
+            out.append(Request(t, r.prompt_tokens, min(r.output_tokens, 2_000), kind))
+        return Workload(name, out, {"short": 2_048, "long": 2_048}, args.trace_capacity, 4_000)
+    rate = args.rate_low if name == "bimodal-low" else args.rate_high
+    reqs = bimodal(
+        rate,
+        duration_s=args.duration,
+        seed=seed,
+        short=(20, 300),
+        long=(3_000, 6_000),
+        short_output=(16, 256),
+        long_output=(200, 1_000),
+    )
+    return Workload(name, reqs, {"short": 512, "long": 1_024}, args.capacity, 3_000)
+
+
+def bodies(w: Workload, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    overhead = chat_overhead_tokens()
+    out = []
+    for r in w.requests:
+        # Within the engine's context (prompt + max_tokens), never below the real output.
+        room = w.capacity - r.prompt_tokens - 64
+        cap = max(min(w.caps[r.kind], room), r.output_tokens)
+        text = make_prompt(max(1, r.prompt_tokens - overhead - 4), rng) + marker(r.output_tokens)
+        out.append(
+            {
+                "model": "sim-model",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": cap,
+                "stream": True,
+            }
+        )
+    return out
+
+
+async def sample_preemptions(
+    urls: list[str], t0: float, stop: asyncio.Event, into: list[tuple[float, int]]
+) -> None:
+    """The fleet's preemption counter every 0.5 s, until ``stop``."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        while not stop.is_set():
+            total = 0
+            for url in urls:
+                try:
+                    text = (await client.get(url + "/metrics")).text
+                except httpx.HTTPError:
+                    continue
+                total += int(
+                    sum(
+                        float(line.rsplit(" ", 1)[1])
+                        for line in text.splitlines()
+                        if line.startswith("vllm:num_preemptions_total")
+                    )
+                )
+            into.append((time.monotonic() - t0, total))
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except TimeoutError:
+                pass
+
+
+async def drive(
+    url: str, engine_urls: list[str], w: Workload, payloads: list[dict[str, Any]]
+) -> tuple[list[q.Sample], list[tuple[float, int]], float]:
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
+    timeline: list[tuple[float, int]] = []
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.monotonic()
+        sampler = asyncio.create_task(sample_preemptions(engine_urls, start, stop, timeline))
+        tasks: list[asyncio.Task[q.Sample]] = []
+        for req, body in zip(w.requests, payloads, strict=True):
+            delay = start + req.arrival_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t0 = time.monotonic()
+            tasks.append(
+                asyncio.create_task(q.one(client, url + "/v1/chat/completions", req, body, t0))
+            )
+        samples = list(await asyncio.gather(*tasks))
+        wall = time.monotonic() - start
+        stop.set()
+        await sampler
+    return samples, timeline, wall
+
+
+def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) -> Outcome:
+    engine_args = copy.copy(args)
+    engine_args.capacity = w.capacity
+    engine_args.long_min = w.long_min
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        urls: dict[str, str] = {}
+        for name, dp, _pool in q.FLEET:
+            proc, url = q.start_engine(name, dp, engine_args)
+            procs.append(proc)
+            urls[name] = url
+        with tempfile.TemporaryDirectory() as tmp:
+            peer = policy.partition("vllm-router:")[2]
+            if peer:
+                gw, gw_url = start_vllm_router(
+                    args.vllm_router_exe, peer, list(urls.values()), Path(tmp)
+                )
+            else:
+                gw, gw_url = start_gateway(q.gateway_config(policy, urls, engine_args), Path(tmp))
+            procs.append(gw)
+            samples, timeline, wall = asyncio.run(
+                drive(gw_url, list(urls.values()), w, bodies(w, seed))
+            )
+            total = int(sum(q.counter(u, "vllm:num_preemptions") for u in urls.values()))
+        outputs = [r.output_tokens for r in w.requests]
+        return Outcome(policy, samples, outputs, wall, total, timeline)
+    finally:
+        stop_all(procs)
+
+
+def start_vllm_router(
+    exe: str, policy: str, urls: list[str], workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """vllm-router on free ports, its Prometheus exporter included.
+
+    Its exporter binds 127.0.0.1:29000 by default: a second vllm-router on the machine (other
+    sessions benchmark it too) made it panic at start ("Address already in use").
+    """
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    log_path = workdir / f"vllm-router-{policy}.log"
+    for _attempt in range(3):
+        port = free_port()
+        argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+        argv += ["--prometheus-port", str(free_port()), "--log-level", "warning"]
+        argv += ["--worker-urls", *urls]
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.post(url + "/v1/chat/completions", json=body, timeout=2)
+                if r.status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        proc.kill()
+        proc.wait(10)
+    raise RuntimeError(
+        f"vllm-router --policy {policy} did not serve: {log_path.read_text()[-300:]!r}"
+    )
+
+
+def start_gateway(cfg: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[str], str]:
+    """``kvroute serve`` as deployed; ready once every backend has reported.
+
+    Two minutes, not the queueing benchmark's 30 s: on the shared, loaded box a start took
+    longer than that (the row was lost).
+    """
+    path = workdir / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)]
+    with (workdir / "gateway.log").open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{cfg['listen']['port']}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            fleet = httpx.get(url + "/fleet", timeout=2).json()["backends"]
+            if all(b["report"] for b in fleet):
+                return proc, url
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    tail = (workdir / "gateway.log").read_text()[-400:]
+    raise RuntimeError(f"gateway did not start: {tail!r}")
+
+
+def stop_all(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in reversed(procs):
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.memory_pressure", description=__doc__
+    )
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--first-run", type=int, default=1, help="number of the first run (seed + run)")
+    p.add_argument("--quick", action="store_true", help="one run, 12 s of arrivals")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--policies", default=",".join(POLICIES + PEERS))
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--speedup", type=float, default=4.0, help="engines' time acceleration")
+    p.add_argument("--capacity", type=int, default=10_000, help="KV tokens per engine (bimodal)")
+    p.add_argument(
+        "--trace-capacity", type=int, default=10_000, help="KV tokens per engine (trace)"
+    )
+    p.add_argument("--rate-low", type=float, default=6.0, help="arrivals/s, bimodal-low")
+    p.add_argument("--rate-high", type=float, default=9.0, help="arrivals/s, bimodal-high")
+    p.add_argument("--trace-rate", type=float, default=8.0, help="arrivals/s, trace")
+    p.add_argument("--trace-output-scale", type=float, default=8.0)
+    p.add_argument("--prefill", type=float, default=2_500.0, help="prefill tokens/s per engine")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="running requests per engine")
+    p.add_argument("--vllm-router", default=None)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.runs, args.duration = 1, min(args.duration, 12.0)
+    policies = args.policies.split(",")
+    args.vllm_router_exe = find_vllm_router(args.vllm_router)
+    if args.vllm_router_exe is None:
+        print("vllm-router skipped: not installed (see loadtest.bench.queueing)", flush=True)
+        policies = [p for p in policies if not p.startswith("vllm-router:")]
+    rows: list[dict[str, Any]] = []
+    outcomes: list[tuple[str, int, Outcome]] = []
+    for run in range(args.first_run, args.first_run + args.runs):
+        for wl in args.workloads.split(","):
+            w = workload(wl, args, args.seed + run)
+            for policy in policies:
+                try:
+                    o = run_policy(policy, w, args, args.seed + run)
+                except RuntimeError as exc:
+                    print(f"| {wl} | {run} | {policy} | skipped: {exc} |", flush=True)
+                    continue
+                res = {"workload": wl, "run": run, **o.summary()}
+                res["timeline"] = o.timeline
+                rows.append(res)
+                outcomes.append((wl, run, o))
+                print(table([res]).splitlines()[-1], flush=True)
+        # Written after every run: a long session stopped early keeps what it measured.
+        save(rows, outcomes, args)
+    print(table(rows))
+    print("\n".join(targets(rows)))
+    return 0
+
+
+def save(
+    rows: list[dict[str, Any]], outcomes: list[tuple[str, int, Outcome]], args: argparse.Namespace
+) -> None:
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.plot is not None and outcomes:
+        plot(outcomes, args.plot)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Forward projection of a paged engine's KV use: the peak that in-flight work will reach.
+
+A lazily allocating engine (vLLM, SGLang) holds a request's prompt blocks at admission and
+one more block every ``block_size`` decoded tokens. When a decode step finds no free block
+it preempts a running request and later recomputes it: GPU time wasted, a stall the user
+sees. Counting every in-flight request at ``prompt + max_tokens`` (``proxy.core.lazy``)
+avoids that but wastes the cache: clients ask for far more output than they use (a chat's
+``max_tokens`` of 1024 for a 150-token answer). Here each request counts at its *expected*
+output, learned per model (and per client key) as a distribution of actual / ``max_tokens``,
+and the node's load counts at its projected **peak**, not the sum of peaks: requests that
+finish early free their blocks before the longest ones grow to their end.
+
+Peak, with every running request decoding one token per step (same rate): sort by tokens
+still to come, ``r_1 >= r_2 >= ... >= r_n``. Just before request ``k`` ends (after ``r_k``
+more steps) the requests still live are ``1..k``, each holding its tokens now plus ``r_k``:
+
+    peak = max over k of  sum(now_i for i <= k) + k * r_k       (+ a block per request)
+
+Pure: no I/O, no clock. The gateway (``proxy.gateway.pressure``) feeds it; the simulator can.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Flight:
+    """One in-flight request on one node, as the gateway knows it."""
+
+    prompt_tokens: int
+    max_tokens: int
+    expected_output: int
+    generated: int = 0
+
+    @property
+    def now_tokens(self) -> int:
+        """Tokens it holds (or will once prefilled): prompt plus what it has written."""
+        return self.prompt_tokens + self.generated
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still expected. Past its expected length it is a long one: ``max_tokens`` bounds it.
+
+        A request that outgrew its expectation keeps growing at most to ``max_tokens``; it is
+        counted one more expected length on (doubling, bounded), not at once at its worst case.
+        """
+        if self.generated < self.expected_output:
+            return self.expected_output - self.generated
+        return min(self.max_tokens, 2 * max(1, self.generated)) - self.generated
+
+
+def projected_peak(flights: Iterable[Flight], block_size: int = 1) -> int:
+    """Tokens the flights will hold at their joint peak (whole blocks: one block slack each)."""
+    ordered = sorted(flights, key=lambda f: f.remaining, reverse=True)
+    slack = max(0, block_size - 1)
+    held = 0
+    peak = 0
+    for k, f in enumerate(ordered, start=1):
+        held += f.now_tokens + slack
+        peak = max(peak, held + k * f.remaining)
+    return peak
+
+
+def tokens_freed_within(flights: Iterable[Flight], steps: float) -> int:
+    """Tokens released by the flights that end within ``steps`` decode steps (for hold bounds)."""
+    return sum(f.now_tokens + f.remaining for f in flights if f.remaining <= steps)
+
+
+def steps_until_free(flights: Iterable[Flight], deficit: int) -> float:
+    """Decode steps until the flights that end free at least ``deficit`` tokens (inf: never)."""
+    if deficit <= 0:
+        return 0.0
+    freed = 0
+    for f in sorted(flights, key=lambda f: f.remaining):
+        freed += f.now_tokens + f.remaining
+        if freed >= deficit:
+            return float(f.remaining)
+    return math.inf
+
+
+@dataclass
+class OutputRatios:
+    """What fraction of ``max_tokens`` requests really write, per key, over a bounded window.
+
+    The expected output is a high quantile of the ratio times ``max_tokens``: a projection
+    that is wrong for a few requests costs a few preemptions, one wrong for the median costs
+    many. Too few samples: ``max_tokens`` itself (the worst case, as without projection).
+    """
+
+    quantile: float = 0.9
+    min_samples: int = 20
+    window: int = 500
+    _ratios: dict[str, deque[float]] = field(default_factory=dict)
+    _cached: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, key: str, output_tokens: int, max_tokens: int) -> None:
+        if max_tokens <= 0:
+            return
+        ratios = self._ratios.setdefault(key, deque(maxlen=self.window))
+        ratios.append(min(1.0, max(0.0, output_tokens / max_tokens)))
+        self._cached.pop(key, None)
+
+    def ratio(self, key: str) -> float | None:
+        """The learned ratio for ``key``; None below ``min_samples``."""
+        cached = self._cached.get(key)
+        if cached is not None:
+            return cached
+        ratios = self._ratios.get(key)
+        if ratios is None or len(ratios) < self.min_samples:
+            return None
+        ordered = sorted(ratios)
+        value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        self._cached[key] = value
+        return value
+
+    def samples(self, key: str) -> int:
+        ratios = self._ratios.get(key)
+        return len(ratios) if ratios is not None else 0
+
+    def expected(self, keys: Iterable[str], max_tokens: int) -> int:
+        """Expected output: the first key with enough samples (client, then model), else max."""
+        for key in keys:
+            r = self.ratio(key)
+            if r is not None:
+                return max(1, min(max_tokens, math.ceil(r * max_tokens)))
+        return max_tokens
+
+    def keys(self) -> list[str]:
+        return sorted(self._ratios)

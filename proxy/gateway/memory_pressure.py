@@ -1,0 +1,219 @@
+"""The gateway's side of memory pressure on lazily allocating engines (docs/memory-pressure.md).
+
+Keeps, per backend, the requests this replica has in flight there with their progress
+(output events relayed), learns how much of ``max_tokens`` requests really write, and lays
+each node's projected peak (``proxy.core.projection``) over the fleet view a request ranks
+on. A rising preemption counter tightens that node's budget
+(``proxy.core.preemption_headroom``); held requests keep their place in line within a bound
+(``proxy.core.aging``).
+
+Hooks, one call each: ``apply`` (ranking), ``placed`` / ``not_placed`` (end of placement),
+``progress`` (each relayed chunk), ``finished`` (a stream that ended well), ``ended`` (the
+reservation's release).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from proxy.config import Config
+from proxy.core.aging import HeldOrder
+from proxy.core.fleet import FleetSnapshot, NodeView, Overlay
+from proxy.core.preemption_headroom import HeadroomSettings, PreemptionHeadroom
+from proxy.core.projection import Flight, OutputRatios, projected_peak, steps_until_free
+from proxy.core.stream_progress import CharsPerToken, StreamCount
+from proxy.upstream.client import header
+
+if TYPE_CHECKING:
+    from proxy.gateway.context import RequestContext
+
+
+def client_key(ctx: RequestContext) -> str | None:
+    """A short hash of the client's credential (never the credential itself); None without one."""
+    auth = header(ctx.request.headers, "authorization")
+    if not auth:
+        return None
+    return "client:" + hashlib.blake2b(auth.encode(), digest_size=6).hexdigest()
+
+
+class MemoryPressure:
+    """Flights per backend, learned output ratios, per-node budgets, the held line."""
+
+    def __init__(self, cfg: Config, registry: CollectorRegistry) -> None:
+        mp = cfg.memory_pressure
+        self.enabled = mp.enabled
+        self.per_client = mp.per_client
+        self.max_hold_s = mp.max_hold_s
+        self.ratios = OutputRatios(mp.output_quantile, mp.min_samples, mp.window)
+        self.headroom = PreemptionHeadroom(
+            HeadroomSettings(mp.preemption_step, mp.preemption_floor, mp.preemption_relax_s)
+        )
+        self.order = HeldOrder(mp.max_overtakes)
+        self.flights: dict[str, dict[str, Flight]] = {}
+        # Per reservation id: what its stream has carried (events, characters).
+        self.counts: dict[str, StreamCount] = {}
+        self.chars_per_token = CharsPerToken()
+        self.budget_gauge = Gauge(
+            "kvroute_kv_budget_fraction",
+            "Fraction of a lazily allocating node's KV the projection may fill (preemptions lower it)",
+            ["backend"],
+            registry=registry,
+        )
+        held = Gauge(
+            "kvroute_held_at_overtake_limit",
+            "Requests held at the gateway that newer requests may no longer overtake",
+            registry=registry,
+        )
+        held.set_function(self.order.starving)
+        self._shown: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ learning
+    def keys(self, ctx: RequestContext) -> list[str]:
+        """Where this request's output ratio is learned, most specific first.
+
+        Its client and model, then its model; each by request class first (chats and
+        documents ask for output differently: one ratio for both fits neither).
+        """
+        model = "model:" + ctx.parsed.model
+        client = client_key(ctx) if self.per_client else None
+        scopes = [f"{client}|{model}", model] if client else [model]
+        return [key for scope in scopes for key in (f"{scope}|{ctx.cls}", scope)]
+
+    def flight_for(self, ctx: RequestContext) -> Flight:
+        max_out = max(1, ctx.demand - ctx.prompt_tokens)
+        expected = self.ratios.expected(self.keys(ctx), max_out) if self.enabled else max_out
+        return Flight(ctx.prompt_tokens, max_out, expected)
+
+    # ------------------------------------------------------------------ ranking
+    def apply(self, view: FleetSnapshot, ctx: RequestContext, now: float) -> FleetSnapshot:
+        """``view`` with each lazily allocating node's projected peak set (a per-request view)."""
+        if not self.enabled:
+            return view
+        new = self.flight_for(ctx)
+        nodes = tuple(self._project(n, new, ctx, now) for n in view.nodes)
+        return FleetSnapshot(nodes, taken_at=view.taken_at)
+
+    def _project(self, n: NodeView, new: Flight, ctx: RequestContext, now: float) -> NodeView:
+        r = n.report
+        if r is None or not r.queueing:
+            return n
+        budget = self.headroom.observe(n.name, r.preemptions, now)
+        if self._shown.get(n.name) != budget:
+            self._shown[n.name] = budget
+            self.budget_gauge.labels(n.name).set(budget)
+        mine = self.flights.get(n.name, {})
+        others = [f for rid, f in mine.items() if rid != ctx.reservation_id]
+        engines = max(1, r.engines)
+        alone = projected_peak(others, r.block_size)
+        marginal = projected_peak([*others, new], r.block_size) - alone
+        # Reservations this replica does not hold (other gateway replicas): at full demand.
+        own_full = sum(f.prompt_tokens + f.max_tokens for f in mine.values())
+        foreign = max(0, n.overlay.reserved_tokens - own_full)
+        spare = (1.0 - budget) * r.capacity_tokens / engines
+        committed = (alone + foreign) / engines + marginal + spare
+        projected = max(0, math.ceil(committed) - ctx.demand)
+        ov = n.overlay
+        return n.with_overlay(
+            Overlay(
+                ov.pending_tokens,
+                ov.reserved_tokens,
+                ov.inflight,
+                ov.draining,
+                ov.cooldown_until,
+                ov.ceiling_tokens,
+                ov.ceiling_until,
+                ov.pressure,
+                projected,
+            )
+        )
+
+    def hand_over(
+        self, ctx: RequestContext, best: NodeView, held_s: float, wait_s: float, rate: float
+    ) -> bool:
+        """Should a request held for ``best`` (short of projected KV) join its queue now?
+
+        Sent now, the engine admits it as soon as its prompt fits and preempts someone when
+        the decodes grow into each other: a recompute and a stall. Held, it starts once this
+        replica's flights there have freed the room, at a time the projection knows
+        (``steps_until_free`` at the backend's decode rate). So it is held while that time
+        falls within ``max_hold_s``; when the room is not expected by then, or the flights
+        here can never free it (other clients' load), the rule without projection applies:
+        hold as long as the backend's expected wait (ski rental), then join.
+        """
+        if not self.enabled or best.report is None or not best.report.queueing:
+            return held_s >= wait_s
+        deficit = ctx.demand - best.usable_block()
+        steps = steps_until_free(self.flights.get(best.name, {}).values(), deficit)
+        drain_s = steps / max(rate, 1e-9)
+        if math.isinf(drain_s) or held_s + drain_s > self.max_hold_s:
+            return held_s >= wait_s
+        return False
+
+    # ------------------------------------------------------------------ request life
+    def placed(self, ctx: RequestContext, backend: str) -> None:
+        self.order.placed(ctx.reservation_id)
+        self.flights.setdefault(backend, {})[ctx.reservation_id] = self.flight_for(ctx)
+
+    def not_placed(self, ctx: RequestContext) -> None:
+        self.order.gone(ctx.reservation_id)
+
+    def progress(self, ctx: RequestContext, backend: str, chunk: bytes) -> None:
+        """One relayed chunk: the flight has written what the stream carried so far."""
+        flight = self.flights.get(backend, {}).get(ctx.reservation_id)
+        if flight is None:
+            return
+        count = self.counts.get(ctx.reservation_id)
+        if count is None:
+            count = self.counts[ctx.reservation_id] = StreamCount()
+        count.add(chunk)
+        cpt = self.chars_per_token.get(ctx.parsed.model)
+        flight.generated = count.tokens(cpt, flight.max_tokens)
+
+    def finished(self, ctx: RequestContext, backend: str) -> None:
+        """A stream ended well: learn its output / max_tokens (and characters per token)."""
+        flight = self.flights.get(backend, {}).get(ctx.reservation_id)
+        count = self.counts.get(ctx.reservation_id)
+        if flight is None or count is None:
+            return
+        if count.at_length:
+            self.chars_per_token.observe(ctx.parsed.model, count.chars, flight.max_tokens)
+        for key in self.keys(ctx):
+            self.ratios.observe(key, flight.generated, flight.max_tokens)
+
+    def ended(self, ctx: RequestContext, backend: str) -> None:
+        self.counts.pop(ctx.reservation_id, None)
+        held = self.flights.get(backend)
+        if held is not None:
+            held.pop(ctx.reservation_id, None)
+            if not held:
+                del self.flights[backend]
+
+    # ------------------------------------------------------------------ views
+    def node_json(self, name: str) -> dict[str, object]:
+        """The node's part in ``GET /fleet``: budget, preemption rises, projected peak."""
+        node = self.headroom.nodes.get(name)
+        flights = list(self.flights.get(name, {}).values())
+        return {
+            "kv_budget_fraction": round(self.headroom.budget(name), 3),
+            "preemption_rises": node.rises if node is not None else 0,
+            "inflight_tracked": len(flights),
+            "projected_peak_tokens": projected_peak(flights),
+        }
+
+    def annotate(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Add each lazily allocating backend's projection to its ``GET /fleet`` item."""
+        for item in items:
+            report = item.get("report")
+            if isinstance(report, dict) and report.get("queueing"):
+                item["memory_pressure"] = self.node_json(item["name"])
+        return items
+
+    def learned_json(self) -> dict[str, object]:
+        return {
+            key: {"ratio": self.ratios.ratio(key), "samples": self.ratios.samples(key)}
+            for key in self.ratios.keys()
+        }

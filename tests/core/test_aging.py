@@ -1,0 +1,50 @@
+"""Held requests are overtaken a bounded number of times (proxy.core.aging)."""
+
+from __future__ import annotations
+
+from proxy.core.aging import HeldOrder
+
+
+def test_newer_requests_overtake_a_held_one_only_up_to_the_limit() -> None:
+    order = HeldOrder(max_overtakes=2)
+    order.hold("long")
+    for i in range(2):
+        assert order.may_place(f"short{i}")
+        order.placed(f"short{i}")
+    # Overtaken twice: nothing newer passes, neither new arrivals nor later holds.
+    assert not order.may_place("short2")
+    order.hold("short3")
+    assert not order.may_place("short3")
+    assert order.starving() == 1
+    # The long request itself may go; then the line moves again.
+    assert order.may_place("long")
+    order.placed("long")
+    assert order.may_place("short3") and order.starving() == 0
+
+
+def test_older_requests_are_not_held_back_by_newer_ones() -> None:
+    order = HeldOrder(max_overtakes=0)
+    order.hold("old")
+    order.hold("new")
+    assert order.may_place("old")
+    order.placed("old")
+    assert order.may_place("new")
+    assert len(order) == 1
+
+
+def test_a_request_that_leaves_frees_the_line() -> None:
+    order = HeldOrder(max_overtakes=1)
+    order.hold("long")
+    order.placed("short")
+    assert not order.may_place("other")
+    order.gone("long")
+    assert order.may_place("other") and len(order) == 0
+
+
+def test_holding_again_keeps_the_first_place_in_line() -> None:
+    order = HeldOrder(max_overtakes=1)
+    order.hold("a")
+    order.hold("b")
+    order.hold("a")  # a second wait of the same request: still ahead of b
+    order.placed("c")
+    assert order.may_place("a") and not order.may_place("b")

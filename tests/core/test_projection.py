@@ -1,0 +1,95 @@
+"""The forward projection of paged KV use (proxy.core.projection): peaks, learned output."""
+
+from __future__ import annotations
+
+import math
+
+from proxy.core.projection import (
+    Flight,
+    OutputRatios,
+    projected_peak,
+    steps_until_free,
+    tokens_freed_within,
+)
+
+
+def test_the_peak_is_reached_before_the_longest_request_ends_not_at_the_sum() -> None:
+    # A: 100 now, 10 to come; B: 50 now, 100 to come. Both live for 10 steps: 110 + 60 = 170;
+    # then B alone grows to 150. The sum of their worst cases (110 + 150 = 260) never happens.
+    flights = [Flight(100, 10, 10), Flight(50, 100, 100)]
+    assert projected_peak(flights) == 170
+
+
+def test_requests_ending_together_peak_at_the_sum_of_their_demands() -> None:
+    flights = [Flight(100, 50, 50), Flight(200, 50, 50), Flight(300, 50, 50)]
+    assert projected_peak(flights) == 100 + 200 + 300 + 3 * 50
+
+
+def test_whole_blocks_add_at_most_one_block_per_request() -> None:
+    flights = [Flight(100, 50, 50), Flight(200, 50, 50)]
+    assert projected_peak(flights, block_size=16) == projected_peak(flights) + 2 * 15
+
+
+def test_progress_shrinks_nothing_until_requests_end() -> None:
+    # Written tokens move from "to come" to "now": the peak stays, the finished part leaves.
+    f = Flight(100, 50, 50)
+    before = projected_peak([f])
+    f.generated = 30
+    assert projected_peak([f]) == before
+    assert projected_peak([]) == 0
+
+
+def test_a_request_past_its_expected_length_grows_within_max_tokens() -> None:
+    f = Flight(100, max_tokens=1000, expected_output=50, generated=60)
+    assert f.remaining == 60  # one more length like the one written so far
+    f.generated = 990
+    assert f.remaining == 10  # max_tokens bounds it
+
+
+def test_room_frees_when_enough_requests_end() -> None:
+    flights = [Flight(100, 40, 40), Flight(300, 100, 100), Flight(50, 10, 10)]
+    # The 10-step one frees 60; with the 40-step one, 200 more.
+    assert steps_until_free(flights, 50) == 10
+    assert steps_until_free(flights, 200) == 40
+    assert steps_until_free(flights, 10_000) == math.inf
+    assert steps_until_free(flights, 0) == 0
+    assert tokens_freed_within(flights, 40) == 60 + 140
+
+
+def test_expected_output_is_a_high_quantile_of_the_learned_ratio() -> None:
+    ratios = OutputRatios(quantile=0.9, min_samples=10, window=100)
+    for i in range(100):
+        ratios.observe("model:m", output_tokens=i + 1, max_tokens=100)
+    assert ratios.ratio("model:m") == 0.91
+    assert ratios.expected(["model:m"], 1000) == 910
+
+
+def test_too_few_samples_mean_the_worst_case() -> None:
+    ratios = OutputRatios(min_samples=5)
+    for _ in range(4):
+        ratios.observe("model:m", 10, 100)
+    assert ratios.expected(["model:m"], 500) == 500
+    ratios.observe("model:m", 10, 100)
+    assert ratios.expected(["model:m"], 500) == 50
+
+
+def test_a_client_with_its_own_history_comes_before_the_model() -> None:
+    ratios = OutputRatios(quantile=0.5, min_samples=3)
+    for _ in range(3):
+        ratios.observe("client:a|model:m", 90, 100)
+        ratios.observe("model:m", 10, 100)
+    assert ratios.expected(["client:a|model:m", "model:m"], 100) == 90
+    assert ratios.expected(["client:b|model:m", "model:m"], 100) == 10
+
+
+def test_the_window_forgets_old_outputs_and_ratios_are_bounded() -> None:
+    ratios = OutputRatios(quantile=0.5, min_samples=1, window=3)
+    for _ in range(3):
+        ratios.observe("k", 100, 100)
+    for _ in range(3):
+        ratios.observe("k", 10, 100)
+    assert ratios.ratio("k") == 0.1
+    ratios.observe("k", 500, 100)  # more than max_tokens (a miscount): 1.0 at most
+    assert ratios.samples("k") == 3 and max(ratios._ratios["k"]) == 1.0
+    ratios.observe("k", 5, 0)  # no max_tokens: nothing learned
+    assert ratios.samples("k") == 3
