@@ -106,6 +106,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"\1pass  # MUTATION\n\2raise",
     ),
     Mutation(
+        "leak-continuation",
+        "no release of the broken part's reservation when a stream is continued elsewhere",
+        ("tests/gateway/test_continuation_e2e.py",),
+        "StreamRelay.drop_part",
+        r"self\.gw\.release_later\(self\.ctx, self\.backend\)",
+        "pass  # MUTATION",
+    ),
+    Mutation(
         "release-not-queued",
         "a failed release is not queued for retry",
         (LEDGER_RETRY + "[awaited]",),
@@ -199,6 +207,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "expected_wait_s",
         r"deficit = demand - n\.usable_block\(\)",
         "deficit = 0",
+        fast=True,
+    ),
+    Mutation(
+        "projection-peak-at-the-end",
+        "a paged node's projected peak taken as what is held now plus the longest remaining",
+        ("tests/core/test_projection.py",),
+        "projected_peak",
+        r"peak = max\(peak, held \+ k \* f\.remaining\)",
+        "peak = max(peak, held + f.remaining)",
         fast=True,
     ),
     # ---- outage vs capacity vs fragmentation
@@ -296,9 +313,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             "tests/e2e/test_admission_queue_e2e.py::test_queued_request_gets_503_after_max_wait_not_much_later",
         ),
-        "place",
-        r"ctx\.queue_deadline = time\.monotonic\(\) \+ ctx\.cfg\.queue\.max_wait_s",
-        "ctx.queue_deadline = time.monotonic() + 10 * ctx.cfg.queue.max_wait_s",
+        "hold_limit_s",
+        r"limit = ctx\.cfg\.queue\.max_wait_s$",
+        "limit = 10 * ctx.cfg.queue.max_wait_s",
     ),
     Mutation(
         "admission-unbounded",
