@@ -75,7 +75,10 @@ def test_max_model_len_400_in_vllms_words_before_any_backend_sees_it() -> None:
 
 
 def test_a_saturated_node_ranks_as_full_and_shows_why() -> None:
-    # One slot each; decode slow enough that a request holds its slot for ~2 s.
+    # One slot each; decode slow enough that a request holds its slot for ~8 s, so "busy"
+    # stays saturated (one running, one waiting) for ~16 s: far longer than the few scrapes
+    # and requests below take on a loaded machine. (At ~2 s per request it drained first
+    # under load, the pressure lifted, and the tie went to "busy" by name.)
     slow = {"max_num_seqs": 1, "decode_tokens_per_s": 10, "speedup": 1, "model": "m"}
     with engines(("vllm", "busy", slow), ("vllm", "idle", slow)) as urls:
         cfg = gateway_cfg(backends(urls))
@@ -83,7 +86,7 @@ def test_a_saturated_node_ranks_as_full_and_shows_why() -> None:
             wait_until(lambda: reported(gw, 2), what="reports")
             # Fill "busy" behind the gateway's back: one running, one waiting.
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                body = {"model": "m", "prompt": "x", "max_tokens": 20}
+                body = {"model": "m", "prompt": "x", "max_tokens": 80}
                 futs = [
                     pool.submit(httpx.post, urls["busy"] + "/v1/completions", json=body, timeout=30)
                     for _ in range(2)
