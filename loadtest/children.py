@@ -20,9 +20,10 @@ import ctypes.util
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 # linux/prctl.h
@@ -78,3 +79,17 @@ def log_tail(path: Path | None, lines: int = 8) -> str:
         text = path.read_text(encoding="utf-8", errors="replace").strip()
         return "\n".join(text.splitlines()[-lines:])
     return ""
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[str]], grace_s: float = 10.0) -> None:
+    """Stop ``procs`` in reverse start order: SIGTERM, then SIGKILL after ``grace_s``; close
+    the pipes they wrote to."""
+    for proc in reversed(list(procs)):
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(grace_s)
+        if proc.stdout is not None:
+            proc.stdout.close()

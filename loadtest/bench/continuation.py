@@ -43,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.bench.queueing import start_gateway
+from loadtest.children import stop_processes
 from loadtest.local_fleet import free_port
 from loadtest.workload import Request, bimodal, chat_overhead_tokens, make_prompt
 
@@ -152,7 +153,7 @@ def start_vllm_router(
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    stop(proc)
+    stop_processes([proc])
     raise RuntimeError(f"vllm-router did not serve: {log_path.read_text()[-400:]!r}")
 
 
@@ -267,19 +268,7 @@ class Fleet:
         )
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            stop(proc)
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
+        stop_processes(self.procs.values())
 
 
 def run_system(system: str, requests: list[Request], args: argparse.Namespace) -> SystemRun:
@@ -304,7 +293,7 @@ def run_system(system: str, requests: list[Request], args: argparse.Namespace) -
             return run
     finally:
         if router is not None:
-            stop(router)
+            stop_processes([router])
         fleet.stop()
 
 

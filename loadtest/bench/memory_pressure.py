@@ -44,6 +44,7 @@ import yaml
 from loadtest.bench import queueing as q
 from loadtest.bench.memory_pressure_report import plot, table, targets
 from loadtest.bench.overhead_targets import find_vllm_router
+from loadtest.children import stop_processes
 from loadtest.engine.behaviours.eos import marker
 from loadtest.local_fleet import free_port
 from loadtest.workload import Kind, Request, bimodal, chat_overhead_tokens, load_trace, make_prompt
@@ -219,7 +220,7 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
         outputs = [r.output_tokens for r in w.requests]
         return Outcome(policy, samples, outputs, wall, total, timeline)
     finally:
-        stop_all(procs)
+        stop_processes(procs)
 
 
 def start_vllm_router(
@@ -280,18 +281,6 @@ def start_gateway(cfg: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[
     proc.kill()
     tail = (workdir / "gateway.log").read_text()[-400:]
     raise RuntimeError(f"gateway did not start: {tail!r}")
-
-
-def stop_all(procs: list[subprocess.Popen[str]]) -> None:
-    for proc in reversed(procs):
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,6 +40,7 @@ import httpx
 
 from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.bench.queueing import Sample, counter, drive, start_gateway
+from loadtest.children import stop_processes
 from loadtest.local_fleet import free_port
 from loadtest.workload import Request, bimodal
 
@@ -212,15 +213,7 @@ def run_router(router: str, requests: list[Request], args: argparse.Namespace) -
             )
         return out
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        stop_processes(procs)
 
 
 def fmt(x: float | None) -> str:

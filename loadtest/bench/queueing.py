@@ -46,6 +46,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.bench.overhead_targets import find_vllm_router
+from loadtest.children import stop_processes
 from loadtest.local_fleet import free_port
 from loadtest.workload import Request, bimodal, chat_overhead_tokens, make_prompt
 
@@ -278,15 +279,7 @@ def run_policy(policy: str, requests: list[Request], args: argparse.Namespace) -
                 run.handed_to_queue = int(counter(gw_url, "kvroute_queued_at_backend"))
         return run
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        stop_processes(procs)
 
 
 def fmt(x: float | None) -> str:

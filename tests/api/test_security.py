@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from aiohttp import web
 from loadtest.local_fleet import free_port
 from proxy.api.app import create_app
 from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, serve_app, wait_until
+from tests.support.threaded_app import ThreadedApp
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 DONE = {
@@ -42,22 +42,16 @@ DONE = {
 EVENT = b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
 
 
-class Backend:
+class Backend(ThreadedApp):
     """A backend in its own thread that answers per ``mode`` and records what it saw."""
 
     def __init__(self, mode: str = "ok") -> None:
+        super().__init__()
         self.mode = mode
         self.hits = 0
         self.headers: list[dict[str, str]] = []
         self.stream_cut_at: float | None = None
         self.redirect_to = ""
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
@@ -101,29 +95,8 @@ class Backend:
         app = web.Application()
         self.redirect_to = redirect_to
         app.router.add_post("/v1/chat/completions", self._chat)
-        ready = threading.Event()
-
-        def main() -> None:
-            asyncio.set_event_loop(self._loop)
-            self._runner = web.AppRunner(app, shutdown_timeout=0.5)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            ready.set()
-            self._loop.run_forever()
-
-        threading.Thread(target=main, daemon=True).start()
-        assert ready.wait(10)
+        self.serve(app)
         return self
-
-    def stop(self) -> None:
-        async def down() -> None:
-            if self._runner is not None:
-                await self._runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(down(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +21,7 @@ from aiohttp import web
 
 from tests.faults.harness import judge_json, judge_sse
 from tests.support.gateway import gateway_cfg, run_gateway
+from tests.support.threaded_app import ThreadedApp
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 # The timeouts test: every margin at least 5x. Events 0.1 s apart against a 1 s idle limit;
@@ -31,19 +31,13 @@ TTFB_S, IDLE_S, TOTAL_S = 0.5, 1.0, 3.0
 LONG_STREAM_GAP_S, LONG_STREAM_EVENTS = 0.1, 100
 
 
-class TinyBackend:
+class TinyBackend(ThreadedApp):
     def __init__(self, name: str, mode: str = "ok") -> None:
+        super().__init__()
         self.name = name
         self.mode = mode
         self.hits = 0
         self.last_headers: dict[str, str] = {}
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
@@ -110,40 +104,8 @@ class TinyBackend:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_get("/health", self._health)
-        ready = threading.Event()
-
-        def main() -> None:
-            asyncio.set_event_loop(self._loop)
-            self._runner = web.AppRunner(app, shutdown_timeout=0.5)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            ready.set()
-            self._loop.run_forever()
-
-        threading.Thread(target=main, daemon=True).start()
-        assert ready.wait(10)
+        self.serve(app)
         return self
-
-    def stop(self) -> None:
-        if not self._loop.is_running():
-            return
-
-        async def down() -> None:
-            if self._runner is not None:
-                await self._runner.cleanup()
-            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in others:
-                t.cancel()
-            await asyncio.gather(*others, return_exceptions=True)
-
-        fut = asyncio.run_coroutine_threadsafe(down(), self._loop)
-        fut.result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        deadline = time.monotonic() + 10
-        while self._loop.is_running() and time.monotonic() < deadline:
-            time.sleep(0.01)
 
 
 @pytest.fixture

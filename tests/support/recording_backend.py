@@ -6,12 +6,12 @@ aiohttp server on 127.0.0.1 in its own thread, so blocking clients and the opena
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
+
+from tests.support.threaded_app import ThreadedApp
 
 REPLY = {
     "id": "c1",
@@ -25,16 +25,10 @@ REPLY = {
 }
 
 
-class RecordingBackend:
+class RecordingBackend(ThreadedApp):
     def __init__(self) -> None:
+        super().__init__()
         self.headers: list[dict[str, str]] = []
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def last(self) -> dict[str, str]:
         """The last request's headers, names lowercased."""
@@ -48,29 +42,8 @@ class RecordingBackend:
     def start(self) -> RecordingBackend:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
-        ready = threading.Event()
-
-        def main() -> None:
-            asyncio.set_event_loop(self._loop)
-            self._runner = web.AppRunner(app, shutdown_timeout=0.5)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            ready.set()
-            self._loop.run_forever()
-
-        threading.Thread(target=main, daemon=True).start()
-        assert ready.wait(10)
+        self.serve(app)
         return self
-
-    def stop(self) -> None:
-        async def down() -> None:
-            if self._runner is not None:
-                await self._runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(down(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 @pytest.fixture
