@@ -171,7 +171,8 @@ class StreamRelay:
                 if transcript is not None and transcript.error is not None:
                     raise UpstreamBroken(f"error event: {transcript.error}")
                 chunk = await next_chunk(self.resp, idle, self.ctx.deadline)
-                self.tail = (self.tail[1], chunk)
+                if chunk:
+                    self.tail = (self.tail[1], chunk)
             if transcript is not None and not (transcript.done or transcript.complete):
                 raise UpstreamBroken("the stream ended before its last event")
             # The body's end, even if interrupt() came just after it: the stream is whole.
