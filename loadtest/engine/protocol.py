@@ -196,17 +196,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def full_body(completion_id: str, created: int, p: Parsed, text: str, prompt_tokens: int) -> bytes:
+def full_body(
+    completion_id: str,
+    created: int,
+    p: Parsed,
+    text: str,
+    prompt_tokens: int,
+    finish: str = "length",
+) -> bytes:
+    """A whole answer of ``p.max_tokens`` tokens; ``finish`` is ``stop`` when the model ended it."""
     if p.chat:
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "logprobs": None,
-            "finish_reason": "length",
+            "finish_reason": finish,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return orjson.dumps(
         {

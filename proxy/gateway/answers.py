@@ -222,6 +222,7 @@ async def whole_answer(
     gw.health.success(backend)
     ctx.backend = backend
     gw.token_counts.observe(ctx.parsed.model, ctx.counted_prompt_tokens, body)
+    gw.pressure.answered(ctx, backend, body)
     # Off the answer's path (a Redis round trip).
     gw.release_later(ctx, backend)
     if ctx.counts_request:

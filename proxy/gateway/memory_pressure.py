@@ -8,8 +8,8 @@ on. A rising preemption counter tightens that node's budget
 (``proxy.core.aging``).
 
 Hooks, one call each: ``apply`` (ranking), ``placed`` / ``not_placed`` (end of placement),
-``progress`` (each relayed chunk), ``finished`` (a stream that ended well), ``ended`` (the
-reservation's release).
+``progress`` (each relayed chunk), ``finished`` (a stream that ended well), ``answered`` (a
+whole JSON answer), ``ended`` (the reservation's release).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from proxy.config import Config
 from proxy.core.aging import HeldOrder
+from proxy.core.answer_usage import answer_usage
 from proxy.core.fleet import FleetSnapshot, NodeView, Overlay
 from proxy.core.preemption_headroom import HeadroomSettings, PreemptionHeadroom
 from proxy.core.projection import Flight, OutputRatios, projected_peak, steps_until_free
@@ -181,6 +182,23 @@ class MemoryPressure:
             return
         if count.at_length:
             self.chars_per_token.observe(ctx.parsed.model, count.chars, flight.max_tokens)
+        for key in self.keys(ctx):
+            self.ratios.observe(key, flight.generated, flight.max_tokens)
+
+    def answered(self, ctx: RequestContext, backend: str, body: bytes) -> None:
+        """A whole JSON answer: learn its output / max_tokens from the server's own count.
+
+        Clients that do not stream would otherwise be projected at ``max_tokens`` for ever.
+        """
+        flight = self.flights.get(backend, {}).get(ctx.reservation_id)
+        if flight is None:
+            return
+        usage = answer_usage(body)
+        if usage is None:
+            return
+        written = flight.max_tokens if usage.at_length else usage.completion_tokens
+        flight.generated = min(flight.max_tokens, written)
+        self.chars_per_token.observe(ctx.parsed.model, usage.chars, usage.completion_tokens)
         for key in self.keys(ctx):
             self.ratios.observe(key, flight.generated, flight.max_tokens)
 

@@ -57,6 +57,14 @@ def stream(url: str, max_tokens: int, eos: int | None = None) -> tuple[int, int,
         return (r.status_code if done else 0), events, finish
 
 
+def answer(url: str, max_tokens: int, eos: int) -> tuple[int, str, int]:
+    """(status, finish reason, usage.completion_tokens) of one non-streamed completion."""
+    body = {"model": "m", "prompt": PROMPT + marker(eos), "max_tokens": max_tokens}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    data = r.json()
+    return r.status_code, data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"]
+
+
 def burst(url: str, n: int, max_tokens: int, eos: int | None = None) -> list[tuple[int, int, str]]:
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         return list(pool.map(lambda _: stream(url, max_tokens, eos), range(n)))
@@ -111,6 +119,29 @@ def test_learned_output_lengths_let_more_requests_run_at_once() -> None:
                 )
                 assert all(status == 200 for status, _, _ in running.result())
             assert preemptions(urls["v"]) == 0
+
+
+def test_non_streamed_answers_teach_the_output_length_too() -> None:
+    # Clients that do not stream: the answer's usage.completion_tokens is the server's own
+    # count. Before, only streams taught the ratios: these clients stayed at max_tokens.
+    with engines(("vllm", "v", {"capacity_tokens": 4096, **ENGINE})) as urls:
+        cfg = gateway_cfg(backends(urls), memory_pressure={"min_samples": 5})
+        with run_gateway(cfg) as gw:
+            wait_until(lambda: fleet(gw)["backends"][0]["report"] is not None, what="report")
+            for _ in range(4):
+                assert answer(gw, max_tokens=600, eos=20) == (200, "stop", 20)
+            # One that ends at max_tokens counts as all of it (ratio 1), not as its text.
+            assert answer(gw, max_tokens=600, eos=700) == (200, "length", 600)
+            learned = fleet(gw)["memory_pressure"]["learned_output"]["model:m|short"]
+            # The 0.9 quantile of four 20/600 and one 600/600 is the longest.
+            assert learned == {"ratio": 1.0, "samples": 5}
+            # Six more: the quantile (the 10th of 11) is a short one's again.
+            for _ in range(6):
+                assert answer(gw, max_tokens=600, eos=20)[0] == 200
+            learned = fleet(gw)["memory_pressure"]["learned_output"]["model:m|short"]
+            assert learned == {"ratio": 20 / 600, "samples": 11}
+            # Nothing is left in flight once the answers are back.
+            assert fleet(gw)["backends"][0]["memory_pressure"]["inflight_tracked"] == 0
 
 
 def test_preemptions_tighten_the_nodes_budget_and_the_advice_says_so() -> None:

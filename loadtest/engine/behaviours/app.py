@@ -221,7 +221,9 @@ class Front:
                 await req.changed.wait()
             text = generated_text(self._next + self.config.seed, req.max_tokens)
             written = dataclasses.replace(p, max_tokens=req.max_tokens)
-            answer = full_body(completion_id, int(time.time()), written, text, prompt)
+            # The model's EOS ends it with "stop", as the stream's last chunk says.
+            finish = _finish(req.max_tokens, req.max_tokens, p.max_tokens) or "length"
+            answer = full_body(completion_id, int(time.time()), written, text, prompt, finish)
             if arrival.hold and not req.aborted:
                 params = self.roles.hold(request, core, req)
                 answer = disaggregation.with_params(answer, params)
