@@ -4,14 +4,9 @@ Four vLLM-mode engines (``kvroute engine --behaviour vllm``: paged 16-token bloc
 lazily, a FIFO waiting queue, preemption with recompute, ``vllm:num_preemptions_total``),
 the fleet of ``loadtest.bench.queueing`` (two data-parallel 2 in the general pool, two single
 engines in a ``long`` pool), with little KV for the work: what fails here is not admission
-but decode growth. Clients ask for more output than they use, as real ones do: each class
-of request sends one fixed ``max_tokens`` and the simulated model stops at its own length
-(the prompt's ``[eos:N]`` marker, ``loadtest.engine.behaviours.eos``). Workloads:
-
-* ``bimodal-low`` / ``bimodal-high``: 70% short chats, 30% documents with long answers, at
-  two arrival rates;
-* ``trace``: the shipped Azure code trace (``loadtest/data``), outputs scaled up
-  (``--trace-output-scale``): long answers, KV growing through decode.
+but decode growth. Workloads (``loadtest.bench.memory_pressure_workloads``): a bimodal mix
+of chats and documents at two loads, the shipped trace with long outputs, and the trace at
+the scale users first reported (``trace-x4``).
 
 For each workload and router: fresh engines, then the router, then the same request list
 (same seed, same arrival times), every client streaming. Reported: failed requests,
@@ -28,7 +23,6 @@ import argparse
 import asyncio
 import copy
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -43,26 +37,19 @@ import yaml
 
 from loadtest.bench import queueing as q
 from loadtest.bench.memory_pressure_report import plot, table, targets
+from loadtest.bench.memory_pressure_workloads import (
+    WORKLOADS,
+    Workload,
+    add_options,
+    bodies,
+    workload,
+)
 from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.children import stop_processes
-from loadtest.engine.behaviours.eos import marker
 from loadtest.local_fleet import free_port
-from loadtest.workload import Kind, Request, bimodal, chat_overhead_tokens, load_trace, make_prompt
 
 POLICIES = ("kvroute", "round_robin", "least_loaded")
 PEERS = ("vllm-router:power_of_two", "vllm-router:cache_aware")
-WORKLOADS = ("bimodal-low", "bimodal-high", "trace")
-TRACE = Path(__file__).resolve().parent.parent / "data" / "AzureLLMInferenceTrace_code.csv"
-
-
-@dataclass
-class Workload:
-    name: str
-    requests: list[Request]
-    # The max_tokens each client class sends (its answers are shorter: the [eos:N] marker).
-    caps: dict[str, int]
-    capacity: int  # KV tokens per engine
-    long_min: int  # smallest long prompt (the gateway's long threshold is half of it)
 
 
 @dataclass
@@ -92,54 +79,6 @@ class Outcome:
             "short_ttft_p50": run.pct("short", 0.5),
             "long_ttft_p50": run.pct("long", 0.5),
         }
-
-
-def workload(name: str, args: argparse.Namespace, seed: int) -> Workload:
-    """The request list of one workload (the same for every router of a run)."""
-    if name == "trace":
-        reqs = load_trace(TRACE, output_scale=args.trace_output_scale, rate_scale=1.0)
-        # Arrivals re-spaced to --trace-rate (the trace's own is ~2.6/s), order kept.
-        rng = random.Random(seed)
-        t, out = 0.0, []
-        start = rng.randrange(0, max(1, len(reqs) - 10_000))
-        for r in reqs[start:]:
-            t += rng.expovariate(args.trace_rate)
-            if t > args.duration:
-                break
-            kind: Kind = "long" if r.prompt_tokens >= 4_000 else "short"
-            out.append(Request(t, r.prompt_tokens, min(r.output_tokens, 2_000), kind))
-        return Workload(name, out, {"short": 2_048, "long": 2_048}, args.trace_capacity, 4_000)
-    rate = args.rate_low if name == "bimodal-low" else args.rate_high
-    reqs = bimodal(
-        rate,
-        duration_s=args.duration,
-        seed=seed,
-        short=(20, 300),
-        long=(3_000, 6_000),
-        short_output=(16, 256),
-        long_output=(200, 1_000),
-    )
-    return Workload(name, reqs, {"short": 512, "long": 1_024}, args.capacity, 3_000)
-
-
-def bodies(w: Workload, seed: int) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    overhead = chat_overhead_tokens()
-    out = []
-    for r in w.requests:
-        # Within the engine's context (prompt + max_tokens), never below the real output.
-        room = w.capacity - r.prompt_tokens - 64
-        cap = max(min(w.caps[r.kind], room), r.output_tokens)
-        text = make_prompt(max(1, r.prompt_tokens - overhead - 4), rng) + marker(r.output_tokens)
-        out.append(
-            {
-                "model": "sim-model",
-                "messages": [{"role": "user", "content": text}],
-                "max_tokens": cap,
-                "stream": True,
-            }
-        )
-    return out
 
 
 async def sample_preemptions(
@@ -295,14 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--speedup", type=float, default=4.0, help="engines' time acceleration")
-    p.add_argument("--capacity", type=int, default=10_000, help="KV tokens per engine (bimodal)")
-    p.add_argument(
-        "--trace-capacity", type=int, default=10_000, help="KV tokens per engine (trace)"
-    )
-    p.add_argument("--rate-low", type=float, default=6.0, help="arrivals/s, bimodal-low")
-    p.add_argument("--rate-high", type=float, default=9.0, help="arrivals/s, bimodal-high")
-    p.add_argument("--trace-rate", type=float, default=8.0, help="arrivals/s, trace")
-    p.add_argument("--trace-output-scale", type=float, default=8.0)
+    add_options(p)
     p.add_argument("--prefill", type=float, default=2_500.0, help="prefill tokens/s per engine")
     p.add_argument("--max-num-seqs", type=int, default=32, help="running requests per engine")
     p.add_argument("--vllm-router", default=None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -63,6 +63,29 @@ def projected_peak(flights: Iterable[Flight], block_size: int = 1) -> int:
         held += f.now_tokens + slack
         peak = max(peak, held + k * f.remaining)
     return peak
+
+
+def busiest_engine_peak(engine_used: Sequence[int], now_tokens: int, peak: int) -> int:
+    """The projected peak of a data-parallel node's busiest engine, from its flights' peak.
+
+    The server's front end places each request on an engine by queue length, not by KV, so
+    the gateway does not know which engine holds which flight. Splitting the flights' peak
+    evenly over the engines is wrong exactly when it matters: a few long documents on one
+    engine and many short chats on the other leave the first engine nearly full and the
+    split at half (measured: an engine at 94% of its KV while the split said 60%, then
+    preemptions there). The engines' reported usage shows where the work sits, so the
+    flights' growth still to come (``peak - now_tokens``) is attributed in proportion to
+    what each engine holds now; the busiest engine's ``used + its share`` is the node's
+    peak per engine, never below the even split.
+    """
+    engines = max(1, len(engine_used))
+    even = math.ceil(peak / engines)
+    total = sum(max(0, u) for u in engine_used)
+    if total <= 0:
+        return even
+    growth = max(0, peak - now_tokens)
+    busiest = max(math.ceil(u + growth * u / total) for u in engine_used if u > 0)
+    return max(even, busiest)
 
 
 def tokens_freed_within(flights: Iterable[Flight], steps: float) -> int:

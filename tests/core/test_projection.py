@@ -7,6 +7,7 @@ import math
 from proxy.core.projection import (
     Flight,
     OutputRatios,
+    busiest_engine_peak,
     projected_peak,
     steps_until_free,
     tokens_freed_within,
@@ -93,3 +94,19 @@ def test_the_window_forgets_old_outputs_and_ratios_are_bounded() -> None:
     assert ratios.samples("k") == 3 and max(ratios._ratios["k"]) == 1.0
     ratios.observe("k", 5, 0)  # no max_tokens: nothing learned
     assert ratios.samples("k") == 3
+
+
+def test_a_data_parallel_nodes_busiest_engine_gets_the_growth_its_usage_shows() -> None:
+    # Two engines of 10,000: one holds 9,400 (long documents), the other 4,900 (chats). The
+    # flights hold 14,000 now and peak at 31,000: 17,000 still to come. The even split says
+    # 15,500 per engine; the busiest engine's share of the growth takes it to ~20,600.
+    peak = busiest_engine_peak([9_400, 4_900], now_tokens=14_000, peak=31_000)
+    assert peak == math.ceil(9_400 + 17_000 * 9_400 / 14_300)
+    assert peak > 31_000 / 2
+
+
+def test_balanced_or_idle_engines_keep_the_even_split() -> None:
+    assert busiest_engine_peak([5_000, 5_000], now_tokens=10_000, peak=16_000) == 8_000
+    assert busiest_engine_peak([0, 0], now_tokens=0, peak=3_000) == 1_500
+    # Reports that lag behind placements never make it smaller than the even split.
+    assert busiest_engine_peak([100, 0], now_tokens=5_000, peak=6_000) == 3_000

@@ -144,6 +144,34 @@ def test_non_streamed_answers_teach_the_output_length_too() -> None:
             assert fleet(gw)["backends"][0]["memory_pressure"]["inflight_tracked"] == 0
 
 
+def test_a_class_without_its_own_samples_counts_at_max_tokens_not_at_another_classs() -> None:
+    # Chats teach "20 of 600" (demand ~645: short). A document (~805: long) has no samples of its
+    # own: it counts at its max_tokens. Before, it fell back to the model-wide ratio, the
+    # chats' (chats finish first), and was projected at 20: two such documents then
+    # outgrew an engine and it preempted.
+    slow = {**ENGINE, "speedup": 2}
+    with engines(("vllm", "v", {"capacity_tokens": 8192, **slow})) as urls:
+        cfg = gateway_cfg(
+            backends(urls),
+            memory_pressure={"min_samples": 5},
+            routing={"long_threshold_tokens": 700},
+        )
+        with run_gateway(cfg) as gw:
+            wait_until(lambda: fleet(gw)["backends"][0]["report"] is not None, what="report")
+            for _ in range(5):
+                assert answer(gw, max_tokens=600, eos=20)[0] == 200
+            body = {"model": "m", "prompt": "word " * 200 + marker(600), "max_tokens": 600}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                document = pool.submit(httpx.post, gw + "/v1/completions", json=body, timeout=120)
+                node = lambda: fleet(gw)["backends"][0]["memory_pressure"]  # noqa: E731
+                wait_until(lambda: node()["inflight_tracked"] == 1, what="the document placed")
+                # Its prompt (~200 tokens) and all of its 600: not 200 + 20.
+                assert node()["projected_peak_tokens"] >= 600 + 150
+                assert document.result().status_code == 200
+            learned = fleet(gw)["memory_pressure"]["learned_output"]
+            assert set(learned) == {"model:m|short", "model:m|long"}
+
+
 def test_preemptions_tighten_the_nodes_budget_and_the_advice_says_so() -> None:
     with engines(("vllm", "v", {"capacity_tokens": 1024, **ENGINE})) as urls:
         cfg = gateway_cfg(backends(urls))
