@@ -37,6 +37,7 @@ import yaml
 
 from loadtest.bench import queueing as q
 from loadtest.bench.memory_pressure_report import plot, table, targets
+from loadtest.bench.memory_pressure_trace import record, rises
 from loadtest.bench.memory_pressure_workloads import (
     WORKLOADS,
     Workload,
@@ -108,14 +109,22 @@ async def sample_preemptions(
 
 
 async def drive(
-    url: str, engine_urls: list[str], w: Workload, payloads: list[dict[str, Any]]
+    url: str,
+    engines: dict[str, str],
+    w: Workload,
+    payloads: list[dict[str, Any]],
+    debug: Path | None = None,
 ) -> tuple[list[q.Sample], list[tuple[float, int]], float]:
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=2048)
     timeline: list[tuple[float, int]] = []
     stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.monotonic()
+        engine_urls = list(engines.values())
         sampler = asyncio.create_task(sample_preemptions(engine_urls, start, stop, timeline))
+        tracer = asyncio.create_task(
+            record(url, engines, start, stop, debug) if debug is not None else stop.wait()
+        )
         tasks: list[asyncio.Task[q.Sample]] = []
         for req, body in zip(w.requests, payloads, strict=True):
             delay = start + req.arrival_s - time.monotonic()
@@ -129,6 +138,7 @@ async def drive(
         wall = time.monotonic() - start
         stop.set()
         await sampler
+        await tracer
     return samples, timeline, wall
 
 
@@ -152,9 +162,12 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
             else:
                 gw, gw_url = start_gateway(q.gateway_config(policy, urls, engine_args), Path(tmp))
             procs.append(gw)
-            samples, timeline, wall = asyncio.run(
-                drive(gw_url, list(urls.values()), w, bodies(w, seed))
-            )
+            debug = None
+            if args.debug_trace is not None:
+                debug = args.debug_trace / f"{w.name}-{seed}-{policy.replace(':', '-')}.jsonl"
+            samples, timeline, wall = asyncio.run(drive(gw_url, urls, w, bodies(w, seed), debug))
+            if debug is not None:
+                print("\n".join(rises(debug)), flush=True)
             total = int(sum(q.counter(u, "vllm:num_preemptions") for u in urls.values()))
         outputs = [r.output_tokens for r in w.requests]
         return Outcome(policy, samples, outputs, wall, total, timeline)
@@ -240,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-router", default=None)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
+    p.add_argument(
+        "--debug-trace",
+        type=Path,
+        default=None,
+        help="folder: each engine's state and kvroute's projection every 0.25 s, printed at each preemption",
+    )
     return p
 
 

@@ -21,7 +21,9 @@ class MemoryPressureConfig(_Strict):
         description="expected output = this quantile of learned output/max_tokens times max_tokens",
     )
     min_samples: int = Field(
-        default=20, ge=1, description="finished streams per model (or client) before learning"
+        default=20,
+        ge=1,
+        description="finished requests per model (or client) and request class before learning",
     )
     window: int = Field(default=500, ge=1, description="ratios kept per model (or client)")
     per_client: bool = Field(

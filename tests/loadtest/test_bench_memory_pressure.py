@@ -18,6 +18,7 @@ def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "loadtest.bench.memory_pressure", "--runs", "1"]
     argv += ["--duration", "2", "--workloads", "bimodal-low,trace"]
     argv += ["--policies", "kvroute,round_robin", "--json", str(out_json), "--plot", str(out_png)]
+    argv += ["--debug-trace", str(tmp_path / "trace")]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=170, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads(out_json.read_text())
@@ -31,3 +32,13 @@ def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
         assert r["requests"] > 0 and r["failed"] == 0, r
         assert r["goodput_tokens_per_s"] > 0 and r["preemptions"] >= 0 and r["timeline"]
     assert "bimodal-low run 1:" in out.stdout and out_png.stat().st_size > 0
+    # The debug trace: one file per row, kvroute's with the gateway's projection in it.
+    traces = sorted(p.name for p in (tmp_path / "trace").iterdir())
+    assert traces == [
+        "bimodal-low-12-kvroute.jsonl",
+        "bimodal-low-12-round_robin.jsonl",
+        "trace-12-kvroute.jsonl",
+        "trace-12-round_robin.jsonl",
+    ]
+    first = json.loads((tmp_path / "trace" / traces[0]).read_text().splitlines()[-1])
+    assert "projection" in first["e0"] and first["e2"]["engines"].keys() == {"0", "1"}
