@@ -10,23 +10,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-pytestmark = pytest.mark.timeout(180)
+# Four rows, each starting four engines and a router: ~25 s each on an idle 2-core box, ~70 s
+# at a load average of 12 (measured); the bound is for that, not a speed target.
+pytestmark = pytest.mark.timeout(330)
 
 
 def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "mp.json", tmp_path / "mp.png"
     argv = [sys.executable, "-m", "loadtest.bench.memory_pressure", "--runs", "1"]
-    argv += ["--duration", "2", "--workloads", "bimodal-low,trace"]
+    argv += ["--duration", "2", "--workloads", "bimodal-low,trace-x4"]
+    # trace-x4 at a tenth of its size: the workload's path, not its load.
+    argv += ["--trace-x4-scale", "1", "--trace-x4-rate", "4", "--trace-x4-capacity", "10000"]
     argv += ["--policies", "kvroute,round_robin", "--json", str(out_json), "--plot", str(out_png)]
     argv += ["--debug-trace", str(tmp_path / "trace")]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=170, cwd=ROOT, check=False)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=320, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads(out_json.read_text())
     assert [(r["workload"], r["policy"]) for r in rows] == [
         ("bimodal-low", "kvroute"),
         ("bimodal-low", "round_robin"),
-        ("trace", "kvroute"),
-        ("trace", "round_robin"),
+        ("trace-x4", "kvroute"),
+        ("trace-x4", "round_robin"),
     ]
     for r in rows:
         assert r["requests"] > 0 and r["failed"] == 0, r
@@ -37,8 +41,8 @@ def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
     assert traces == [
         "bimodal-low-12-kvroute.jsonl",
         "bimodal-low-12-round_robin.jsonl",
-        "trace-12-kvroute.jsonl",
-        "trace-12-round_robin.jsonl",
+        "trace-x4-12-kvroute.jsonl",
+        "trace-x4-12-round_robin.jsonl",
     ]
     first = json.loads((tmp_path / "trace" / traces[0]).read_text().splitlines()[-1])
     assert "projection" in first["e0"] and first["e2"]["engines"].keys() == {"0", "1"}

@@ -218,6 +218,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         "peak = max(peak, held + f.remaining)",
         fast=True,
     ),
+    Mutation(
+        "projection-even-split-on-data-parallel",
+        "a data-parallel node's flights split evenly over its engines, whatever they hold",
+        ("tests/core/test_projection.py",),
+        "busiest_engine_peak",
+        r"return max\(even, busiest\)",
+        "return even",
+        fast=True,
+    ),
+    Mutation(
+        "learned-output-across-classes",
+        "a request class without samples of its own projected at the model-wide ratio",
+        (
+            "tests/e2e/test_memory_pressure_e2e.py::test_a_class_without_its_own_samples_counts_at_max_tokens_not_at_another_classs",
+        ),
+        "MemoryPressure.keys",
+        r'return \[f"\{client\}\|\{model\}", model\] if client else \[model\]',
+        'return [f"{client}|{model}", model, f"model:{ctx.parsed.model}"]',
+    ),
+    Mutation(
+        "non-streamed-answers-teach-nothing",
+        "a whole JSON answer's usage is not learned from",
+        ("tests/e2e/test_memory_pressure_e2e.py::test_non_streamed_answers_teach_the_output_length_too",),
+        "whole_answer",
+        r"^(\s*)gw\.pressure\.answered\(ctx, backend, body\)$",
+        r"\1pass  # MUTATION",
+    ),
     # ---- outage vs capacity vs fragmentation
     Mutation(
         "outage-judged-on-memory",
