@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import copy
 import json
 import subprocess
@@ -148,11 +149,7 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
     engine_args.long_min = w.long_min
     procs: list[subprocess.Popen[str]] = []
     try:
-        urls: dict[str, str] = {}
-        for name, dp, _pool in q.FLEET:
-            proc, url = q.start_engine(name, dp, engine_args)
-            procs.append(proc)
-            urls[name] = url
+        urls = start_engines(engine_args, procs)
         with tempfile.TemporaryDirectory() as tmp:
             peer = policy.partition("vllm-router:")[2]
             if peer:
@@ -173,6 +170,26 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
         return Outcome(policy, samples, outputs, wall, total, timeline)
     finally:
         stop_processes(procs)
+
+
+def start_engines(args: argparse.Namespace, procs: list[subprocess.Popen[str]]) -> dict[str, str]:
+    """The fleet's engines, started together (each start is mostly Python importing: one
+    after the other they took most of a row's time on the loaded box). Every engine that
+    started is in ``procs``, also when another did not (the caller stops them)."""
+    with concurrent.futures.ThreadPoolExecutor(len(q.FLEET)) as pool:
+        started = {name: pool.submit(q.start_engine, name, dp, args) for name, dp, _pool in q.FLEET}
+    urls: dict[str, str] = {}
+    failure: RuntimeError | None = None
+    for name, future in started.items():
+        try:
+            proc, urls[name] = future.result()
+        except RuntimeError as exc:
+            failure = exc
+            continue
+        procs.append(proc)
+    if failure is not None:
+        raise failure
+    return urls
 
 
 def start_vllm_router(
