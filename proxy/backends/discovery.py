@@ -132,17 +132,3 @@ def backend(
         role=role,
         kv_events=cfg.kv_events,
     )
-
-
-def make_discovery(cfg: Config) -> Discovery | None:
-    """The configured source, or None for ``static`` (nothing to follow)."""
-    d = cfg.discovery
-    if d.type == "kubernetes":
-        from proxy.backends.discovery_kubernetes import KubernetesDiscovery
-
-        return KubernetesDiscovery(d, cfg.backends, set(cfg.pools))
-    if d.type == "dns":
-        from proxy.backends.discovery_dns import DnsDiscovery
-
-        return DnsDiscovery(d, cfg.backends)
-    return None
