@@ -48,9 +48,7 @@ def imported_names(path: Path, package: str) -> Iterator[str]:
 
 def graph_of(directory: Path) -> dict[str, set[str]]:
     """The imports between the modules directly inside one package."""
-    modules = {
-        module_name(p): p for p in sorted(directory.glob("*.py")) if p.name != "__init__.py"
-    }
+    modules = {module_name(p): p for p in sorted(directory.glob("*.py")) if p.name != "__init__.py"}
     edges: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         seen_names = list(imported_names(path, name.rpartition(".")[0]))

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from proxy.config import BackendConfig, Config, DiscoveryConfig
+from proxy.config import BackendConfig, DiscoveryConfig
 from proxy.config.base import ServingRole
 from proxy.tasks import stop_task
 
