@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-# Four rows, each starting four engines and a router: ~25 s each on an idle 2-core box, ~70 s
-# at a load average of 12 (measured); the bound is for that, not a speed target.
-pytestmark = pytest.mark.timeout(330)
+# Minutes on a loaded 2-core machine (the run starts engines and a gateway): a bound on a hang.
+pytestmark = pytest.mark.timeout(520)
 
 
 def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
@@ -23,7 +22,7 @@ def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
     argv += ["--trace-x4-scale", "1", "--trace-x4-rate", "4", "--trace-x4-capacity", "10000"]
     argv += ["--policies", "kvroute,round_robin", "--json", str(out_json), "--plot", str(out_png)]
     argv += ["--debug-trace", str(tmp_path / "trace")]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=320, cwd=ROOT, check=False)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=500, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads(out_json.read_text())
     assert [(r["workload"], r["policy"]) for r in rows] == [
