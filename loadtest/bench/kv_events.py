@@ -82,13 +82,14 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def events_flag(base: int) -> str:
+def events_flag(base: int, encoding: str = "array") -> str:
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": f"tcp://127.0.0.1:{base}",
             "replay_endpoint": f"tcp://127.0.0.1:{base + 1}",
+            "encoding": encoding,
         }
     )
 
@@ -102,7 +103,13 @@ def make_fleet(args: Any, ports: list[int], redis: bool) -> LocalFleet:
             args.capacity,
             args.speedup,
             16,
-            ("--behaviour", "vllm", "--serial-prefill", "--kv-events-config", events_flag(p)),
+            (
+                "--behaviour",
+                "vllm",
+                "--serial-prefill",
+                "--kv-events-config",
+                events_flag(p, args.encoding),
+            ),
         )
         for i, p in enumerate(ports)
     ]
@@ -319,6 +326,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="120 requests a row")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--targets", default="", help="comma-separated substrings of target names")
+    p.add_argument(
+        "--encoding",
+        choices=("array", "map"),
+        default="array",
+        help="the engines' event encoding: array (older vLLM; vllm-router 0.1.17 decodes only "
+        "this one) or map (newer vLLM)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     n = 120 if args.quick else args.requests

@@ -130,6 +130,8 @@ class Gateway:
         # the app wires the adapters in. Unset, the generic verdict stands.
         self.kind_errors: KindErrors = lambda kind, status, body: None
         self.queues = BackendQueues(cfg, metrics.registry)
+        # Expected TTFT per node (routing.prefix.ttft_aware) at the learned prefill rates.
+        self.affinity.rates = lambda snap: self.queues.current(snap).rates
         # Projected KV peaks, learned output lengths, held-request fairness (paged engines).
         self.pressure = MemoryPressure(cfg, metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.
