@@ -1,13 +1,17 @@
 """KV-cache events against the approximate index: the document workload under disturbances.
 
-Four simulated vLLM engines (``--behaviour vllm --serial-prefill``, prefix cache, 200,000
-KV tokens each) publish KV-cache events as vLLM does (``--kv-events-config``); the
-shared-document workload (``loadtest.bench.prefix``: 40 documents of 15-30k tokens, more
-than the fleet's cache holds, and short chats) runs through each target, one fresh fleet
-per row, in four scenarios:
+Four simulated vLLM engines (``--behaviour vllm --serial-prefill``, prefix cache) publish
+KV-cache events as vLLM 0.28 does (``--kv-events-config``; ``--encoding``) and answer vLLM's
+render API; the shared-document workload (``loadtest.bench.prefix``: documents of 15-30k
+tokens, Zipf popularity, and short chats) runs through each target, one fresh fleet per row.
+The engines' KV cache is sized from the run: the fleet holds ``--cache-share`` (0.8) of the
+documents the run asks about, so engines evict (a fleet that holds every document tells
+events and guesses apart only by luck). Five scenarios:
 
 * ``plain``: every request through the router;
 * ``restart``: engine e1's process is restarted half way through (its cache is empty after);
+* ``reset``: engine e1's prefix cache is reset half way through (vLLM's
+  ``/reset_prefix_cache``: ``AllBlocksCleared``, same process, same start time);
 * ``bypass``: 30% of requests go straight to a random engine, past the router (another
   client filling caches the router never saw);
 * ``replicas``: two router processes, requests alternating between them (kvroute: one Redis
@@ -46,7 +50,7 @@ from loadtest.bench.prefix import bodies, pct, scrape, wait_reported, wait_servi
 from loadtest.local_fleet import EngineSpec, LocalFleet, Proc, free_port, wait_http
 from loadtest.workload import SharedDocs, shared_documents
 
-SCENARIOS = ("plain", "restart", "bypass", "replicas")
+SCENARIOS = ("plain", "restart", "reset", "bypass", "replicas")
 TARGETS = (
     "kvroute + events",
     "kvroute approximate",
@@ -54,6 +58,9 @@ TARGETS = (
     "vllm-router kv_aware",
 )
 BYPASS_SHARE = 0.3
+ENGINES = 4
+#: Per engine: the largest document (30k tokens) with its questions and answer must fit.
+MIN_CAPACITY = 40_000
 
 
 @dataclass
@@ -82,7 +89,7 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def events_flag(base: int, encoding: str = "array") -> str:
+def events_flag(base: int, encoding: str = "batch_array") -> str:
     return json.dumps(
         {
             "enable_kv_cache_events": True,
@@ -223,6 +230,15 @@ def request_urls(
     return out
 
 
+def reset_of(proc: Proc) -> Any:
+    """vLLM's ``POST /reset_prefix_cache``: the cache emptied, the process (and start time) kept."""
+
+    def reset() -> None:
+        httpx.post(proc.url + "/reset_prefix_cache", timeout=10.0).raise_for_status()
+
+    return reset
+
+
 def restart_of(proc: Proc, fleet: LocalFleet) -> Any:
     def restart() -> None:
         proc.stop()
@@ -240,7 +256,7 @@ def one_row(
     if target.startswith("vllm-router") and exe is None:
         row.note = "vllm-router not installed"
         return row
-    ports = [free_port_pair() for _ in range(4)]
+    ports = [free_port_pair() for _ in range(ENGINES)]
     replicas = 2 if scenario == "replicas" else 1
     fleet = make_fleet(args, ports, redis=replicas > 1 and exe is None)
     routers: list[Proc] = []
@@ -261,7 +277,11 @@ def one_row(
             len(payloads),
             args.seed,
         )
-        restart = restart_of(fleet.engines[1], fleet) if scenario == "restart" else None
+        restart = None
+        if scenario == "restart":
+            restart = restart_of(fleet.engines[1], fleet)
+        elif scenario == "reset":
+            restart = reset_of(fleet.engines[1])
         before = [scrape(p.url) for p in fleet.engines]
         results = asyncio.run(drive(urls, w, payloads, restart))
         after = [scrape(p.url) for p in fleet.engines]
@@ -321,23 +341,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--rate", type=float, default=16.0, help="requests per second")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--capacity", type=int, default=200_000, help="KV tokens per engine")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=0,
+        help="KV tokens per engine (default: --cache-share of the documents the run asks about)",
+    )
+    p.add_argument(
+        "--cache-share",
+        type=float,
+        default=0.8,
+        help="the fleet's KV cache as a share of the run's document working set",
+    )
     p.add_argument("--speedup", type=float, default=20.0)
     p.add_argument("--quick", action="store_true", help="120 requests a row")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--targets", default="", help="comma-separated substrings of target names")
     p.add_argument(
         "--encoding",
-        choices=("array", "map"),
-        default="array",
-        help="the engines' event encoding: array (older vLLM; vllm-router 0.1.17 decodes only "
-        "this one) or map (newer vLLM)",
+        choices=("batch_array", "array", "map"),
+        default="batch_array",
+        help="the engines' event layout: batch_array (vLLM 0.28: the one vllm-router 0.1.17 "
+        "decodes), array (older vLLM) or map (newer vLLM)",
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     n = 120 if args.quick else args.requests
     w = shared_documents(n, args.rate, seed=args.seed)
     payloads = bodies(w)
+    working_set = sum(w.doc_tokens[d] for d in {t.doc for t in w.turns if t.doc is not None})
+    if not args.capacity:
+        args.capacity = max(MIN_CAPACITY, int(args.cache_share * working_set / ENGINES))
+    print(
+        f"documents asked about: {working_set} tokens; fleet KV cache: "
+        f"{ENGINES * args.capacity} tokens ({ENGINES} x {args.capacity})",
+        flush=True,
+    )
     targets = [
         t for t in TARGETS if not args.targets or any(k in t for k in args.targets.split(","))
     ]
