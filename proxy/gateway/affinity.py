@@ -37,9 +37,9 @@ from proxy.core.prefix_render import rendered_hashes
 from proxy.core.validation import ParsedRequest
 from proxy.gateway.sizing import hash_spec, prefix_hashes, sizer_for, take_hashes
 from proxy.routing.affinity import AffinitySettings, demand_on, utilisation
-from proxy.routing.expected_ttft import NodeCost, PrefillBacklog, slack_s
+from proxy.routing.expected_ttft import NodeCost, PrefillBacklog, reported_wait_s, slack_s
 from proxy.routing.policy import RouteRequest
-from proxy.routing.queueing import DEFAULT_PREFILL_TOKENS_PER_S, Rates, expected_wait_s, is_queueing
+from proxy.routing.queueing import DEFAULT_PREFILL_TOKENS_PER_S, Rates, is_queueing
 from proxy.state.prefix_share import PrefixShare
 from proxy.upstream.client import header
 
@@ -209,7 +209,7 @@ class Affinity:
         """Each queueing node's expected-TTFT terms for this prompt, and the slack in seconds.
 
         The backlog is the larger of what this gateway queued there (its virtual clock) and
-        what the node's own report shows queued (other clients' work included).
+        what the node's own report shows waiting (other clients' work included).
         """
         key.costs.clear()
         if not self.cfg.ttft_aware:
@@ -221,7 +221,8 @@ class Affinity:
                 continue
             rate = rates.get(n.name, Rates())
             per_s = rate.prefill_tokens_per_s * max(1, n.report.engines)
-            backlog = max(self.backlog.wait_s(n.name, now), expected_wait_s(n, 0, 0, rate))
+            ours = self.backlog.wait_s(n.name, now, n.overlay.inflight, per_s)
+            backlog = max(ours, reported_wait_s(n, per_s))
             uncached = max(0, prompt - cached.get(n.name, 0))
             key.costs[n.name] = NodeCost(backlog, uncached, per_s)
         return key.costs, slack_s(prompt, key.costs, self.cfg.ttft_slack)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.routing import KvroutePolicy, PolicySettings, RouteRequest
-from proxy.routing.expected_ttft import NodeCost, PrefillBacklog, by_expected_ttft, slack_s
+from proxy.routing.expected_ttft import (
+    NodeCost,
+    PrefillBacklog,
+    by_expected_ttft,
+    reported_wait_s,
+    slack_s,
+)
 
 RATE = 10_000.0
 
@@ -48,23 +54,42 @@ def test_expected_ttft_is_the_backlog_plus_the_uncached_part_at_the_rate() -> No
 
 def test_the_backlog_queues_prefills_one_after_another_and_drains_with_time() -> None:
     b = PrefillBacklog()
-    assert b.wait_s("a", now=10.0) == 0.0
+    assert b.wait_s("a", now=10.0, inflight=0, tokens_per_s=RATE) == 0.0
     b.add("a", 20_000, RATE, now=10.0)
     b.add("a", 10_000, RATE, now=10.5)
     # 2 s from 10.0, then 1 s more after it: empty at 13.0.
-    assert b.wait_s("a", now=10.5) == 2.5
-    assert b.wait_s("a", now=12.0) == 1.0
-    assert b.wait_s("a", now=14.0) == 0.0
+    assert b.wait_s("a", now=10.5, inflight=2, tokens_per_s=RATE) == 2.5
+    assert b.wait_s("a", now=12.0, inflight=2, tokens_per_s=RATE) == 1.0
+    assert b.wait_s("a", now=14.0, inflight=2, tokens_per_s=RATE) == 0.0
     # After an idle spell the next prefill starts now, not when the last one ended.
     b.add("a", 10_000, RATE, now=20.0)
-    assert b.wait_s("a", now=20.0) == 1.0
-    assert b.wait_s("b", now=20.0) == 0.0
+    assert b.wait_s("a", now=20.0, inflight=1, tokens_per_s=RATE) == 1.0
+    assert b.wait_s("b", now=20.0, inflight=1, tokens_per_s=RATE) == 0.0
     b.forget("a")
-    assert b.wait_s("a", now=20.0) == 0.0
+    assert b.wait_s("a", now=20.0, inflight=1, tokens_per_s=RATE) == 0.0
     # Nothing to prefill (all cached) or no rate: no backlog.
     b.add("a", 0, RATE, now=20.0)
     b.add("a", 5_000, 0.0, now=20.0)
-    assert b.wait_s("a", now=20.0) == 0.0
+    assert b.wait_s("a", now=20.0, inflight=2, tokens_per_s=RATE) == 0.0
+
+
+def test_the_backlog_is_at_most_what_is_still_in_flight_there() -> None:
+    # The clock says 3 s (it drains at a rate that may read low); only the newest request of
+    # the three is still in flight: at most its 10k tokens, 1 s, are queued.
+    b = PrefillBacklog()
+    for tokens in (10_000, 10_000, 10_000):
+        b.add("a", tokens, RATE, now=0.0)
+    assert b.wait_s("a", now=0.0, inflight=3, tokens_per_s=RATE) == 3.0
+    assert b.wait_s("a", now=0.0, inflight=1, tokens_per_s=RATE) == 1.0
+    assert b.wait_s("a", now=0.0, inflight=0, tokens_per_s=RATE) == 0.0
+
+
+def test_other_clients_waiting_requests_count_at_the_mean_size_of_ours() -> None:
+    busy = paged("a", waiting=4, inflight=2)
+    busy = NodeView("a", report=busy.report, overlay=Overlay(reserved_tokens=10_000, inflight=2))
+    assert reported_wait_s(busy, RATE) == 4 * 5_000 / RATE
+    assert reported_wait_s(paged("b", waiting=2), RATE) == 2 * 1_000 / RATE
+    assert reported_wait_s(paged("c"), RATE) == 0.0
 
 
 def test_the_owner_of_a_document_keeps_it_while_its_queue_is_short() -> None:
