@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import socket
 import statistics
 import sys
@@ -68,6 +69,8 @@ class Row:
     scenario: str
     target: str
     hit_rate: float = 0.0
+    # The same from the answers' usage (prompt_tokens_details.cached_tokens): routed only.
+    routed_hit_rate: float = 0.0
     doc_p50_ms: float = 0.0
     doc_p99_ms: float = 0.0
     failed: int = 0
@@ -190,14 +193,17 @@ async def drive(
         async def one(kind: str, body: dict[str, Any], url: str, routed: bool) -> None:
             t0 = time.monotonic()
             res: dict[str, Any] = {"kind": kind, "status": 0, "ttft": None, "routed": routed}
+            tail = b""
             try:
                 async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
                     res["status"] = r.status_code
-                    async for _ in r.aiter_bytes():
+                    async for piece in r.aiter_bytes():
                         if res["ttft"] is None:
                             res["ttft"] = time.monotonic() - t0
+                        tail = (tail + piece)[-4096:]
             except httpx.HTTPError:
                 res["status"] = -1
+            res["prompt"], res["cached"] = usage_of(tail)
             results.append(res)
 
         tasks: list[asyncio.Task[None]] = []
@@ -215,6 +221,18 @@ async def drive(
         if restarted is not None:
             await restarted
     return results
+
+
+_PROMPT = re.compile(rb'"prompt_tokens":\s*(\d+)')
+_CACHED = re.compile(rb'"cached_tokens":\s*(\d+)')
+
+
+def usage_of(tail: bytes) -> tuple[int, int]:
+    """(prompt tokens, of them cached) from a stream's final usage chunk; (0, 0) without one."""
+    prompt, cached = _PROMPT.findall(tail), _CACHED.findall(tail)
+    if not prompt or not cached:
+        return 0, 0
+    return int(prompt[-1]), int(cached[-1])
 
 
 def request_urls(
@@ -320,6 +338,8 @@ def fill(
     docs = [r["ttft"] for r in ok if r["kind"] == "document"]
     row.doc_p50_ms = 1000 * statistics.median(docs) if docs else 0.0
     row.doc_p99_ms = 1000 * pct(docs, 0.99)
+    prompted = sum(r["prompt"] for r in ok)
+    row.routed_hit_rate = sum(r["cached"] for r in ok) / prompted if prompted else 0.0
     row.requests = len(routed)
     row.failed = len(routed) - len(ok)
     if scenario == "restart":
@@ -327,9 +347,13 @@ def fill(
 
 
 def table(rows: Sequence[Row]) -> str:
-    head = "| scenario | target | hit rate | doc TTFT p50 ms | doc TTFT p99 ms | failed |\n|---|---|---|---|---|---|"
+    head = (
+        "| scenario | target | hit rate | routed hit rate | doc TTFT p50 ms | doc TTFT p99 ms "
+        "| failed |\n|---|---|---|---|---|---|---|"
+    )
     lines = [
-        f"| {r.scenario} | {r.target} | {r.hit_rate:.1%} | {r.doc_p50_ms:.0f} | {r.doc_p99_ms:.0f} | "
+        f"| {r.scenario} | {r.target} | {r.hit_rate:.1%} | {r.routed_hit_rate:.1%} | "
+        f"{r.doc_p50_ms:.0f} | {r.doc_p99_ms:.0f} | "
         f"{r.failed}/{r.requests} |" + (f" {r.note}" if r.note and not r.requests else "")
         for r in rows
     ]
@@ -369,6 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = 120 if args.quick else args.requests
     w = shared_documents(n, args.rate, seed=args.seed)
     payloads = bodies(w)
+    for body in payloads:
+        # The final chunk then carries the prompt's cached tokens (hit rate of routed requests).
+        body["stream_options"] = {"include_usage": True}
     working_set = sum(w.doc_tokens[d] for d in {t.doc for t in w.turns if t.doc is not None})
     if not args.capacity:
         args.capacity = max(MIN_CAPACITY, int(args.cache_share * working_set / ENGINES))

@@ -27,4 +27,4 @@ def test_bench_kv_events_smoke(tmp_path: Path) -> None:
     ]
     for r in rows:
         assert r["requests"] > 0 and r["failed"] == 0, r
-        assert set(r) >= {"hit_rate", "doc_p50_ms", "doc_p99_ms"}
+        assert set(r) >= {"hit_rate", "routed_hit_rate", "doc_p50_ms", "doc_p99_ms"}

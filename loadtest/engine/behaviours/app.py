@@ -311,7 +311,10 @@ class Front:
                 record.text.append(text)
             if p.include_usage:
                 written = dataclasses.replace(p, max_tokens=req.max_tokens)
-                await resp.write(usage_chunk(completion_id, created, written, req.prompt_tokens))
+                cached = req.prompt_tokens - req.computed if req.scheduled_at is not None else 0
+                await resp.write(
+                    usage_chunk(completion_id, created, written, req.prompt_tokens, cached)
+                )
             await resp.write(SSE_DONE)
             await resp.write_eof()
             record.end = "done"
