@@ -197,7 +197,9 @@ class Affinity:
         ):
             indexed = {n.name: self._held_on(n.name, exact) for n in view.nodes}
         session_node = self._session_node(key.session, now)
-        ttft, slack = self._ttft_costs(key, cached, view, now) if indexed is not None else (None, 0)
+        ttft, slack = (
+            self._ttft_costs(key, cached, view, now) if indexed is not None else (None, 0.0)
+        )
         # Field by field, not ``dataclasses.replace`` (per request; replace inspects the fields).
         return RouteRequest(
             base.demand, base.cls, base.exclude, cached, session_node, indexed, ttft, slack
