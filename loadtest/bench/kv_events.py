@@ -143,11 +143,14 @@ def kvroute_backends(fleet: LocalFleet, ports: list[int], events: bool) -> list[
     return out
 
 
-def start_kvroute(fleet: LocalFleet, ports: list[int], events: bool, replicas: int) -> list[Proc]:
+def start_kvroute(
+    fleet: LocalFleet, ports: list[int], events: bool, replicas: int, ttft_slack: float = 0.25
+) -> list[Proc]:
     fleet.config_overrides["backends"] = kvroute_backends(fleet, ports, events)
-    fleet.config_overrides["routing"] = {
-        "prefix": {"chat_render": {}, "events": {"enabled": events}}
-    }
+    prefix: dict[str, Any] = {"chat_render": {}, "events": {"enabled": events}}
+    # A negative slack: the expected-TTFT rule off (docs/expected-ttft.md).
+    prefix.update({"ttft_aware": False} if ttft_slack < 0 else {"ttft_slack": ttft_slack})
+    fleet.config_overrides["routing"] = {"prefix": prefix}
     procs = [fleet.start_gateway("kvroute")]
     for i in range(1, replicas):
         port = free_port()
@@ -283,7 +286,8 @@ def one_row(
             fleet.start_redis()
         fleet.start_engines()
         if exe is None:
-            routers = start_kvroute(fleet, ports, target == "kvroute + events", replicas)
+            events = target == "kvroute + events"
+            routers = start_kvroute(fleet, ports, events, replicas, args.ttft_slack)
         else:
             policy = target.rpartition(" ")[2]
             for _ in range(replicas):
@@ -381,6 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="120 requests a row")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--targets", default="", help="comma-separated substrings of target names")
+    p.add_argument(
+        "--ttft-slack",
+        type=float,
+        default=0.25,
+        help="kvroute's routing.prefix.ttft_slack; negative: ttft_aware off",
+    )
     p.add_argument(
         "--encoding",
         choices=("batch_array", "array", "map"),
