@@ -148,8 +148,9 @@ def start_kvroute(
 ) -> list[Proc]:
     fleet.config_overrides["backends"] = kvroute_backends(fleet, ports, events)
     prefix: dict[str, Any] = {"chat_render": {}, "events": {"enabled": events}}
-    # A negative slack: the expected-TTFT rule off (docs/expected-ttft.md).
-    prefix.update({"ttft_aware": False} if ttft_slack < 0 else {"ttft_slack": ttft_slack})
+    # A negative slack: the expected-TTFT rule off, its default (docs/expected-ttft.md).
+    if ttft_slack >= 0:
+        prefix.update({"ttft_aware": True, "ttft_slack": ttft_slack})
     fleet.config_overrides["routing"] = {"prefix": prefix}
     procs = [fleet.start_gateway("kvroute")]
     for i in range(1, replicas):
@@ -388,8 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--ttft-slack",
         type=float,
-        default=0.25,
-        help="kvroute's routing.prefix.ttft_slack; negative: ttft_aware off",
+        default=-1.0,
+        help="kvroute: routing.prefix.ttft_aware on with this ttft_slack; negative (the "
+        "default): the rule off",
     )
     p.add_argument(
         "--encoding",

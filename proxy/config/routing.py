@@ -55,9 +55,10 @@ class PrefixConfig(_Strict):
         description="paged fleets: a new long prefix goes where it displaces the least cached content",
     )
     ttft_aware: bool = Field(
-        default=True,
+        default=False,
         description="queueing servers: a cached node whose prefill backlog costs more than "
-        "recomputing the prompt elsewhere yields (docs/expected-ttft.md)",
+        "recomputing the prompt elsewhere yields (docs/expected-ttft.md; off: measured to "
+        "spill too often where the learned prefill rate reads low)",
     )
     ttft_slack: float = Field(
         default=0.25,
