@@ -37,7 +37,8 @@ from proxy.core.prefix_render import rendered_hashes
 from proxy.core.validation import ParsedRequest
 from proxy.gateway.sizing import hash_spec, prefix_hashes, sizer_for, take_hashes
 from proxy.routing.affinity import AffinitySettings, demand_on, utilisation
-from proxy.routing.expected_ttft import NodeCost, PrefillBacklog, reported_wait_s, slack_s
+from proxy.routing.expected_ttft import PrefillBacklog, reported_wait_s, slack_s
+from proxy.routing.node_cost import NodeCost
 from proxy.routing.policy import RouteRequest
 from proxy.routing.queueing import DEFAULT_PREFILL_TOKENS_PER_S, Rates, is_queueing
 from proxy.state.prefix_share import PrefixShare

@@ -30,24 +30,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from proxy.core.fleet import NodeView
+from proxy.routing.node_cost import NodeCost
 from proxy.routing.queueing import DEFAULT_REQUEST_TOKENS, is_queueing
 
 #: Placements remembered per node for the in-flight bound (more in flight: the clock bounds).
 RECENT = 256
-
-
-@dataclass(frozen=True, slots=True)
-class NodeCost:
-    """One node's terms for a request: its prefill backlog and what it would compute."""
-
-    backlog_s: float
-    uncached_tokens: int
-    tokens_per_s: float
-
-    @property
-    def ttft_s(self) -> float:
-        """Expected seconds to this request's first token there."""
-        return self.backlog_s + self.uncached_tokens / self.tokens_per_s
 
 
 @dataclass

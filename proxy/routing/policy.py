@@ -27,7 +27,7 @@ from proxy.routing.affinity import AffinitySettings
 from proxy.routing.nothing_fits import nothing_fits_reason as nothing_fits_reason
 
 if TYPE_CHECKING:
-    from proxy.routing.expected_ttft import NodeCost
+    from proxy.routing.node_cost import NodeCost
 
 RequestClass = Literal["short", "long"]
 

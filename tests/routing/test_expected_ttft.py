@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.routing import KvroutePolicy, PolicySettings, RouteRequest
-from proxy.routing.expected_ttft import (
-    NodeCost,
-    PrefillBacklog,
-    by_expected_ttft,
-    reported_wait_s,
-    slack_s,
-)
+from proxy.routing.expected_ttft import PrefillBacklog, by_expected_ttft, reported_wait_s, slack_s
+from proxy.routing.node_cost import NodeCost
 
 RATE = 10_000.0
 
