@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -97,7 +98,10 @@ async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | 
         return None
     avoid = gw.health.avoid() | ctx.ruled_out | ctx.exclude
     request = RouteRequest(ctx.demand, ctx.cls, avoid)
-    if ctx.policy.rank(gw.local.apply(ctx.snap), request, gw.clock()):
+    now = gw.clock()
+    # The view placement ranks on: projected peaks where the memory-pressure projection is on.
+    view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
+    if gw.pressure.order.may_place(ctx.reservation_id) and ctx.policy.rank(view, request, now):
         # A decode server fits now: reserve it first, then prefill for it.
         return None
     cached = max((v for n, v in two.cached.items() if n not in two.prefill_only), default=0)
@@ -112,7 +116,18 @@ async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | 
 async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Response | None:
     """Step 1 for a request placed on ``decode``; a Response ends the request (reservation freed)."""
     two = ctx.two_step
-    if two is None or two.step == "decode":
+    if two is None:
+        return None
+    two.hold_s = time.perf_counter() - ctx.started
+    answer = await _prefill_for(gw, ctx, two, decode)
+    two.decode_sent_s = time.perf_counter() - ctx.started
+    return answer
+
+
+async def _prefill_for(
+    gw: Gateway, ctx: RequestContext, two: TwoStep, decode: str
+) -> Response | None:
+    if two.step == "decode":
         return None
     threshold = ctx.cfg.disaggregation.min_uncached_prompt_tokens
     if not worth_two_steps(ctx.prompt_tokens, two.cached.get(decode, 0), threshold):
@@ -131,6 +146,7 @@ async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Re
 
 async def _prefill(gw: Gateway, ctx: RequestContext, two: TwoStep) -> Response | None:
     sub = _prefill_context(gw, ctx, two)
+    started = time.perf_counter()
     try:
         while True:
             placed = await placement.place(gw, sub)
@@ -145,6 +161,7 @@ async def _prefill(gw: Gateway, ctx: RequestContext, two: TwoStep) -> Response |
     finally:
         gw.budget.release(sub.retries)
         two.prefill_attempts += sub.attempts
+        two.prefill_s = time.perf_counter() - started
 
 
 def _prefill_context(gw: Gateway, ctx: RequestContext, two: TwoStep) -> RequestContext:
