@@ -89,6 +89,10 @@ class Outcome:
             "decode_kv_gap_pp": 100 * (max(means.values()) - min(means.values())) if means else 0.0,
             "prefill_held_at_end": self.held_at_end,
             "slowest": breakdown(self.samples),
+            "worst": [
+                {"ttft": s.ttft_s, "kind": s.kind, "sent": s.sent_s, "timing": s.timing}
+                for s in sorted(self.samples, key=lambda s: -(s.ttft_s or 0.0))[:5]
+            ],
         }
 
 
@@ -128,6 +132,9 @@ def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, 
         "health": {"active": {"enabled": False}},
         "queue": {"max_wait_s": 30.0},
         "disaggregation": {"min_uncached_prompt_tokens": args.min_uncached},
+        "memory_pressure": {}
+        if args.max_overtakes is None
+        else {"max_overtakes": args.max_overtakes},
     }
 
 
@@ -245,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-min", type=int, default=2_000, help="long prompts: min tokens")
     p.add_argument("--long-max", type=int, default=4_000, help="long prompts: max tokens")
     p.add_argument("--min-uncached", type=int, default=512, help="kvroute: conditional threshold")
+    p.add_argument(
+        "--max-overtakes",
+        type=int,
+        default=None,
+        help="kvroute: memory_pressure.max_overtakes (default: kvroute's own)",
+    )
     p.add_argument("--runs", type=int, default=1, help="repetitions (same requests, fresh engines)")
     p.add_argument(
         "--ask",

@@ -78,12 +78,25 @@ def begin(gw: Gateway, ctx: RequestContext) -> None:
     ctx.two_step = TwoStep(
         body=body,
         raw=ctx.parsed.raw,
-        ruled_out=ruled_out,
+        ruled_out=ruled_out - _long_enough_for_step_1(gw, ctx),
         prefill_only=only,
         decode_only=not_prefill(backends),
         # Read before the decode placement records the prompt as cached where it goes.
         cached=_cached(gw, ctx),
     )
+
+
+def _long_enough_for_step_1(gw: Gateway, ctx: RequestContext) -> frozenset[str]:
+    """Backends too short for the whole request (prompt + max_tokens) but not for step 1.
+
+    Step 1 asks for one token: a prefill server with a shorter context (less KV, as prefill
+    servers often have) computes the prompt all the same.
+    """
+    catalog = gw.catalogs.get(ctx.cfg, gw.models_info)
+    model = ctx.parsed.model
+    asked = ctx.parsed.max_tokens if ctx.parsed.max_tokens is not None else 1
+    whole = catalog.too_small(model, ctx.prompt_tokens + asked)
+    return whole - catalog.too_small(model, ctx.prompt_tokens + 1)
 
 
 async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | None:
@@ -109,8 +122,19 @@ async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | 
         ctx.prompt_tokens, cached, ctx.cfg.disaggregation.min_uncached_prompt_tokens
     ):
         return None
+    servers = frozenset(b.name for b in ctx.cfg.backends) - two.decode_only - two.ruled_out
+    fraction = ctx.cfg.disaggregation.early_prefill_fraction
+    full = gw.early_prefills.full(servers, ctx.snap, ctx.prompt_tokens, fraction)
+    if servers <= full | two.prefill_exclude:
+        # Every prefill server holds its share for waiting requests: prefill after the hold.
+        gw.metrics.two_step.labels("prefill", "after_holding").inc()
+        return None
     gw.metrics.two_step.labels("prefill", "while_holding").inc()
-    return await _prefill(gw, ctx, two)
+    answer = await _prefill(gw, ctx, two, full)
+    if two.params is not None:
+        # Its blocks stay on that server until step 2 is sent (``end`` / ``prefill_if_wanted``).
+        gw.early_prefills.add(two.prefill_backend, ctx.reservation_id, ctx.prompt_tokens)
+    return answer
 
 
 async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Response | None:
@@ -119,6 +143,8 @@ async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Re
     if two is None:
         return None
     two.hold_s = time.perf_counter() - ctx.started
+    # Step 2 goes now: the decode server pulls what a prefill during the hold computed.
+    gw.early_prefills.release(ctx.reservation_id)
     answer = await _prefill_for(gw, ctx, two, decode)
     two.decode_sent_s = time.perf_counter() - ctx.started
     return answer
@@ -144,8 +170,12 @@ async def _prefill_for(
     return answer
 
 
-async def _prefill(gw: Gateway, ctx: RequestContext, two: TwoStep) -> Response | None:
+async def _prefill(
+    gw: Gateway, ctx: RequestContext, two: TwoStep, full: frozenset[str] = frozenset()
+) -> Response | None:
+    """Step 1 on the prefill server with the shortest expected wait (``full``: left out)."""
     sub = _prefill_context(gw, ctx, two)
+    sub.exclude |= full
     started = time.perf_counter()
     try:
         while True:
@@ -285,3 +315,14 @@ def _cached(gw: Gateway, ctx: RequestContext) -> Mapping[str, int]:
     request = RouteRequest(ctx.demand, ctx.cls)
     view = gw.local.apply(ctx.snap)
     return gw.affinity.route_request(ctx.affinity, request, view, gw.clock()).cached
+
+
+def end(gw: Gateway, ctx: RequestContext) -> None:
+    """The request's walk ended (any way): a prefill held for it during its hold is no longer counted.
+
+    Blocks a decode server never pulled stay on the prefill server until its own timeout
+    (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``); the gateway's bound stops counting them here, when
+    it can no longer know (a client gone between the steps is rare; the timeout frees them).
+    """
+    if ctx.two_step is not None:
+        gw.early_prefills.release(ctx.reservation_id)

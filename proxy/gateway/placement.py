@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from typing import TYPE_CHECKING, Literal
 
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError, upstream_answer
 from proxy.gateway import queueing
+from proxy.gateway.client_watch import ClientWatch
 from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import record_allocation_failure, verdict_for
 from proxy.routing.nothing_fits import NothingFits
@@ -30,6 +32,10 @@ from proxy.state.base import StoreUnavailable
 
 if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
+
+log = logging.getLogger("kvroute.gateway")
+# The status of an answer to a client that left (nobody reads it), as ``attempt`` answers it.
+CLIENT_LEFT = 499
 
 
 async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
@@ -93,7 +99,11 @@ async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
                 return queued
         if ctx.queue_deadline is None:
             ctx.queue_deadline = time.monotonic() + hold_limit_s(gw, ctx, view)
-        waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
+        # A client that leaves while held ends its hold (and its place in line) at once.
+        with ClientWatch(ctx.request.receive) as watch:
+            waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
+        if watch.gone:
+            return client_left_while_held(gw, ctx)
         if waited == "hand_over":
             if (queued := await join_queue(gw, ctx, avoid, recheck=True)) is not None:
                 return queued
@@ -108,6 +118,14 @@ async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
     if ctx.failure is not None:
         return give_up(gw, ctx)
     return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=True)
+
+
+def client_left_while_held(gw: Gateway, ctx: RequestContext) -> Response:
+    """The client went away during the hold: nothing was reserved; nobody reads the answer."""
+    log.info("request %s: the client went away while it was held", ctx.request_id)
+    if ctx.counts_request:
+        gw.metrics.requests.labels(ctx.cls, "none", "client_disconnect").inc()
+    return Response(status_code=CLIENT_LEFT)
 
 
 def hold_limit_s(gw: Gateway, ctx: RequestContext, view: FleetSnapshot) -> float:

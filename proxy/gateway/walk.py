@@ -36,6 +36,7 @@ from proxy.gateway.affinity import Affinity
 from proxy.gateway.context import RequestContext
 from proxy.gateway.continuation_metrics import ContinuationMetrics
 from proxy.gateway.divert import AllocationFailureHook
+from proxy.gateway.early_prefills import EarlyPrefillBook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.live_streams import LiveStreams
 from proxy.gateway.local_view import LocalReservations
@@ -130,6 +131,8 @@ class Gateway:
         # the app wires the adapters in. Unset, the generic verdict stands.
         self.kind_errors: KindErrors = lambda kind, status, body: None
         self.queues = BackendQueues(cfg, metrics.registry)
+        # Prefills run while their request waits for a decode server (bounded per server).
+        self.early_prefills = EarlyPrefillBook(metrics.registry)
         # Projected KV peaks, learned output lengths, held-request fairness (paged engines).
         self.pressure = MemoryPressure(cfg, metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.
@@ -202,6 +205,7 @@ class Gateway:
                 disaggregated.after_divert(self, ctx, placed)
         finally:
             self.budget.release(ctx.retries)
+            disaggregated.end(self, ctx)
 
     def _store_lost(self, degraded: bool) -> None:
         """A store outage (a failover) may have lost reservations it acknowledged."""
