@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from loadtest.bench.engine_fleet import (
     MODEL,
@@ -124,7 +125,7 @@ def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, 
         }
         for name in (*PREFILL, *DECODE)
     ]
-    return {
+    cfg = {
         "listen": {"host": "127.0.0.1", "port": free_port()},
         "backends": backends,
         "routing": {"policy": "kvroute", "long_threshold_tokens": args.long_min // 2},
@@ -132,10 +133,22 @@ def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, 
         "health": {"active": {"enabled": False}},
         "queue": {"max_wait_s": 30.0},
         "disaggregation": {"min_uncached_prompt_tokens": args.min_uncached},
-        "memory_pressure": {}
-        if args.max_overtakes is None
-        else {"max_overtakes": args.max_overtakes},
     }
+    return with_overrides(cfg, args.set)
+
+
+def with_overrides(cfg: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``cfg`` with each ``a.b.c=value`` set (the value read as YAML)."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        *path, last = key.split(".")
+        node = cfg
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    return cfg
 
 
 def pd_workers(urls: dict[str, str]) -> list[str]:
@@ -253,10 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-max", type=int, default=4_000, help="long prompts: max tokens")
     p.add_argument("--min-uncached", type=int, default=512, help="kvroute: conditional threshold")
     p.add_argument(
-        "--max-overtakes",
-        type=int,
-        default=None,
-        help="kvroute: memory_pressure.max_overtakes (default: kvroute's own)",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="kvroute config override, dotted key and YAML value (a lever to measure), e.g. "
+        "memory_pressure.max_overtakes=0; repeatable",
     )
     p.add_argument("--runs", type=int, default=1, help="repetitions (same requests, fresh engines)")
     p.add_argument(
