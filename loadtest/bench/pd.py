@@ -86,6 +86,9 @@ class Outcome:
             "ttft_p50": self.ttft(0.5),
             "ttft_p99": self.ttft(0.99),
             "long_ttft_p99": self.ttft(0.99, "long"),
+            # What TTFT does not show: a preempted request stalls mid-stream, then recomputes.
+            "max_gap_p99": pct([s.max_gap_s for s in self.samples if s.ttft_s is not None], 0.99),
+            "latency_p99": pct([s.total_s for s in self.samples if s.total_s is not None], 0.99),
             "decode_kv_mean": means,
             "decode_kv_gap_pp": 100 * (max(means.values()) - min(means.values())) if means else 0.0,
             "prefill_held_at_end": self.held_at_end,
@@ -95,6 +98,11 @@ class Outcome:
                 for s in sorted(self.samples, key=lambda s: -(s.ttft_s or 0.0))[:5]
             ],
         }
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
 def start_engine(

@@ -70,6 +70,9 @@ class Sample:
     sent_s: float = 0.0  # since the first arrival (for per-request diagnosis: --raw)
     # The gateway's ``Server-Timing`` header (where a two-step request's time went), if any.
     timing: str = ""
+    # Until the last token; the longest wait between two tokens (a preemption's stall shows here).
+    total_s: float | None = None
+    max_gap_s: float = 0.0
 
 
 @dataclass
@@ -147,6 +150,7 @@ async def _one(
 ) -> Sample:
     ttft: float | None = None
     tokens = 0
+    last = gap = 0.0
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -154,12 +158,19 @@ async def _one(
                 return Sample(req.kind, resp.status_code, None, 0)
             async for line in resp.aiter_lines():
                 if line.startswith("data:") and '"content"' in line:
+                    now = time.monotonic()
                     if ttft is None:
-                        ttft = time.monotonic() - t0
+                        ttft = now - t0
+                    else:
+                        gap = max(gap, now - last)
+                    last = now
                     tokens += 1
             backend = resp.headers.get("x-kvroute-backend", "")
             timing = resp.headers.get("server-timing", "")
-            return Sample(req.kind, 200, ttft, tokens, backend, timing=timing)
+            total = time.monotonic() - t0
+            return Sample(
+                req.kind, 200, ttft, tokens, backend, timing=timing, total_s=total, max_gap_s=gap
+            )
     except httpx.HTTPError:
         return Sample(req.kind, 0, None, tokens)
 

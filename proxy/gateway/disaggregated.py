@@ -51,6 +51,7 @@ from proxy.core.two_step import (
 )
 from proxy.gateway import attempt, placement
 from proxy.gateway.context import RequestContext
+from proxy.routing.decode_fit import DecodeFitPolicy
 from proxy.routing.policy import RouteRequest
 from proxy.routing.prefill_wait import PrefillWaitPolicy
 
@@ -75,6 +76,8 @@ def begin(gw: Gateway, ctx: RequestContext) -> None:
     if "kv_transfer_params" in body:
         # The client drives the transfer itself (a proxy in front of us): one step.
         return
+    if ctx.cfg.disaggregation.decode_order == "best_fit":
+        ctx.policy = DecodeFitPolicy(ctx.policy)
     ctx.two_step = TwoStep(
         body=body,
         raw=ctx.parsed.raw,
