@@ -500,6 +500,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"^(\s*)gw\.early_prefills\.release\(ctx\.reservation_id\)$",
         r"\1pass  # MUTATION",
     ),
+    Mutation(
+        "decode-spread",
+        "a long request's decode step spreads instead of taking the tightest decode server",
+        ("tests/routing/test_decode_fit.py",),
+        "DecodeFitPolicy.rank",
+        r"return sorted\(ranked, key=room\)$",
+        "return ranked",
+        fast=True,
+    ),
 )
 
 
