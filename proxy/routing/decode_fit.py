@@ -2,12 +2,15 @@
 
 A decode server holds the whole KV of every request it serves (prompt and output, for the
 whole generation), and a disaggregated fleet holds a request at the gateway until one fits
-(docs/disaggregation.md): what delays the first token there is that wait, not a queue. So
-the rule is the one kvroute applies to long requests on contiguous servers: best fit, the
-server with the least room that still holds the request's projected peak, which keeps the
-largest room whole for the next long document. Spreading instead (the order for one-step
-requests on queueing servers) leaves every decode server half full, and a long document then
-fits none of them until something ends.
+(docs/disaggregation.md): what delays the first token there is that wait, not a queue. The
+idea is the rule kvroute applies to long requests on contiguous servers: best fit, the
+server with the least room that still holds the request's projected peak, to keep the
+largest room whole for the next long document (spreading can leave every decode server
+half full, and a long document then fits none of them until something ends).
+
+Measured on the disaggregation benchmark (docs/benchmarks.md, section 10) it did not lower
+the TTFT p99 steadily and left the decode servers less balanced: an option
+(``disaggregation.decode_order: best_fit``), not the default.
 
 Only the order changes: the inner policy decides what fits (projection, margins, exclusions);
 where a server probably caches the prompt's prefix, the inner (affinity) order stands.
