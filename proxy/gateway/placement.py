@@ -99,11 +99,9 @@ async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
                 return queued
         if ctx.queue_deadline is None:
             ctx.queue_deadline = time.monotonic() + hold_limit_s(gw, ctx, view)
-        # A client that leaves while held ends its hold (and its place in line) at once.
-        with ClientWatch(ctx.request.receive) as watch:
-            waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
-        if watch.gone:
-            return client_left_while_held(gw, ctx)
+        waited = await watched_hold(gw, ctx, avoid, ctx.queue_deadline)
+        if isinstance(waited, Response):
+            return waited
         if waited == "hand_over":
             if (queued := await join_queue(gw, ctx, avoid, recheck=True)) is not None:
                 return queued
@@ -118,6 +116,17 @@ async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
     if ctx.failure is not None:
         return give_up(gw, ctx)
     return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=True)
+
+
+async def watched_hold(
+    gw: Gateway, ctx: RequestContext, avoid: frozenset[str], deadline: float
+) -> FleetSnapshot | Literal["hand_over"] | Response | None:
+    """``wait_for_fit``, the client watched: one that leaves ends its hold (and its place in
+    line) at once, not when the hold runs out."""
+    with ClientWatch(ctx.request.receive):
+        return await wait_for_fit(gw, ctx, avoid, deadline)
+    # Reached only when the watch suppressed its own cancellation: the client went away.
+    return client_left_while_held(gw, ctx)
 
 
 def client_left_while_held(gw: Gateway, ctx: RequestContext) -> Response:
