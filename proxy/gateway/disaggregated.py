@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import orjson
 from starlette.responses import Response
@@ -50,21 +50,33 @@ from proxy.core.two_step import (
     worth_two_steps,
 )
 from proxy.gateway import attempt, placement
+from proxy.gateway.attempt import AttemptPorts
 from proxy.gateway.context import RequestContext
+from proxy.gateway.early_prefills import EarlyPrefillBook
+from proxy.gateway.models import CatalogCache, ModelsLookup
+from proxy.gateway.placement import PlacementPorts
 from proxy.routing.decode_fit import DecodeFitPolicy
 from proxy.routing.policy import RouteRequest
 from proxy.routing.prefill_wait import PrefillWaitPolicy
 
-if TYPE_CHECKING:
-    from proxy.gateway.walk import Gateway
-
 log = logging.getLogger("kvroute.gateway")
+
+
+class TwoStepPorts(AttemptPorts, PlacementPorts, Protocol):
+    """A two-step request places and attempts each step like any request."""
+
+    # Prefills run during a decode hold, capped per prefill server.
+    early_prefills: EarlyPrefillBook
+    # The model catalog: step 1 needs a context for the prompt only.
+    catalogs: CatalogCache
+    models_info: ModelsLookup
+
 
 # The answer a client that left gets (nobody reads it), as ``attempt`` answers it.
 CLIENT_LEFT = 499
 
 
-def begin(gw: Gateway, ctx: RequestContext) -> None:
+def begin(gw: TwoStepPorts, ctx: RequestContext) -> None:
     """Prefill-only servers never take an ordinary request; a disaggregated fleet takes two steps."""
     backends = ctx.cfg.backends
     only = prefill_only(backends)
@@ -89,7 +101,7 @@ def begin(gw: Gateway, ctx: RequestContext) -> None:
     )
 
 
-def _long_enough_for_step_1(gw: Gateway, ctx: RequestContext) -> frozenset[str]:
+def _long_enough_for_step_1(gw: TwoStepPorts, ctx: RequestContext) -> frozenset[str]:
     """Backends too short for the whole request (prompt + max_tokens) but not for step 1.
 
     Step 1 asks for one token: a prefill server with a shorter context (less KV, as prefill
@@ -102,7 +114,7 @@ def _long_enough_for_step_1(gw: Gateway, ctx: RequestContext) -> frozenset[str]:
     return whole - catalog.too_small(model, ctx.prompt_tokens + 1)
 
 
-async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | None:
+async def prefill_while_holding(gw: TwoStepPorts, ctx: RequestContext) -> Response | None:
     """Step 1 before the decode placement when no decode server fits now.
 
     The decode step will hold at the gateway until one fits; step 1 does not need it, so the
@@ -140,7 +152,7 @@ async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | 
     return answer
 
 
-async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Response | None:
+async def prefill_if_wanted(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> Response | None:
     """Step 1 for a request placed on ``decode``; a Response ends the request (reservation freed)."""
     two = ctx.two_step
     if two is None:
@@ -154,7 +166,7 @@ async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Re
 
 
 async def _prefill_for(
-    gw: Gateway, ctx: RequestContext, two: TwoStep, decode: str
+    gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, decode: str
 ) -> Response | None:
     if two.step == "decode":
         return None
@@ -166,15 +178,15 @@ async def _prefill_for(
     try:
         answer = await _prefill(gw, ctx, two)
     except BaseException:
-        gw.release_later(ctx, decode)
+        gw.tasks.release_later(ctx, decode)
         raise
     if answer is not None:
-        gw.release_later(ctx, decode)
+        gw.tasks.release_later(ctx, decode)
     return answer
 
 
 async def _prefill(
-    gw: Gateway, ctx: RequestContext, two: TwoStep, full: frozenset[str] = frozenset()
+    gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, full: frozenset[str] = frozenset()
 ) -> Response | None:
     """Step 1 on the prefill server with the shortest expected wait (``full``: left out)."""
     sub = _prefill_context(gw, ctx, two)
@@ -197,7 +209,7 @@ async def _prefill(
         two.prefill_s = time.perf_counter() - started
 
 
-def _prefill_context(gw: Gateway, ctx: RequestContext, two: TwoStep) -> RequestContext:
+def _prefill_context(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep) -> RequestContext:
     """Step 1 as a one-step request of its own: one token, no stream, a remote decode asked for."""
     body = prefill_body(two.body)
     parsed = dataclasses.replace(
@@ -228,7 +240,7 @@ def _prefill_context(gw: Gateway, ctx: RequestContext, two: TwoStep) -> RequestC
 
 
 def _prefilled(
-    gw: Gateway, ctx: RequestContext, two: TwoStep, prefill: str, answer: Response
+    gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, prefill: str, answer: Response
 ) -> Response | None:
     """A prefill server answered: the transfer params make step 2's body; anything else ends here."""
     if answer.status_code == CLIENT_LEFT:
@@ -261,7 +273,7 @@ def _prefilled(
     return None
 
 
-def _no_prefill(gw: Gateway, ctx: RequestContext, two: TwoStep, answer: Response) -> None:
+def _no_prefill(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, answer: Response) -> None:
     """No prefill server could take step 1: the decode server computes the prompt itself."""
     log.warning(
         "request %s: no prefill server took it (HTTP %d); the decode server prefills",
@@ -272,7 +284,7 @@ def _no_prefill(gw: Gateway, ctx: RequestContext, two: TwoStep, answer: Response
     two.skipped = True
 
 
-def after_divert(gw: Gateway, ctx: RequestContext, decode: str) -> None:
+def after_divert(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> None:
     """Step 2 on ``decode`` failed before answering: keep the prefilled KV or compute it again."""
     two = ctx.two_step
     if two is None or two.params is None:
@@ -289,7 +301,7 @@ def after_divert(gw: Gateway, ctx: RequestContext, decode: str) -> None:
     ctx.parsed = dataclasses.replace(ctx.parsed, raw=two.raw)
 
 
-def finish(gw: Gateway, ctx: RequestContext, answer: Response) -> Response:
+def finish(gw: TwoStepPorts, ctx: RequestContext, answer: Response) -> Response:
     """The request's answer after step 2 (or its placement): counted, and its failed step named."""
     two = ctx.two_step
     if two is None:
@@ -313,14 +325,14 @@ def _name_failure(answer: Response, step: Step, allocation: bool) -> None:
     )
 
 
-def _cached(gw: Gateway, ctx: RequestContext) -> Mapping[str, int]:
+def _cached(gw: TwoStepPorts, ctx: RequestContext) -> Mapping[str, int]:
     """Prompt tokens each backend probably caches already (prefix affinity's index)."""
     request = RouteRequest(ctx.demand, ctx.cls)
     view = gw.local.apply(ctx.snap)
     return gw.affinity.route_request(ctx.affinity, request, view, gw.clock()).cached
 
 
-def end(gw: Gateway, ctx: RequestContext) -> None:
+def end(gw: TwoStepPorts, ctx: RequestContext) -> None:
     """The request's walk ended (any way): a prefill held for it during its hold is no longer counted.
 
     Blocks a decode server never pulled stay on the prefill server until its own timeout
