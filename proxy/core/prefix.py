@@ -18,7 +18,17 @@ Forgetting, because a server evicts:
 * by pressure: a node that is queueing, preempting or nearly full evicts its free cached
   blocks quickly, so there entries expire after ``pressure_ttl_s`` instead;
 * by size: a node cannot cache more than its KV capacity, and the index never holds more
-  than ``max_blocks_per_node`` hashes per node (least recently used go first).
+  than ``max_blocks_per_node`` hashes per node (least recently used go first; within one
+  prompt the last blocks first, as vLLM frees a finished request's blocks in reverse order
+  "so that the tail blocks are evicted first").
+
+Why a match looks up ~12 blocks, not every block: the index keeps one invariant, *a block
+it holds has its whole prefix held, at least as fresh* (a prompt's blocks are recorded
+together, at one time, the tail least recently used; no write lowers a block's time). So
+"block i is held and fresh" is true for a leading run of a prompt's blocks and false after
+it, and a binary search finds where it turns (``_leading``). Scanning every block, as before,
+cost ~1 ms per node for a 50k-token prompt (3,100 dict lookups), per request, on the loop;
+recording it another ~1.5 ms, now two C-level passes (``record``).
 
 Pure: no I/O, no clock (time comes in as an argument).
 """
@@ -26,9 +36,10 @@ Pure: no I/O, no clock (time comes in as an argument).
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -113,6 +124,10 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, max_blocks: int = 
     return out
 
 
+#: A prompt recorded again within this fraction of its age limit is not rewritten.
+REFRESH_FRACTION = 1 / 32
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixIndexConfig:
     """How long and how much the index remembers (config: ``routing.prefix``)."""
@@ -129,6 +144,8 @@ class _Node:
     blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)
     limit: int = 0  # 0: only the config's bound
     pressured: bool = False
+    # The latest time any block was recorded at: a write at or after it lowers no block's time.
+    newest: float = float("-inf")
 
 
 class PrefixIndex:
@@ -139,12 +156,26 @@ class PrefixIndex:
         self._nodes: dict[str, _Node] = {}
 
     def record(self, node: str, hashes: Iterable[int], now: float) -> None:
-        """``node`` was given a request with these prompt blocks: it holds them afterwards."""
+        """``node`` was given a request with these prompt blocks: it holds them afterwards.
+
+        The blocks become the most recently used, the last of them least so (evicted first).
+        """
         entry = self._nodes.setdefault(node, _Node())
         blocks = entry.blocks
-        for h in hashes:
-            blocks[h] = now
-            blocks.move_to_end(h)
+        chain = hashes if isinstance(hashes, (tuple, list)) else tuple(hashes)
+        if chain and self._fresh_whole(entry, chain[-1], now):
+            return
+        if now >= entry.newest:
+            entry.newest = now
+            # Two C-level passes (no Python loop per block): take them out, put them back at
+            # the most recent end, tail first.
+            deque(map(blocks.pop, chain, repeat(None)), maxlen=0)
+            blocks.update(zip(reversed(chain), repeat(now)))
+        else:
+            # An older placement (another replica's, shared late): never make a block older.
+            for h in reversed(chain):
+                seen = blocks.pop(h, now)
+                blocks[h] = max(seen, now)
         self._trim(entry)
 
     def match(
@@ -158,15 +189,7 @@ class PrefixIndex:
         if entry is None or not hashes:
             return 0
         ttl = self._ttl(entry) if max_age_s is None else min(self._ttl(entry), max_age_s)
-        blocks = entry.blocks
-        matched = 0
-        for h in hashes:
-            seen = blocks.get(h)
-            if seen is None or now - seen > ttl:
-                # Chained: a missing block means nothing after it can be a cached prefix.
-                break
-            matched += 1
-        return matched
+        return _leading(entry.blocks, hashes, now - ttl)
 
     def touch(self, node: str, hashes: Sequence[int], now: float) -> None:
         """Mark blocks as used again (a request reusing them keeps them warm on the server)."""
@@ -203,6 +226,16 @@ class PrefixIndex:
             return len(entry.blocks) if entry is not None else 0
         return sum(len(e.blocks) for e in self._nodes.values())
 
+    def _fresh_whole(self, entry: _Node, tail: int, now: float) -> bool:
+        """The prompt ending in ``tail`` is held whole, recorded within ``REFRESH_FRACTION`` of its ttl.
+
+        Then recording it again is skipped: its blocks expire at most that much early and
+        keep their place in the LRU; a document resent many times a second costs one lookup
+        per request instead of rewriting its ~3,100 blocks (~1.5 ms for 50k tokens).
+        """
+        seen = entry.blocks.get(tail)
+        return seen is not None and now - seen <= self._ttl(entry) * REFRESH_FRACTION
+
     def _ttl(self, entry: _Node) -> float:
         c = self.config
         return min(c.ttl_s, c.pressure_ttl_s) if entry.pressured else c.ttl_s
@@ -214,3 +247,30 @@ class PrefixIndex:
         blocks = entry.blocks
         while len(blocks) > bound:
             blocks.popitem(last=False)
+
+
+def _leading(blocks: dict[int, float], hashes: Sequence[int], oldest: float) -> int:
+    """How many leading ``hashes`` are held at ``oldest`` or later (a binary search).
+
+    Exact under the index's invariant (module docstring): held-and-fresh is a leading run.
+    The common answers cost one or two lookups: all of them (a prompt sent again), none.
+    """
+    n = len(hashes)
+
+    def held(i: int) -> bool:
+        seen = blocks.get(hashes[i])
+        return seen is not None and seen >= oldest
+
+    if held(n - 1):
+        return n
+    if not held(0):
+        return 0
+    # held(lo) and not held(hi): the run ends between them.
+    lo, hi = 0, n - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if held(mid):
+            lo = mid
+        else:
+            hi = mid
+    return hi
