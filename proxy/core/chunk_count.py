@@ -151,6 +151,21 @@ class ChunkCache:
             [[keys[i] for i in r] for r in runs],
         )
 
+    def first_new_byte(self, tokenizer: str, text: str) -> int | None:
+        """Where ``text``'s first chunk missing from the cache starts (UTF-8 bytes); None: all held.
+
+        Looks only (no hit or miss counted, nothing moved in the LRU): what the gateway asks
+        before it routes a big prompt on a bound (``proxy.gateway.bound_route``).
+        """
+        data = text.encode("utf-8", "surrogatepass")
+        cuts = cut_points(data, self.rule) if len(text) >= CHUNK_ABOVE_CHARS else []
+        bounds = [0, *cuts, len(data)]
+        with self._lock:
+            for a, b in itertools.pairwise(bounds):
+                if chunk_key(tokenizer, data[a:b]) not in self._lru:
+                    return a
+        return None
+
     def lengths(self, tokenizer: str) -> TokenBytes | None:
         """The byte-length table of ``tokenizer``'s tokens, if its counter gave one (``teach``)."""
         return self._lengths.get(tokenizer)

@@ -70,12 +70,21 @@ class ExactSource(Protocol):
     def placed(self, backend: str, hashes: Sequence[int], now: float) -> None: ...
 
 
+@dataclass(slots=True)
+class Placement:
+    """Where a request whose block hashes come later went (``proxy.gateway.bound_route``)."""
+
+    backend: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class AffinityKey:
     """What a request brings to affinity: its prompt's block hashes and its session."""
 
     hashes: tuple[int, ...] = ()
     session: str | None = None
+    # Set for a request routed before its hashes were known: ``placed`` notes the backend.
+    later: Placement | None = None
 
 
 class Affinity:
@@ -130,6 +139,12 @@ class Affinity:
             else:
                 hashes = self.hashes_of(parsed)
         return AffinityKey(hashes, session)
+
+    def session_key(self, request: Request, parsed: ParsedRequest) -> AffinityKey | None:
+        """The session alone (hashes come later: ``proxy.gateway.bound_route``); None when off."""
+        if not self.cfg.enabled:
+            return None
+        return AffinityKey((), self._session_of(request, parsed), Placement())
 
     def hashes_of(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The prompt's block hashes, from the sizer's ids cache where sizing filled it."""
@@ -221,6 +236,8 @@ class Affinity:
         """The request went to ``backend``: it holds the prompt's blocks, the session follows."""
         if key is None:
             return
+        if key.later is not None:
+            key.later.backend = backend
         self.learn(backend, key.hashes, key.session, now)
         if self.exact is not None and key.hashes:
             self.exact.placed(backend, key.hashes, now)

@@ -19,9 +19,9 @@ from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
 from proxy.gateway import retry_memory
+from proxy.gateway.bound_route import Bound, attach, size_or_bound
 from proxy.gateway.context import RequestContext
 from proxy.gateway.models import check_length, route_model
-from proxy.gateway.sizing import size_request
 from proxy.routing.policy import Policy, classify
 from proxy.state.base import StoreUnavailable
 from proxy.upstream.client import forward_headers, header
@@ -118,11 +118,17 @@ async def open_request(
     rcfg = cfg.routing
     deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
     served, catalog = route_model(gw, parsed, cfg)
-    sized = await size_request(parsed, cfg, served.limit)
-    # As the servers count them, where answers taught the gateway its tokenizer is off.
-    counted = sized.prompt_tokens
-    prompt_tokens = gw.token_counts.correct(parsed.model, counted)
-    demand = sized.total - counted + prompt_tokens
+    sized = await size_or_bound(gw, parsed, cfg, policy, served, catalog)
+    bound = sized if isinstance(sized, Bound) else None
+    if isinstance(sized, Bound):
+        # Routed on a proven upper bound (already corrected) while the exact count finishes.
+        sized = sized.upper
+        counted, prompt_tokens = 0, sized.prompt_tokens
+    else:
+        # As the servers count them, where answers taught the gateway its tokenizer is off.
+        counted = sized.prompt_tokens
+        prompt_tokens = gw.token_counts.correct(parsed.model, counted)
+    demand = sized.total - sized.prompt_tokens + prompt_tokens
     too_small = check_length(catalog, served, parsed, prompt_tokens)
     cls = classify(demand, rcfg.long_threshold_tokens)
     snap = await gw.fleet.snapshot()
@@ -156,7 +162,11 @@ async def open_request(
         policy=policy,
         ruled_out=served.ruled_out | too_small,
     )
-    ctx.affinity = await gw.affinity.key_of(request, parsed)
+    if bound is None:
+        ctx.affinity = await gw.affinity.key_of(request, parsed)
+    else:
+        ctx.affinity = gw.affinity.session_key(request, parsed)
+        attach(gw, ctx, bound)
     if key is not None:
         try:
             listed = await gw.store_call("failed_on", lambda: gw.store.failed_on(key))

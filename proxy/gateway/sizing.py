@@ -80,10 +80,14 @@ def _touch_encoders(sizer: Sizer) -> None:
         m.counter.count("warm up")
 
 
-def _loaded(cfg: Config) -> Sizer | None:
+def loaded(cfg: Config) -> Sizer | None:
+    """The config's Sizer if it is built already (never builds it: that is slow)."""
     with _lock:
         hit = _sizers.get(id(cfg))
         return hit[1] if hit is not None and hit[0] is cfg else None
+
+
+_loaded = loaded
 
 
 async def size_request(
@@ -173,8 +177,31 @@ async def _size_big(
     return await sizing_pool.run(_size, sizer, parsed, prefix, max_model_len)
 
 
-#: Big requests: sized from the caches alone, after encoding new chunks, or whole in a thread.
-SIZED_WHERE = {"cache": 0, "encoded": 0, "thread": 0}
+def size_from_caches(
+    parsed: ParsedRequest, cfg: Config, max_model_len: int | None
+) -> Demand | None:
+    """A big request sized on the loop from the caches alone; None when much of it is new.
+
+    The first step of ``_size_big``, for ``proxy.gateway.bound_route``, which decides what
+    to do with a request that has much new text before its exact count is in.
+    """
+    sizer = _loaded(cfg)
+    if sizer is None or not isinstance(sizer.model(parsed.model).counter, ChunkedCounter):
+        return None
+    try:
+        with chunk_count.inline_budget(cfg.routing.tokenize_in_thread_chars):
+            demand, hashes = _size(sizer, parsed, cfg.routing.prefix, max_model_len)
+    except chunk_count.TooMuchToEncode:
+        return None
+    SIZED_WHERE["cache"] += 1
+    if hashes is not None:
+        _keep(parsed, *hashes)
+    return demand
+
+
+#: Big requests: sized from the caches alone, after encoding new chunks, whole in a thread, or
+#: routed on an upper bound while counted (``proxy.gateway.bound_route``).
+SIZED_WHERE = {"cache": 0, "encoded": 0, "thread": 0, "bound": 0}
 
 
 # id(parsed) -> (weak reference to it, spec, hashes), until affinity takes them or it dies.
