@@ -18,6 +18,11 @@ a sizing thread meanwhile. Routed on the bound only when all of these hold:
 * with prefix affinity on, the prompt's new text starts within its first
   ``routing.prefix.min_saving_tokens`` bytes: no backend can hold a prefix worth routing for.
 
+At most ``PENDING_PER_THREAD`` exact counts per sizing thread run behind requests already
+routed; past that a request waits for its own count, as before. Without that cap, new
+documents arriving faster than the sizing threads encode them (64 unique 220 KB prompts at
+150 connections) would queue counts without end, each holding its body.
+
 What the bound changes: the reservation holds the upper bound for the request's life (never
 less than it needs); ``x-kvroute-demand-tokens`` shows it. When the exact count arrives it
 becomes the count compared with the server's usage (``proxy.gateway.token_counts``), and the
@@ -50,6 +55,10 @@ if TYPE_CHECKING:
     from proxy.gateway.walk import Gateway
 
 log = logging.getLogger("kvroute.gateway")
+
+#: Exact counts still running behind requests routed on their bound, per sizing thread.
+PENDING_PER_THREAD = 4
+_pending = 0
 
 
 @dataclass(slots=True)
@@ -88,12 +97,32 @@ async def size_or_bound(
     if not _decides(gw, cfg, policy, served, catalog, parsed, bounds, snap):
         return await sizing.size_request(parsed, cfg, served.limit)
     sizing.SIZED_WHERE["bound"] += 1
-    exact = asyncio.ensure_future(sizing.size_request(parsed, cfg, served.limit))
-    return Bound(upper, exact)
+    return Bound(upper, _count_behind(parsed, cfg, served.limit))
+
+
+def _count_behind(parsed: ParsedRequest, cfg: Config, limit: int | None) -> asyncio.Task[Demand]:
+    """The exact count as a task, counted in ``_pending`` until it ends."""
+    global _pending
+    _pending += 1
+
+    def ended(_: asyncio.Task[Demand]) -> None:
+        global _pending
+        _pending -= 1
+
+    task = asyncio.ensure_future(sizing.size_request(parsed, cfg, limit))
+    task.add_done_callback(ended)
+    return task
+
+
+def pending() -> int:
+    """Exact counts running behind requests already routed (``PENDING_PER_THREAD`` bounds them)."""
+    return _pending
 
 
 def _may_bound(cfg: Config, parsed: ParsedRequest) -> bool:
     if not cfg.sizing.route_on_bound or prefill_only(cfg.backends):
+        return False
+    if _pending >= PENDING_PER_THREAD * cfg.sizing.threads:
         return False
     sizer = sizing.loaded(cfg)
     if sizer is None or not isinstance(sizer.model(parsed.model).counter, ChunkedCounter):

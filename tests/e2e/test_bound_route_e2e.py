@@ -12,6 +12,7 @@ not) or the option is off, the request waits for its exact count as before.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ import httpx
 
 from loadtest.bench.big_prompts_load import document
 from proxy.api.app import create_app
+from proxy.gateway import bound_route, sizing_pool
 from tests.support.gateway import fleet_state, gateway_cfg, serve_app, wait_until
 
 _seeds = itertools.count(900_000)
@@ -99,3 +101,39 @@ def test_route_on_bound_off_waits_for_the_exact_count(engine_factory: Callable[.
         assert sized_where(url, "bound") == before
         again = client.post("/v1/chat/completions", json=body)
         assert r.headers["x-kvroute-demand-tokens"] == again.headers["x-kvroute-demand-tokens"]
+
+
+def test_counts_behind_routed_requests_are_bounded_then_requests_wait_for_their_own(
+    engine_factory: Callable[..., Any],
+) -> None:
+    cfg = gateway_cfg(_engines(engine_factory, 1_000_000))
+    limit = bound_route.PENDING_PER_THREAD * cfg.sizing.threads
+    with serve_app(create_app(cfg), cfg) as url, httpx.Client(base_url=url, timeout=60) as client:
+        _ready(url)
+        wait_until(lambda: bound_route.pending() == 0, what="earlier counts done")
+        release = threading.Event()
+        # The sizing thread is busy: no exact count can finish until released.
+        blocker = sizing_pool.executor().submit(release.wait, 60)
+        try:
+            before = sized_where(url, "bound")
+            for _ in range(limit):
+                assert client.post("/v1/chat/completions", json=big_body()).status_code == 200
+            assert sized_where(url, "bound") == before + limit
+            assert bound_route.pending() == limit
+            answered: list[int] = []
+            late = threading.Thread(
+                target=lambda: answered.append(
+                    client.post("/v1/chat/completions", json=big_body()).status_code
+                )
+            )
+            late.start()
+            # One more waits for its own count (no bound), behind the busy sizing thread.
+            late.join(timeout=1.0)
+            assert late.is_alive() and not answered
+        finally:
+            release.set()
+        late.join(timeout=30)
+        blocker.result(timeout=5)
+        assert answered == [200]
+        assert sized_where(url, "bound") == before + limit
+        wait_until(lambda: bound_route.pending() == 0, what="counts done")
