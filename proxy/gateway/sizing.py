@@ -33,7 +33,7 @@ from proxy.core.prefix_prompt import IdsCache, prompt_hashes
 from proxy.core.tokenizer import TiktokenCounter, TokenCache
 from proxy.core.tokens import PromptCounter, SizingRules, work_chars
 from proxy.core.validation import ParsedRequest
-from proxy.gateway import sizing_pool
+from proxy.gateway import encode_once, sizing_pool
 from proxy.gateway.sizing_pool import WORKER_NICE as WORKER_NICE
 
 _lock = threading.Lock()
@@ -171,7 +171,7 @@ async def _size_big(
                 return got
             except chunk_count.TooMuchToEncode as more:
                 job = more.job
-            if job is None or not job.store(await sizing_pool.run(job.run)):
+            if job is None or not await encode_once.encode(job):
                 break
     SIZED_WHERE["thread"] += 1
     return await sizing_pool.run(_size, sizer, parsed, prefix, max_model_len)

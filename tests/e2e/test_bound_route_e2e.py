@@ -20,7 +20,7 @@ import httpx
 
 from loadtest.bench.big_prompts_load import document
 from proxy.api.app import create_app
-from proxy.gateway import bound_route, sizing_pool
+from proxy.gateway import bound_route, encode_once, sizing_pool
 from tests.support.gateway import fleet_state, gateway_cfg, serve_app, wait_until
 
 _seeds = itertools.count(900_000)
@@ -137,3 +137,48 @@ def test_counts_behind_routed_requests_are_bounded_then_requests_wait_for_their_
         assert answered == [200]
         assert sized_where(url, "bound") == before + limit
         wait_until(lambda: bound_route.pending() == 0, what="counts done")
+
+
+def test_requests_bringing_the_same_new_document_at_once_encode_it_once(
+    engine_factory: Callable[..., Any],
+) -> None:
+    cfg = gateway_cfg(_engines(engine_factory, 1_000_000), sizing={"route_on_bound": False})
+    doc = document(next(_seeds), 40_000)
+    bodies = [
+        {"model": "m", "messages": [{"role": "user", "content": f"Q{i}?\n{doc}"}], "max_tokens": 8}
+        for i in range(6)
+    ]
+    with serve_app(create_app(cfg), cfg) as url, httpx.Client(base_url=url, timeout=60) as client:
+        _ready(url)
+        missed = miss_bytes(url)
+        release = threading.Event()
+        blocker = sizing_pool.executor().submit(release.wait, 60)
+        codes: list[int] = []
+        senders = [
+            threading.Thread(
+                target=lambda b=b: codes.append(
+                    client.post("/v1/chat/completions", json=b).status_code
+                )
+            )
+            for b in bodies
+        ]
+        try:
+            for s in senders:
+                s.start()
+            # One request's encode is queued behind the busy thread; the others wait for it.
+            wait_until(lambda: encode_once.waiting() == len(bodies) - 1, what="waiters")
+        finally:
+            release.set()
+        for s in senders:
+            s.join(timeout=30)
+        blocker.result(timeout=5)
+        assert codes == [200] * len(bodies)
+        # The document once, plus each request's own first chunk (its question): not 6 times.
+        assert miss_bytes(url) - missed < 2 * len(doc)
+
+
+def miss_bytes(url: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith('kvroute_sizing_chunk_cache_bytes_total{result="miss"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
