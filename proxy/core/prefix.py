@@ -161,23 +161,20 @@ class PrefixIndex:
         """``node`` was given a request with these prompt blocks: it holds them afterwards.
 
         The blocks become the most recently used, the last of them least so (evicted first).
+        A placement older than one already recorded (another replica's, shared ~0.1 s late)
+        is recorded at the newest time this node has seen: no block is made older, and
+        such a block lives at most the share's delay longer.
         """
         entry = self._nodes.setdefault(node, _Node())
         blocks = entry.blocks
         chain = hashes if isinstance(hashes, (tuple, list)) else tuple(hashes)
         if chain and self._fresh_whole(entry, chain[-1], now):
             return
-        if now >= entry.newest:
-            entry.newest = now
-            # Two C-level passes (no Python loop per block): take them out, put them back at
-            # the most recent end, tail first.
-            deque(map(blocks.pop, chain, repeat(None)), maxlen=0)
-            blocks.update(zip(reversed(chain), repeat(now)))
-        else:
-            # An older placement (another replica's, shared late): never make a block older.
-            for h in reversed(chain):
-                seen = blocks.pop(h, now)
-                blocks[h] = max(seen, now)
+        now = entry.newest = max(now, entry.newest)
+        # Two C-level passes (no Python loop per block): take them out, put them back at the
+        # most recent end, tail first.
+        deque(map(blocks.pop, chain, repeat(None)), maxlen=0)
+        blocks.update(zip(reversed(chain), repeat(now)))
         self._trim(entry)
 
     def match(
