@@ -119,21 +119,21 @@ def prompt_texts(body: dict[str, Any]) -> Iterator[str]:
         yield p[0]
 
 
-def known_prefix_bytes(counter: ChunkedCounter, body: dict[str, Any]) -> int | None:
-    """UTF-8 bytes of the prompt before its first chunk new to the chunk cache; None: none new.
+def new_within(counter: ChunkedCounter, body: dict[str, Any], limit_bytes: int) -> bool:
+    """The prompt's new text starts within its first ``limit_bytes`` UTF-8 bytes.
 
-    An upper bound (bytes >= tokens) on the prefix any backend can hold for this request,
-    as far as this gateway has seen the text: the index's hashes are chained from the first
-    token, so nothing after new text can match. (A text this gateway met whose chunks the
-    cache has since dropped is the exception the bound does not cover: it costs a prefix hit.)
+    Then no backend can hold more than that much of its prefix (bytes >= tokens), as far as
+    this gateway has seen the text: the index's hashes are chained from the first token, so
+    nothing after new text can match. Looked at: the texts before the first long one
+    (counted as if known), then that text's first chunk (new or not). A text this gateway
+    met whose chunks the cache has since dropped is what this cannot see: it costs a hit.
     """
     seen = 0
     for text in prompt_texts(body):
+        if seen > limit_bytes:
+            return False
         if len(text) < CHUNK_ABOVE_CHARS:
             seen += utf8_len(text)
             continue
-        new_at = counter.cache.first_new_byte(counter.id, text)
-        if new_at is not None:
-            return seen + new_at
-        seen += utf8_len(text)
-    return None
+        return counter.cache.first_chunk_new(counter.id, text)
+    return False

@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING
 
 from proxy.config import Config
 from proxy.core.catalog import Catalog, ModelRoute
+from proxy.core.chunk_count import EncodeJob
 from proxy.core.chunked_counter import ChunkedCounter
 from proxy.core.demand import Demand
 from proxy.core.fleet import FleetSnapshot
-from proxy.core.size_bounds import DemandBounds, demand_bounds, known_prefix_bytes
+from proxy.core.size_bounds import DemandBounds, demand_bounds, new_within
 from proxy.core.two_step import prefill_only
 from proxy.core.validation import ParsedRequest
 from proxy.errors import ApiError
@@ -81,26 +82,32 @@ async def size_or_bound(
     if not _may_bound(cfg, parsed):
         return await sizing.size_request(parsed, cfg, served.limit)
     cached = sizing.size_from_caches(parsed, cfg, served.limit)
-    if cached is not None:
-        return cached
+    if not isinstance(cached, EncodeJob):
+        return (
+            cached if cached is not None else await sizing.size_request(parsed, cfg, served.limit)
+        )
+    job = cached
     sizer = sizing.sizer_for(cfg)
     counter = sizer.model(parsed.model).counter
     bounds = demand_bounds(sizer, parsed, served.limit)
-    if bounds is None or not isinstance(counter, ChunkedCounter):
-        return await sizing.size_request(parsed, cfg, served.limit)
-    if cfg.routing.prefix.enabled:
-        known = known_prefix_bytes(counter, parsed.body)
-        if known is None or known > cfg.routing.prefix.min_saving_tokens:
-            return await sizing.size_request(parsed, cfg, served.limit)
-    upper = _corrected(gw, parsed, bounds.upper)
+    unworthy = cfg.routing.prefix.min_saving_tokens
+    if (
+        bounds is None
+        or not isinstance(counter, ChunkedCounter)
+        or (cfg.routing.prefix.enabled and not new_within(counter, parsed.body, unworthy))
+    ):
+        return await sizing.size_request(parsed, cfg, served.limit, job)
     snap = await gw.fleet.snapshot()
     if not _decides(gw, cfg, policy, served, catalog, parsed, bounds, snap):
-        return await sizing.size_request(parsed, cfg, served.limit)
+        return await sizing.size_request(parsed, cfg, served.limit, job)
     sizing.SIZED_WHERE["bound"] += 1
-    return Bound(upper, _count_behind(parsed, cfg, served.limit))
+    upper = _corrected(gw, parsed, bounds.upper)
+    return Bound(upper, _count_behind(parsed, cfg, served.limit, job))
 
 
-def _count_behind(parsed: ParsedRequest, cfg: Config, limit: int | None) -> asyncio.Task[Demand]:
+def _count_behind(
+    parsed: ParsedRequest, cfg: Config, limit: int | None, job: EncodeJob
+) -> asyncio.Task[Demand]:
     """The exact count as a task, counted in ``_pending`` until it ends."""
     global _pending
     _pending += 1
@@ -109,7 +116,7 @@ def _count_behind(parsed: ParsedRequest, cfg: Config, limit: int | None) -> asyn
         global _pending
         _pending -= 1
 
-    task = asyncio.ensure_future(sizing.size_request(parsed, cfg, limit))
+    task = asyncio.ensure_future(sizing.size_request(parsed, cfg, limit, job))
     task.add_done_callback(ended)
     return task
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from proxy.config import Config, PrefixConfig
 from proxy.core import chunk_count, digest
+from proxy.core.chunk_count import EncodeJob
 from proxy.core.chunked_counter import ChunkedCounter
 from proxy.core.demand import Demand, Sizer
 from proxy.core.prefix_prompt import IdsCache, prompt_hashes
@@ -91,16 +92,22 @@ _loaded = loaded
 
 
 async def size_request(
-    parsed: ParsedRequest, cfg: Config, max_model_len: int | None = None
+    parsed: ParsedRequest,
+    cfg: Config,
+    max_model_len: int | None = None,
+    job: EncodeJob | None = None,
 ) -> Demand:
-    """The request's KV demand, counted inline when small and in a sizing thread otherwise."""
+    """The request's KV demand, counted inline when small and in a sizing thread otherwise.
+
+    ``job``: the new chunks ``size_from_caches`` found, encoded first (not looked up again).
+    """
     sizer = _loaded(cfg) or await load_sizer(cfg)
     prefix = cfg.routing.prefix
     inline = cfg.routing.tokenize_in_thread_chars
     if sizer.work_chars(parsed) <= inline:
         demand, hashes = _size(sizer, parsed, prefix, max_model_len)
     else:
-        demand, hashes = await _size_big(sizer, parsed, prefix, max_model_len, inline)
+        demand, hashes = await _size_big(sizer, parsed, prefix, max_model_len, inline, job)
     if hashes is not None:
         _keep(parsed, *hashes)
     return demand
@@ -151,6 +158,7 @@ async def _size_big(
     prefix: PrefixConfig,
     max_model_len: int | None,
     inline_bytes: int,
+    job: EncodeJob | None = None,
 ) -> Sized:
     """A big request: on the loop from the caches, a thread encoding only what is new.
 
@@ -163,15 +171,20 @@ async def _size_big(
     the thread, as before.
     """
     if isinstance(sizer.model(parsed.model).counter, ChunkedCounter):
-        for round_ in range(_ENCODE_ROUNDS):
+        encoded = False
+        for _ in range(_ENCODE_ROUNDS):
+            if job is not None:
+                if not await encode_once.encode(job):
+                    break
+                encoded = True
             try:
                 with chunk_count.inline_budget(inline_bytes):
                     got = _size(sizer, parsed, prefix, max_model_len)
-                SIZED_WHERE["cache" if round_ == 0 else "encoded"] += 1
+                SIZED_WHERE["encoded" if encoded else "cache"] += 1
                 return got
             except chunk_count.TooMuchToEncode as more:
                 job = more.job
-            if job is None or not await encode_once.encode(job):
+            if job is None:
                 break
     SIZED_WHERE["thread"] += 1
     return await sizing_pool.run(_size, sizer, parsed, prefix, max_model_len)
@@ -179,11 +192,12 @@ async def _size_big(
 
 def size_from_caches(
     parsed: ParsedRequest, cfg: Config, max_model_len: int | None
-) -> Demand | None:
-    """A big request sized on the loop from the caches alone; None when much of it is new.
+) -> Demand | EncodeJob | None:
+    """A big request sized on the loop from the caches alone, else the job of what is new.
 
     The first step of ``_size_big``, for ``proxy.gateway.bound_route``, which decides what
-    to do with a request that has much new text before its exact count is in.
+    to do with a request that has much new text before its exact count is in (and hands
+    the job back to ``size_request``). None: not a request the chunk cache sizes.
     """
     sizer = _loaded(cfg)
     if sizer is None or not isinstance(sizer.model(parsed.model).counter, ChunkedCounter):
@@ -191,8 +205,8 @@ def size_from_caches(
     try:
         with chunk_count.inline_budget(cfg.routing.tokenize_in_thread_chars):
             demand, hashes = _size(sizer, parsed, cfg.routing.prefix, max_model_len)
-    except chunk_count.TooMuchToEncode:
-        return None
+    except chunk_count.TooMuchToEncode as more:
+        return more.job
     SIZED_WHERE["cache"] += 1
     if hashes is not None:
         _keep(parsed, *hashes)
