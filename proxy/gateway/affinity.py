@@ -43,6 +43,8 @@ from proxy.upstream.client import header
 
 #: Above this many characters of prompt, ids and hashes are computed in a worker thread.
 _THREAD_ABOVE_CHARS = 16_384
+#: From this many blocks (8k tokens) a placement is written to the index on the loop's next turn.
+_RECORD_LATER_BLOCKS = 512
 #: A node this full (for new work) is evicting: the index forgets it sooner.
 _EVICTING_UTILISATION = 0.95
 
@@ -238,7 +240,13 @@ class Affinity:
             return
         if key.later is not None:
             key.later.backend = backend
-        self.learn(backend, key.hashes, key.session, now)
+        if len(key.hashes) >= _RECORD_LATER_BLOCKS and _loop() is not None:
+            # A long prompt's blocks (~2 ms for 50k tokens) are written once the request has
+            # gone upstream (the loop's next turn, while the backend works), not before.
+            self.learn(backend, (), key.session, now)
+            asyncio.get_running_loop().call_soon(self.index.record, backend, key.hashes, now)
+        else:
+            self.learn(backend, key.hashes, key.session, now)
         if self.exact is not None and key.hashes:
             self.exact.placed(backend, key.hashes, now)
         if self.share is not None:
@@ -282,6 +290,13 @@ class Affinity:
 
     def _settings(self) -> AffinitySettings:
         return affinity_settings(self.cfg)
+
+
+def _loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _evicting(n: NodeView) -> bool:
