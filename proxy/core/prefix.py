@@ -124,8 +124,10 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, max_blocks: int = 
     return out
 
 
-#: A prompt recorded again within this fraction of its age limit is not rewritten.
+#: A prompt recorded again within this fraction of its age limit is not rewritten...
 REFRESH_FRACTION = 1 / 32
+#: ...nor more than this long after (KV-cache events trust placements of the last 5 s).
+REFRESH_MAX_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,14 +229,15 @@ class PrefixIndex:
         return sum(len(e.blocks) for e in self._nodes.values())
 
     def _fresh_whole(self, entry: _Node, tail: int, now: float) -> bool:
-        """The prompt ending in ``tail`` is held whole, recorded within ``REFRESH_FRACTION`` of its ttl.
+        """The prompt ending in ``tail`` is held whole, recorded within the refresh window.
 
         Then recording it again is skipped: its blocks expire at most that much early and
         keep their place in the LRU; a document resent many times a second costs one lookup
         per request instead of rewriting its ~3,100 blocks (~1.5 ms for 50k tokens).
         """
         seen = entry.blocks.get(tail)
-        return seen is not None and now - seen <= self._ttl(entry) * REFRESH_FRACTION
+        window = min(self._ttl(entry) * REFRESH_FRACTION, REFRESH_MAX_S)
+        return seen is not None and now - seen <= window
 
     def _ttl(self, entry: _Node) -> float:
         c = self.config

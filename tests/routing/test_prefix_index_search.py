@@ -12,7 +12,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.prefix import REFRESH_FRACTION, PrefixIndex, PrefixIndexConfig, block_hashes
+from proxy.core.prefix import (
+    REFRESH_FRACTION,
+    REFRESH_MAX_S,
+    PrefixIndex,
+    PrefixIndexConfig,
+    block_hashes,
+)
 
 BS = 4
 
@@ -109,15 +115,23 @@ def test_an_older_placement_never_makes_a_block_older() -> None:
 
 
 def test_a_prompt_recorded_again_soon_is_left_as_it_is_and_later_refreshed() -> None:
-    ttl = 320.0  # refreshed once older than ttl * REFRESH_FRACTION = 10 s
+    ttl = 32.0  # refreshed once older than ttl * REFRESH_FRACTION = 1 s (< REFRESH_MAX_S)
     idx = PrefixIndex(PrefixIndexConfig(BS, ttl_s=ttl, pressure_ttl_s=ttl))
     chain = block_hashes(list(range(40)), BS)
     idx.record("a", chain, 100.0)
     idx.record("a", chain, 100.0 + ttl * REFRESH_FRACTION)  # within the window: skipped
     assert idx.match("a", chain, 100.0 + ttl) == len(chain)
     assert idx.match("a", chain, 100.1 + ttl) == 0  # expired by the first record's time
-    idx.record("a", chain, 111.0)  # past the window: rewritten
-    assert idx.match("a", chain, 110.0 + ttl) == len(chain)
+    idx.record("a", chain, 101.5)  # past the window: rewritten
+    assert idx.match("a", chain, 101.5 + ttl) == len(chain)
+
+
+def test_the_refresh_window_is_never_longer_than_refresh_max_s() -> None:
+    idx = PrefixIndex(PrefixIndexConfig(BS, ttl_s=3600.0))  # 1/32 of it: 112 s
+    chain = block_hashes(list(range(40)), BS)
+    idx.record("a", chain, 0.0)
+    idx.record("a", chain, REFRESH_MAX_S + 0.5)  # rewritten: past the cap
+    assert idx.match("a", chain, 3600.0 + REFRESH_MAX_S) == len(chain)
 
 
 def test_a_prompt_whose_tail_was_evicted_is_recorded_again_at_once() -> None:
