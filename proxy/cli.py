@@ -169,8 +169,28 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvroute", description="Fragmentation-aware gateway for LLM inference fleets"
     )
     sub = p.add_subparsers(dest="command", required=True)
+    _add_serve(sub.add_parser("serve", help="run the gateway"))
 
-    s = sub.add_parser("serve", help="run the gateway")
+    c = sub.add_parser("check-config", help="validate a config file and print what is wrong")
+    c.add_argument("file")
+    c.set_defaults(func=_check_config)
+
+    for name, help_ in (
+        ("engine", "run a simulated inference engine whose KV cache fragments"),
+        (
+            "demo",
+            "run the demo: engines + gateway + a 70% chat / 30% document workload, vs round robin",
+        ),
+        ("local-fleet", "start the simulated engines a config file expects (one per backend)"),
+        ("simulate", "simulate a fleet over days of uptime, per routing policy"),
+        ("tune", "search config knobs in simulation and recommend values"),
+    ):
+        sub.add_parser(name, help=help_, add_help=False)
+    return p
+
+
+def _add_serve(s: argparse.ArgumentParser) -> None:
+    """The options of ``kvroute serve``."""
     s.add_argument("--config", required=True, help="YAML config file (see config/kvroute.yaml)")
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
@@ -208,23 +228,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=_serve, argv=None)
-
-    c = sub.add_parser("check-config", help="validate a config file and print what is wrong")
-    c.add_argument("file")
-    c.set_defaults(func=_check_config)
-
-    for name, help_ in (
-        ("engine", "run a simulated inference engine whose KV cache fragments"),
-        (
-            "demo",
-            "run the demo: engines + gateway + a 70% chat / 30% document workload, vs round robin",
-        ),
-        ("local-fleet", "start the simulated engines a config file expects (one per backend)"),
-        ("simulate", "simulate a fleet over days of uptime, per routing policy"),
-        ("tune", "search config knobs in simulation and recommend values"),
-    ):
-        sub.add_parser(name, help=help_, add_help=False)
-    return p
 
 
 _DELEGATED = {

@@ -55,6 +55,7 @@ LOCUST_HINT = (
     "(in a clone: pip install -e '.[loadtest]')"
 )
 try:
+    import gevent
     from locust import HttpUser, events, task
     from locust.env import Environment
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subprocess test
@@ -154,6 +155,14 @@ def _add_options(parser: Any) -> None:
     )
     g.add_argument("--kv-seed", type=int, default=0, env_var="KV_SEED")
     g.add_argument(
+        "--kv-stop-after",
+        type=int,
+        default=0,
+        env_var="KV_STOP_AFTER",
+        help="end the run once this many requests have finished (0: run for -t); "
+        "a run of a fixed size, however fast the machine",
+    )
+    g.add_argument(
         "--kv-summary",
         default="",
         env_var="KV_SUMMARY",
@@ -204,6 +213,7 @@ class KvStats:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
+        self.finished = 0  # HTTP requests finished, for --kv-stop-after
 
     def count(self, name: str) -> None:
         """Summary counter only (no Locust row)."""
@@ -227,17 +237,37 @@ class KvStats:
     def reset(self) -> None:
         with self.lock:
             self.counts.clear()
+            self.finished = 0
 
 
 KV_STATS = KvStats()
 _SIZES: dict[int, Sizes] = {}
+_RUN: dict[int, Environment] = {}  # the running environment, for --kv-stop-after
 
 
 @events.test_start.add_listener
 def _on_start(environment: Environment, **_: Any) -> None:
     KV_STATS.reset()
+    _RUN[0] = environment
     if environment.parsed_options is not None:
         _SIZES[0] = Sizes(environment.parsed_options)
+
+
+@events.request.add_listener
+def _on_request(request_type: str, **_: Any) -> None:
+    """Count finished HTTP requests (not the KVROUTE rows); quit at ``--kv-stop-after``."""
+    env = _RUN.get(0)
+    if request_type == KV or env is None:
+        return
+    limit = getattr(getattr(env, "parsed_options", None), "kv_stop_after", 0)
+    if not limit:
+        return
+    with KV_STATS.lock:
+        KV_STATS.finished += 1
+        reached = KV_STATS.finished == limit
+    if reached and env.runner is not None:
+        # Not from inside the event: quitting stops the greenlet that fired it.
+        gevent.spawn(env.runner.quit)
 
 
 @events.quitting.add_listener

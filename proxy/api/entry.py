@@ -35,7 +35,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -50,7 +50,8 @@ from proxy.gateway.intake import READ_BODY
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-    from proxy.api.gateway_app import GatewayApp
+    from proxy.api.access_log import AccessLog
+    from proxy.api.limits import RequestGuard
 
 log = logging.getLogger("kvroute.app")
 
@@ -106,10 +107,19 @@ def missing_cycle_parts(cycle: object) -> list[str]:
     return [name for name in CYCLE_PARTS if not hasattr(cycle, name)]
 
 
+class LeanApp(Protocol):
+    """What the lean path reads of ``proxy.api.gateway_app.GatewayApp`` (which imports this
+    module: a protocol here keeps the two out of an import circle)."""
+
+    inference_routes: dict[str, Handler]
+    guard: RequestGuard | None
+    access_log: AccessLog | None
+
+
 class LeanPath:
     """The lean path for one server (one per app, found from uvicorn's loaded app)."""
 
-    def __init__(self, app: GatewayApp, proxies: list[ProxyHeadersMiddleware]) -> None:
+    def __init__(self, app: LeanApp, proxies: list[ProxyHeadersMiddleware]) -> None:
         self.app = app
         self.proxies = proxies
 

@@ -25,7 +25,8 @@ from proxy.api.model_listing import kind_errors, lookup_from
 from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
-from proxy.backends.discovery import Discovery, make_discovery
+from proxy.backends.discovery import Discovery
+from proxy.backends.discovery_source import make_discovery
 from proxy.backends.kv_events import KvEventFeeds
 from proxy.backends.kv_events_metrics import KvEventsCollector
 from proxy.config import BackendConfig, Config

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from proxy.config import BackendConfig, Config, DiscoveryConfig
+from proxy.config import BackendConfig, DiscoveryConfig
 from proxy.config.base import ServingRole
 from proxy.tasks import stop_task
 
@@ -132,17 +132,3 @@ def backend(
         role=role,
         kv_events=cfg.kv_events,
     )
-
-
-def make_discovery(cfg: Config) -> Discovery | None:
-    """The configured source, or None for ``static`` (nothing to follow)."""
-    d = cfg.discovery
-    if d.type == "kubernetes":
-        from proxy.backends.discovery_kubernetes import KubernetesDiscovery
-
-        return KubernetesDiscovery(d, cfg.backends, set(cfg.pools))
-    if d.type == "dns":
-        from proxy.backends.discovery_dns import DnsDiscovery
-
-        return DnsDiscovery(d, cfg.backends)
-    return None

@@ -27,11 +27,23 @@ free block less the reservations newer than the report (``NodeView.usable_block`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    # fleet.py calls lazy_headroom; the type alone is needed here.
-    from proxy.core.fleet import MemoryReport
+
+class MemoryReport(Protocol):
+    """What these rules read of ``proxy.core.fleet.MemoryReport`` (fleet.py calls them: a
+    protocol here keeps the two modules out of an import circle)."""
+
+    @property
+    def capacity_tokens(self) -> int: ...
+    @property
+    def free_tokens(self) -> int: ...
+    @property
+    def largest_free_block_tokens(self) -> int: ...
+    @property
+    def engine_free_tokens(self) -> tuple[int, ...]: ...
+    @property
+    def queueing(self) -> bool: ...
 
 
 def allocates_lazily(report: MemoryReport) -> bool:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from itertools import islice, repeat
 
 import numpy as np
+import numpy.typing as npt
 
 # Fixed odd 64-bit constants (splitmix64's increment and multipliers, murmur3's finalizer):
 # the hashes must be the same in every process, since replicas share them through Redis.
@@ -88,19 +89,30 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, max_blocks: int = 
     if n == 0:
         return []
     k = n * block_tokens
+    ids = _as_uint64(token_ids, k)
+    if ids is None:
+        return []
+    out: list[int] = _block_ends(_prefix_sums(ids), block_tokens, n).tolist()
+    return out
+
+
+def _as_uint64(token_ids: Sequence[int], k: int) -> npt.NDArray[np.uint64] | None:
+    """The first ``k`` ids as unsigned 64-bit values; None when they are not token ids."""
     if isinstance(token_ids, array) and token_ids.typecode == "q":
         # The gateway's ids (proxy.core.prefix_prompt) already are 64-bit: no copy.
-        ids = np.frombuffer(token_ids, dtype=np.uint64, count=k)
-    else:
-        try:
-            ids = np.array(token_ids[:k], dtype=np.int64).view(np.uint64)
-        except (OverflowError, TypeError, ValueError):
-            # Not token ids after all (a client's odd completions prompt): nothing to match on.
-            return []
-        if ids.shape != (k,):
-            return []
+        return np.frombuffer(token_ids, dtype=np.uint64, count=k)
+    try:
+        ids = np.array(token_ids[:k], dtype=np.int64).view(np.uint64)
+    except (OverflowError, TypeError, ValueError):
+        # Not token ids after all (a client's odd completions prompt): nothing to match on.
+        return None
+    return ids if ids.shape == (k,) else None
+
+
+def _prefix_sums(ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """Steps 1-2: each (position, id) mixed to ``v_p``; then ``S_k``, their running sum."""
     # uint64 arithmetic wraps mod 2**64, as intended (numpy does not warn for arrays).
-    v = np.arange(k, dtype=np.uint64)
+    v = np.arange(len(ids), dtype=np.uint64)
     v *= _GOLDEN
     v += ids
     v += _SEED
@@ -110,7 +122,12 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, max_blocks: int = 
     v *= _M2
     v ^= v >> _S31
     np.cumsum(v, out=v)
-    h = v[block_tokens - 1 :: block_tokens].copy()
+    return v
+
+
+def _block_ends(sums: npt.NDArray[np.uint64], block_tokens: int, n: int) -> npt.NDArray[np.uint64]:
+    """Step 3: each block's hash, the finalizer of ``S_k + k * golden`` at its last token."""
+    h = sums[block_tokens - 1 :: block_tokens].copy()
     ends = np.arange(1, n + 1, dtype=np.uint64)
     ends *= np.uint64(block_tokens)
     ends *= _GOLDEN
@@ -120,8 +137,7 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, max_blocks: int = 
     h ^= h >> _S33
     h *= _F2
     h ^= h >> _S33
-    out: list[int] = h.tolist()
-    return out
+    return h
 
 
 #: A prompt recorded again within this fraction of its age limit is not rewritten...

@@ -76,51 +76,60 @@ def _check_messages(messages: Any) -> None:
             code="invalid_value",
         )
     for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"'{where}' must be an object", param=where, code="invalid_type")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise bad_request(
-                f"'{where}.role' must be one of {sorted(_ROLES)}",
-                param=f"{where}.role",
-                code="invalid_value",
-            )
-        _check_message_fields(m, where)
-        content = m.get("content")
-        if content is None:
-            if role == "assistant":
-                continue  # assistant messages with tool_calls may have no content
-            raise bad_request(
-                f"'{where}.content' is required",
-                param=f"{where}.content",
-                code="missing_required_parameter",
-            )
-        if isinstance(content, str):
-            continue
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if isinstance(part, str):
-                    # A bare string part: servers (vLLM) read it as a text part.
-                    continue
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise bad_request(
-                        f"'{where}.content[{j}]' must be an object with a 'type'",
-                        param=f"{where}.content[{j}]",
-                        code="invalid_type",
-                    )
-                if part["type"] == "text" and not isinstance(part.get("text"), str):
-                    raise bad_request(
-                        f"'{where}.content[{j}].text' must be a string",
-                        param=f"{where}.content[{j}].text",
-                        code="invalid_type",
-                    )
-            continue
+        _check_message(m, f"messages[{i}]")
+
+
+def _check_message(m: Any, where: str) -> None:
+    """One message: an object with a known role and content (a string or an array of parts)."""
+    if not isinstance(m, dict):
+        raise bad_request(f"'{where}' must be an object", param=where, code="invalid_type")
+    role = m.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
         raise bad_request(
-            f"'{where}.content' must be a string or an array of parts",
-            param=f"{where}.content",
-            code="invalid_type",
+            f"'{where}.role' must be one of {sorted(_ROLES)}",
+            param=f"{where}.role",
+            code="invalid_value",
         )
+    _check_message_fields(m, where)
+    content = m.get("content")
+    if content is None:
+        if role == "assistant":
+            return  # assistant messages with tool_calls may have no content
+        raise bad_request(
+            f"'{where}.content' is required",
+            param=f"{where}.content",
+            code="missing_required_parameter",
+        )
+    if isinstance(content, str):
+        return
+    if isinstance(content, list):
+        _check_parts(content, where)
+        return
+    raise bad_request(
+        f"'{where}.content' must be a string or an array of parts",
+        param=f"{where}.content",
+        code="invalid_type",
+    )
+
+
+def _check_parts(content: list[Any], where: str) -> None:
+    """A message's content parts: objects with a ``type`` (bare strings read as text)."""
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            # A bare string part: servers (vLLM) read it as a text part.
+            continue
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad_request(
+                f"'{where}.content[{j}]' must be an object with a 'type'",
+                param=f"{where}.content[{j}]",
+                code="invalid_type",
+            )
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"'{where}.content[{j}].text' must be a string",
+                param=f"{where}.content[{j}].text",
+                code="invalid_type",
+            )
 
 
 def _check_message_fields(m: dict[str, Any], where: str) -> None:
@@ -204,51 +213,12 @@ def parse_request(
     raw: bytes, endpoint: Endpoint, max_tokens_limit: int, content_type: str | None = None
 ) -> ParsedRequest:
     """Parse and validate; raise ApiError (4xx, OpenAI format) on anything the gateway cannot route."""
-    if content_type is not None:
-        ct = content_type.split(";", 1)[0].strip().lower()
-        if ct and ct != "application/json" and not ct.endswith("+json"):
-            raise ApiError(
-                415,
-                f"Content-Type must be application/json, got {ct!r}",
-                code="unsupported_media_type",
-            )
-    if not raw:
-        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request(
-            f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
-        )
-
-    model = body.get("model")
-    if model is None:
-        raise bad_request(
-            "you must provide a model parameter", param="model", code="missing_required_parameter"
-        )
-    if not isinstance(model, str) or not model.strip():
-        raise bad_request("'model' must be a non-empty string", param="model", code="invalid_type")
-
+    body = _json_object(raw, content_type)
+    model = _check_model(body)
     if endpoint == "chat":
-        if "messages" not in body:
-            raise bad_request(
-                "'messages' is a required property",
-                param="messages",
-                code="missing_required_parameter",
-            )
-        _check_messages(body["messages"])
-        _check_tools(body)
+        _check_chat_input(body)
     else:
-        if "prompt" not in body and body.get("prompt_embeds") is None:
-            raise bad_request(
-                "'prompt' is a required property", param="prompt", code="missing_required_parameter"
-            )
-        if "prompt" in body:
-            _check_prompt(body["prompt"])
-        if body.get("prompt_embeds") is not None:
-            _check_prompt_embeds(body["prompt_embeds"])
+        _check_completion_input(body)
 
     stream = body.get("stream", False)
     if stream is None:
@@ -272,3 +242,59 @@ def parse_request(
         max_tokens=max_tokens,
         sequences=sequences,
     )
+
+
+def _json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    """The body as a JSON object: 415 for another media type, 400 for anything else."""
+    if content_type is not None:
+        ct = content_type.split(";", 1)[0].strip().lower()
+        if ct and ct != "application/json" and not ct.endswith("+json"):
+            raise ApiError(
+                415,
+                f"Content-Type must be application/json, got {ct!r}",
+                code="unsupported_media_type",
+            )
+    if not raw:
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+        )
+    return body
+
+
+def _check_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request(
+            "you must provide a model parameter", param="model", code="missing_required_parameter"
+        )
+    if not isinstance(model, str) or not model.strip():
+        raise bad_request("'model' must be a non-empty string", param="model", code="invalid_type")
+    return model
+
+
+def _check_chat_input(body: dict[str, Any]) -> None:
+    if "messages" not in body:
+        raise bad_request(
+            "'messages' is a required property",
+            param="messages",
+            code="missing_required_parameter",
+        )
+    _check_messages(body["messages"])
+    _check_tools(body)
+
+
+def _check_completion_input(body: dict[str, Any]) -> None:
+    if "prompt" not in body and body.get("prompt_embeds") is None:
+        raise bad_request(
+            "'prompt' is a required property", param="prompt", code="missing_required_parameter"
+        )
+    if "prompt" in body:
+        _check_prompt(body["prompt"])
+    if body.get("prompt_embeds") is not None:
+        _check_prompt_embeds(body["prompt_embeds"])

@@ -12,14 +12,19 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from starlette.responses import Response
 
 from proxy.core.fleet import FailureCause, FleetSnapshot, classify_failure
 from proxy.errors import ApiError, UpstreamBroken, UpstreamFailure, upstream_answer
 from proxy.gateway.context import FAILURE_RESULTS, AttemptResult, RequestContext
-from proxy.gateway.divert import divert, record_allocation_failure, verdict_for
+from proxy.gateway.divert import DivertPorts, divert, record_allocation_failure, verdict_for
+from proxy.gateway.ledger import ReservationLedger
+from proxy.gateway.local_view import LocalReservations
+from proxy.gateway.memory_pressure import MemoryPressure
+from proxy.gateway.models import KindErrors
+from proxy.gateway.token_counts import TokenCounts
 from proxy.upstream.classify import UpstreamVerdict, Verdict, classify_response, is_json_object
 from proxy.upstream.client import (
     AnswerTooLarge,
@@ -30,17 +35,26 @@ from proxy.upstream.client import (
     response_headers,
 )
 
-if TYPE_CHECKING:
-    from proxy.gateway.walk import Gateway
-
 log = logging.getLogger("kvroute.gateway")
+
+
+class AnswerPorts(DivertPorts, Protocol):
+    """What reading a backend's answer uses: its kind's error reading, the reservations it
+    frees or confirms, the KV projection and the servers' token counts."""
+
+    kind_errors: KindErrors
+    local: LocalReservations
+    ledger: ReservationLedger
+    pressure: MemoryPressure
+    token_counts: TokenCounts
+
 
 # Of a failed backend's headers, only Retry-After reaches the client.
 _RETRY_AFTER = frozenset({"retry-after"})
 
 
 def broken_answer(
-    gw: Gateway,
+    gw: AnswerPorts,
     ctx: RequestContext,
     backend: str,
     resp: UpstreamAnswer,
@@ -60,7 +74,7 @@ def broken_answer(
 
 
 async def error_answer(
-    gw: Gateway, ctx: RequestContext, backend: str, resp: UpstreamAnswer
+    gw: AnswerPorts, ctx: RequestContext, backend: str, resp: UpstreamAnswer
 ) -> Response | None:
     """A 4xx/5xx from ``backend``: relay the client's own mistake, divert anything else."""
     try:
@@ -88,7 +102,7 @@ async def error_answer(
 
 
 def by_kind(
-    gw: Gateway,
+    gw: AnswerPorts,
     ctx: RequestContext,
     backend: str,
     verdict: UpstreamVerdict,
@@ -117,7 +131,7 @@ _KIND_VERDICTS: dict[str, Verdict] = {
 
 
 def _allocation_failed(
-    gw: Gateway,
+    gw: AnswerPorts,
     ctx: RequestContext,
     backend: str,
     resp: UpstreamAnswer,
@@ -149,7 +163,7 @@ def _allocation_failed(
 
 
 def _failed_or_busy(
-    gw: Gateway,
+    gw: AnswerPorts,
     ctx: RequestContext,
     backend: str,
     resp: UpstreamAnswer,
@@ -193,7 +207,7 @@ def cause_at_backend(
 
 
 async def whole_answer(
-    gw: Gateway, ctx: RequestContext, backend: str, resp: UpstreamAnswer, started: float
+    gw: AnswerPorts, ctx: RequestContext, backend: str, resp: UpstreamAnswer, started: float
 ) -> Response | None:
     """A non-streamed 2xx: read it all (nothing reached the client yet, so a failure may still divert)."""
     try:
@@ -223,7 +237,7 @@ async def whole_answer(
     ctx.backend = backend
     gw.token_counts.observe(ctx.parsed.model, ctx.counted_prompt_tokens, body)
     # Off the answer's path (a Redis round trip).
-    gw.release_later(ctx, backend)
+    gw.tasks.release_later(ctx, backend)
     if ctx.counts_request:
         gw.metrics.labelled(gw.metrics.requests, ctx.cls, backend, "success").inc()
         gw.metrics.labelled(gw.metrics.duration, ctx.cls).observe(time.perf_counter() - started)

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from proxy.config import Config
 from proxy.core.catalog import Catalog, ModelRoute
@@ -47,13 +48,25 @@ from proxy.core.two_step import prefill_only
 from proxy.core.validation import ParsedRequest
 from proxy.errors import ApiError
 from proxy.gateway import sizing
-from proxy.gateway.affinity import AffinityKey
+from proxy.gateway.affinity import Affinity, AffinityKey
 from proxy.gateway.models import check_length
+from proxy.gateway.token_counts import TokenCounts
 from proxy.routing.policy import Policy, classify
+from proxy.state.fleet_cache import FleetCache
 
 if TYPE_CHECKING:
     from proxy.gateway.context import RequestContext
-    from proxy.gateway.walk import Gateway
+
+
+class BoundPorts(Protocol):
+    """What routing on a bound uses: the fleet view, the token-count corrections, affinity
+    (where the blocks go once counted) and the clock placements are recorded by."""
+
+    fleet: FleetCache
+    token_counts: TokenCounts
+    affinity: Affinity
+    clock: Callable[[], float]
+
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -71,7 +84,7 @@ class Bound:
 
 
 async def size_or_bound(
-    gw: Gateway,
+    gw: BoundPorts,
     parsed: ParsedRequest,
     cfg: Config,
     policy: Policy,
@@ -137,13 +150,13 @@ def _may_bound(cfg: Config, parsed: ParsedRequest) -> bool:
     return sizer.work_chars(parsed) > cfg.routing.tokenize_in_thread_chars
 
 
-def _corrected(gw: Gateway, parsed: ParsedRequest, d: Demand) -> Demand:
+def _corrected(gw: BoundPorts, parsed: ParsedRequest, d: Demand) -> Demand:
     """``d`` with the learned tokenizer correction applied to its prompt, as intake applies it."""
     return Demand(gw.token_counts.correct(parsed.model, d.prompt_tokens), d.max_new_tokens)
 
 
 def _decides(
-    gw: Gateway,
+    gw: BoundPorts,
     cfg: Config,
     policy: Policy,
     served: ModelRoute,
@@ -175,7 +188,7 @@ def _decides(
     return all(n.fits(high.total, now, margin) for n in reporting)
 
 
-def attach(gw: Gateway, ctx: RequestContext, bound: Bound) -> None:
+def attach(gw: BoundPorts, ctx: RequestContext, bound: Bound) -> None:
     """When the exact count arrives: it is the count compared with usage; record the prompt's blocks."""
 
     def done(task: asyncio.Task[Demand]) -> None:
@@ -191,7 +204,7 @@ def attach(gw: Gateway, ctx: RequestContext, bound: Bound) -> None:
     bound.exact.add_done_callback(done)
 
 
-def _record_blocks(gw: Gateway, ctx: RequestContext) -> None:
+def _record_blocks(gw: BoundPorts, ctx: RequestContext) -> None:
     """The prompt's block hashes (the exact count computed them) for affinity's index."""
     key = ctx.affinity
     if key is None:

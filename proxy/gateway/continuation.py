@@ -26,26 +26,26 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import orjson
 from starlette.responses import Response
 
-from proxy.config import Config
-from proxy.core.continuation import Splice, continuation_body, not_continuable
+from proxy.core.continuation import Splice, continuation_body
 from proxy.core.stream_transcript import Transcript
 from proxy.core.tokens import count_text
 from proxy.core.validation import ParsedRequest, parse_request
 from proxy.errors import ApiError
-from proxy.gateway import attempt, placement, stream
+from proxy.gateway import placement
 from proxy.gateway.context import RequestContext
-from proxy.gateway.continuation_metrics import BreakAction, BreakCause, Unplaced
+from proxy.gateway.continuation_metrics import BreakAction, ContinuationMetrics, Unplaced
+from proxy.gateway.continuation_rules import kind_of
+from proxy.gateway.first_event import first_event
+from proxy.gateway.placement import PlacementPorts
+from proxy.gateway.send import SendPorts, send_attempt
 from proxy.gateway.sizing import size_request
+from proxy.gateway.stream import Break, StreamRelay
 from proxy.upstream.client import UpstreamAnswer
-
-if TYPE_CHECKING:
-    from proxy.gateway.stream import Break, StreamRelay
-    from proxy.gateway.walk import Gateway
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -56,6 +56,12 @@ COUNT_IN_THREAD_CHARS = 4096
 _DONE = b"data: [DONE]\n\n"
 
 
+class ContinuationPorts(PlacementPorts, SendPorts, Protocol):
+    """What a continuation uses: placing and sending like any attempt, and its own counters."""
+
+    continuation_metrics: ContinuationMetrics
+
+
 @dataclass(frozen=True, slots=True)
 class Resumed:
     """A continuation's stream whose first event arrived: ready to relay."""
@@ -63,34 +69,6 @@ class Resumed:
     backend: str
     resp: UpstreamAnswer
     first: bytes
-
-
-def kind_of(cfg: Config, backend: str) -> str | None:
-    for b in cfg.backends:
-        if b.name == backend:
-            return b.kind
-    return None
-
-
-def transcript_for(gw: Gateway, ctx: RequestContext, backend: str) -> Transcript | None:
-    """A transcript to read the stream with when it may be continued; None when it may not."""
-    parsed = ctx.parsed
-    kind = kind_of(ctx.cfg, backend)
-    if kind is None or not ctx.cfg.continuation.covers(kind, parsed.model):
-        return None
-    if not_continuable(parsed.body, parsed.endpoint) is not None:
-        return None
-    return Transcript(parsed.endpoint)
-
-
-def stall_timeout(ctx: RequestContext, continuable: bool) -> float:
-    """The longest silence between events: ``continuation.stall_timeout_s`` where it applies."""
-    stall = ctx.cfg.continuation.stall_timeout_s
-    return stall if continuable and stall is not None else ctx.cfg.upstream.idle_timeout_s
-
-
-def break_cause(cause: str) -> BreakCause:
-    return "ended_early" if cause.startswith("the stream ended") else "reset"
 
 
 def _action(relay: StreamRelay, broken: Break, done: int) -> BreakAction:
@@ -108,9 +86,11 @@ def _action(relay: StreamRelay, broken: Break, done: int) -> BreakAction:
     return "continued"
 
 
-async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[bytes]:
+async def carry_on(
+    gw: ContinuationPorts, relay: StreamRelay, broken: Break | None
+) -> AsyncIterator[bytes]:
     """What the client gets after ``broken``: continuations where allowed, else the final event."""
-    gw, ctx, transcript = relay.gw, relay.ctx, relay.transcript
+    ctx, transcript = relay.ctx, relay.transcript
     metrics = gw.continuation_metrics
     retries_before = ctx.retries
     # Each continuation is built from what the client asked (plus all it has received).
@@ -128,9 +108,7 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
             action = _action(relay, broken, done)
             metrics.broke(broken.cause, action)
             if action == "complete":
-                # Only the bookkeeping after the finish reason was lost.
-                relay.outcome = "success"
-                if transcript is not None and not transcript.done:
+                if _lacks_done(relay):
                     yield _DONE
                 return
             if action != "continued" or transcript is None:
@@ -140,7 +118,7 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
                 splice = Splice(ctx.parsed.endpoint, transcript.identity, backends=[relay.backend])
             splice.causes.append(broken.cause)
             running = True
-            resumed = await _resume(relay, broken, original, transcript, splice)
+            resumed = await _resume(gw, relay, broken, original, transcript, splice)
             # As for any retry, the budget's slot is held until the answer starts, no longer.
             gw.budget.release(ctx.retries - retries_before)
             retries_before = ctx.retries
@@ -154,11 +132,7 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
                 yield broken.final_event
                 return
             done += 1
-            splice.backends.append(resumed.backend)
-            ctx.request.scope.setdefault(CONTINUED_ON, []).append(resumed.backend)
-            relay.resp, relay.backend, relay.holds = resumed.resp, resumed.backend, True
-            ctx.backend = resumed.backend
-            transcript.next_part()
+            _switch_to(relay, transcript, splice, resumed)
             async for piece in relay.relay_part(resumed.first, splice.rewrite):
                 yield piece
             broken = relay.broken
@@ -173,7 +147,27 @@ async def carry_on(relay: StreamRelay, broken: Break | None) -> AsyncIterator[by
         gw.budget.release(ctx.retries - retries_before)
 
 
+def _lacks_done(relay: StreamRelay) -> bool:
+    """A stream broken after its finish reason: only the bookkeeping after it was lost, so it
+    succeeded; True when the client still needs the ``[DONE]`` line."""
+    relay.outcome = "success"
+    return relay.transcript is not None and not relay.transcript.done
+
+
+def _switch_to(
+    relay: StreamRelay, transcript: Transcript, splice: Splice, resumed: Resumed
+) -> None:
+    """The relay goes on with the continuation's stream, on its backend, as the next part."""
+    ctx = relay.ctx
+    splice.backends.append(resumed.backend)
+    ctx.request.scope.setdefault(CONTINUED_ON, []).append(resumed.backend)
+    relay.resp, relay.backend, relay.holds = resumed.resp, resumed.backend, True
+    ctx.backend = resumed.backend
+    transcript.next_part()
+
+
 async def _resume(
+    gw: ContinuationPorts,
     relay: StreamRelay,
     broken: Break,
     original: ParsedRequest,
@@ -197,13 +191,13 @@ async def _resume(
         broken.cause,
         sent,
     )
-    relay.gw.continuation_metrics.added.inc(sent)
+    gw.continuation_metrics.added.inc(sent)
     try:
         await _resize(ctx, body)
     except ApiError as exc:
         log.warning("request %s: continuation refused: %s", ctx.request_id, exc)
         return "refused"
-    return await _place(relay, broken)
+    return await _place(gw, relay)
 
 
 async def _tokens_sent(transcript: Transcript) -> int:
@@ -224,9 +218,9 @@ async def _resize(ctx: RequestContext, body: dict[str, object]) -> None:
     ctx.prompt_tokens, ctx.demand = sized.prompt_tokens, sized.total
 
 
-async def _place(relay: StreamRelay, broken: Break) -> Resumed | Unplaced:
+async def _place(gw: ContinuationPorts, relay: StreamRelay) -> Resumed | Unplaced:
     """Place and start the continuation (the walk's place/attempt/move_on loop)."""
-    gw, ctx = relay.gw, relay.ctx
+    ctx = relay.ctx
     ctx.exclude.add(relay.backend)
     ctx.exclude |= {b.name for b in ctx.cfg.backends if b.kind not in ctx.cfg.continuation.kinds}
     ctx.failed_on.append(relay.backend)
@@ -241,7 +235,7 @@ async def _place(relay: StreamRelay, broken: Break) -> Resumed | Unplaced:
             # placement's answer (give_up, nothing_fits) counted the request already.
             relay.counted = True
             return "no_backend"
-        got = await attempt.send_attempt(gw, ctx, placed, _first_event)
+        got = await send_attempt(gw, ctx, placed, _first_event)
         if isinstance(got, Resumed):
             return got
         if isinstance(got, Response):
@@ -251,7 +245,7 @@ async def _place(relay: StreamRelay, broken: Break) -> Resumed | Unplaced:
         await placement.move_on(gw, ctx, placed)
 
 
-async def _budget_slot(gw: Gateway, ctx: RequestContext) -> bool:
+async def _budget_slot(gw: ContinuationPorts, ctx: RequestContext) -> bool:
     """A retry-budget slot for the continuation, waited for within ``queue.max_wait_s``.
 
     The budget caps retries in flight (each holds its slot until its answer starts); when a
@@ -268,14 +262,14 @@ async def _budget_slot(gw: Gateway, ctx: RequestContext) -> bool:
 
 
 async def _first_event(
-    gw: Gateway,
+    gw: ContinuationPorts,
     ctx: RequestContext,
     backend: str,
     resp: UpstreamAnswer,
     started: float,
     ttfb_deadline: float,
 ) -> Resumed | None:
-    first = await stream.first_event(gw, ctx, backend, resp, ttfb_deadline)
+    first = await first_event(gw, ctx, backend, resp, ttfb_deadline)
     return None if first is None else Resumed(backend, resp, first)
 
 

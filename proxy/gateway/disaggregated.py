@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import orjson
 from starlette.responses import Response
@@ -49,20 +49,24 @@ from proxy.core.two_step import (
     worth_two_steps,
 )
 from proxy.gateway import attempt, placement
+from proxy.gateway.attempt import AttemptPorts
 from proxy.gateway.context import RequestContext
+from proxy.gateway.placement import PlacementPorts
 from proxy.routing.policy import RouteRequest
 from proxy.routing.prefill_wait import PrefillWaitPolicy
 
-if TYPE_CHECKING:
-    from proxy.gateway.walk import Gateway
-
 log = logging.getLogger("kvroute.gateway")
+
+
+class TwoStepPorts(AttemptPorts, PlacementPorts, Protocol):
+    """A two-step request places and attempts each step like any request."""
+
 
 # The answer a client that left gets (nobody reads it), as ``attempt`` answers it.
 CLIENT_LEFT = 499
 
 
-def begin(gw: Gateway, ctx: RequestContext) -> None:
+def begin(gw: TwoStepPorts, ctx: RequestContext) -> None:
     """Prefill-only servers never take an ordinary request; a disaggregated fleet takes two steps."""
     backends = ctx.cfg.backends
     only = prefill_only(backends)
@@ -85,7 +89,7 @@ def begin(gw: Gateway, ctx: RequestContext) -> None:
     )
 
 
-async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | None:
+async def prefill_while_holding(gw: TwoStepPorts, ctx: RequestContext) -> Response | None:
     """Step 1 before the decode placement when no decode server fits now.
 
     The decode step will hold at the gateway until one fits; step 1 does not need it, so the
@@ -109,7 +113,7 @@ async def prefill_while_holding(gw: Gateway, ctx: RequestContext) -> Response | 
     return await _prefill(gw, ctx, two)
 
 
-async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Response | None:
+async def prefill_if_wanted(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> Response | None:
     """Step 1 for a request placed on ``decode``; a Response ends the request (reservation freed)."""
     two = ctx.two_step
     if two is None or two.step == "decode":
@@ -122,14 +126,14 @@ async def prefill_if_wanted(gw: Gateway, ctx: RequestContext, decode: str) -> Re
     try:
         answer = await _prefill(gw, ctx, two)
     except BaseException:
-        gw.release_later(ctx, decode)
+        gw.tasks.release_later(ctx, decode)
         raise
     if answer is not None:
-        gw.release_later(ctx, decode)
+        gw.tasks.release_later(ctx, decode)
     return answer
 
 
-async def _prefill(gw: Gateway, ctx: RequestContext, two: TwoStep) -> Response | None:
+async def _prefill(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep) -> Response | None:
     sub = _prefill_context(gw, ctx, two)
     try:
         while True:
@@ -147,7 +151,7 @@ async def _prefill(gw: Gateway, ctx: RequestContext, two: TwoStep) -> Response |
         two.prefill_attempts += sub.attempts
 
 
-def _prefill_context(gw: Gateway, ctx: RequestContext, two: TwoStep) -> RequestContext:
+def _prefill_context(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep) -> RequestContext:
     """Step 1 as a one-step request of its own: one token, no stream, a remote decode asked for."""
     body = prefill_body(two.body)
     parsed = dataclasses.replace(
@@ -178,7 +182,7 @@ def _prefill_context(gw: Gateway, ctx: RequestContext, two: TwoStep) -> RequestC
 
 
 def _prefilled(
-    gw: Gateway, ctx: RequestContext, two: TwoStep, prefill: str, answer: Response
+    gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, prefill: str, answer: Response
 ) -> Response | None:
     """A prefill server answered: the transfer params make step 2's body; anything else ends here."""
     if answer.status_code == CLIENT_LEFT:
@@ -211,7 +215,7 @@ def _prefilled(
     return None
 
 
-def _no_prefill(gw: Gateway, ctx: RequestContext, two: TwoStep, answer: Response) -> None:
+def _no_prefill(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, answer: Response) -> None:
     """No prefill server could take step 1: the decode server computes the prompt itself."""
     log.warning(
         "request %s: no prefill server took it (HTTP %d); the decode server prefills",
@@ -222,7 +226,7 @@ def _no_prefill(gw: Gateway, ctx: RequestContext, two: TwoStep, answer: Response
     two.skipped = True
 
 
-def after_divert(gw: Gateway, ctx: RequestContext, decode: str) -> None:
+def after_divert(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> None:
     """Step 2 on ``decode`` failed before answering: keep the prefilled KV or compute it again."""
     two = ctx.two_step
     if two is None or two.params is None:
@@ -239,7 +243,7 @@ def after_divert(gw: Gateway, ctx: RequestContext, decode: str) -> None:
     ctx.parsed = dataclasses.replace(ctx.parsed, raw=two.raw)
 
 
-def finish(gw: Gateway, ctx: RequestContext, answer: Response) -> Response:
+def finish(gw: TwoStepPorts, ctx: RequestContext, answer: Response) -> Response:
     """The request's answer after step 2 (or its placement): counted, and its failed step named."""
     two = ctx.two_step
     if two is None:
@@ -263,7 +267,7 @@ def _name_failure(answer: Response, step: Step, allocation: bool) -> None:
     )
 
 
-def _cached(gw: Gateway, ctx: RequestContext) -> Mapping[str, int]:
+def _cached(gw: TwoStepPorts, ctx: RequestContext) -> Mapping[str, int]:
     """Prompt tokens each backend probably caches already (prefix affinity's index)."""
     request = RouteRequest(ctx.demand, ctx.cls)
     view = gw.local.apply(ctx.snap)

@@ -10,18 +10,17 @@ the backend's health differs: broken counts toward ejection, full or busy does n
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from starlette.responses import Response
 
 from proxy.core.fleet import FailureCause, FleetSnapshot
 from proxy.gateway import retry_memory
 from proxy.gateway.context import AttemptResult, RequestContext
+from proxy.gateway.ports import SharedPorts
 from proxy.routing.nothing_fits import Cause as NothingFitsCause
 from proxy.routing.nothing_fits import NothingFits, judge
-
-if TYPE_CHECKING:
-    from proxy.gateway.walk import Gateway
+from proxy.state.base import StateStore
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -42,8 +41,16 @@ class AllocationFailureHook(Protocol):
     ) -> None: ...
 
 
+class DivertPorts(SharedPorts, Protocol):
+    """What diversion uses: the shared ports, the store (learned ceilings, cooldowns,
+    failed-on lists) and the allocation-failure hooks."""
+
+    store: StateStore
+    on_allocation_failure: list[AllocationFailureHook]
+
+
 def divert(
-    gw: Gateway,
+    gw: DivertPorts,
     ctx: RequestContext,
     backend: str,
     answer: Response | None,
@@ -64,8 +71,8 @@ def divert(
     it is logged but does not count toward ejection.
     """
     if retry_after_s is not None and retry_after_s > 0:
-        cool_down(gw, backend, retry_after_s)
-    gw.release_later(ctx, backend)
+        cool_down(gw, ctx, backend, retry_after_s)
+    gw.tasks.release_later(ctx, backend)
     gw.metrics.attempts.labels(backend, result).inc()
     if broken is not None and not out_of_time:
         gw.health.failure(backend)
@@ -76,7 +83,7 @@ def divert(
     if full:
         ctx.no_room.add(backend)
         _remember_for_retry(gw, ctx, backend)
-        _learn_ceiling(gw, backend, ctx.demand)
+        _learn_ceiling(gw, ctx, backend, ctx.demand)
     if broken is not None:
         log.warning("request %s: %s failed (%s): %s", ctx.request_id, backend, result, broken)
     if answer is not None:
@@ -85,7 +92,7 @@ def divert(
         ctx.failure_outcome = "upstream_timeout" if result == "timeout" else "upstream_error"
 
 
-def _remember_for_retry(gw: Gateway, ctx: RequestContext, backend: str) -> None:
+def _remember_for_retry(gw: DivertPorts, ctx: RequestContext, backend: str) -> None:
     """The client's own retry (same key) must not go back to a node that could not allocate it.
 
     Only allocation failures: transient ones (429, 5xx, timeouts) are health's business
@@ -95,30 +102,36 @@ def _remember_for_retry(gw: Gateway, ctx: RequestContext, backend: str) -> None:
         key = ctx.retry_key
         ttl = ctx.cfg.retry.retry_key_ttl_s
         item = retry_memory.entry(backend, gw.clock())
-        gw.spawn(gw.store_quietly("add_failed", lambda: gw.store.add_failed(key, item, ttl)))
+        gw.tasks.spawn(
+            gw.tasks.store_quietly("add_failed", lambda: gw.store.add_failed(key, item, ttl))
+        )
 
 
-def _learn_ceiling(gw: Gateway, backend: str, demand: int) -> None:
+def _learn_ceiling(gw: DivertPorts, ctx: RequestContext, backend: str, demand: int) -> None:
     """Remember "``backend`` cannot fit ``demand`` now" until its next report or the TTL."""
     now = gw.clock()
-    until = now + gw.cfg.retry.ceiling_ttl_s
-    gw.spawn(
-        gw.store_quietly("set_ceiling", lambda: gw.store.set_ceiling(backend, demand, now, until))
+    until = now + ctx.cfg.retry.ceiling_ttl_s
+    gw.tasks.spawn(
+        gw.tasks.store_quietly(
+            "set_ceiling", lambda: gw.store.set_ceiling(backend, demand, now, until)
+        )
     )
 
 
-def cool_down(gw: Gateway, backend: str, retry_after_s: float) -> None:
+def cool_down(gw: DivertPorts, ctx: RequestContext, backend: str, retry_after_s: float) -> None:
     """Honour a backend's Retry-After: no traffic from this replica (and, via the store, any) for a while."""
-    seconds = min(retry_after_s, gw.cfg.retry.max_retry_after_s)
+    seconds = min(retry_after_s, ctx.cfg.retry.max_retry_after_s)
     if seconds <= 0:
         return
     gw.health.cooldown(backend, seconds)
     until = gw.clock() + seconds
-    gw.spawn(gw.store_quietly("set_cooldown", lambda: gw.store.set_cooldown(backend, until)))
+    gw.tasks.spawn(
+        gw.tasks.store_quietly("set_cooldown", lambda: gw.store.set_cooldown(backend, until))
+    )
 
 
 def record_allocation_failure(
-    gw: Gateway, backend: str, cause: NothingFitsCause, demand: int, verdict: NothingFits
+    gw: DivertPorts, backend: str, cause: NothingFitsCause, demand: int, verdict: NothingFits
 ) -> None:
     """Count an allocation failure and tell the hooks (the fleet operations' diagnosis).
 
@@ -145,7 +158,9 @@ def record_allocation_failure(
         )
 
 
-def verdict_for(gw: Gateway, ctx: RequestContext, view: FleetSnapshot, now: float) -> NothingFits:
+def verdict_for(
+    gw: DivertPorts, ctx: RequestContext, view: FleetSnapshot, now: float
+) -> NothingFits:
     """The per-node test for this request over ``view``.
 
     Nodes left out for this request's sake (diverted, unhealthy, ejected, cooling down) are

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 from starlette.requests import Request
 
@@ -19,16 +20,30 @@ from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
 from proxy.gateway import retry_memory
+from proxy.gateway.affinity import Affinity
+from proxy.gateway.background import Background
 from proxy.gateway.bound_route import Bound, attach, size_or_bound
 from proxy.gateway.context import RequestContext
-from proxy.gateway.models import check_length, route_model
+from proxy.gateway.models import ModelsPorts, check_length, route_model
+from proxy.gateway.token_counts import TokenCounts
 from proxy.routing.policy import Policy, classify
-from proxy.state.base import StoreUnavailable
+from proxy.state.base import StateStore, StoreUnavailable
+from proxy.state.fleet_cache import FleetCache
 from proxy.upstream.client import forward_headers, header
 from proxy.upstream.client_auth import strips_client_authorization
 
-if TYPE_CHECKING:
-    from proxy.gateway.walk import Gateway
+
+class IntakePorts(ModelsPorts, Protocol):
+    """What opening a request uses: the fleet view, the token-count corrections, affinity,
+    the clock (a request routed on its bound records its blocks later), and the store (the
+    client's earlier failures by retry key) through the task helper."""
+
+    fleet: FleetCache
+    token_counts: TokenCounts
+    affinity: Affinity
+    store: StateStore
+    tasks: Background
+    clock: Callable[[], float]
 
 
 # Where the request guard (proxy.api.limits) leaves the body it read, within the same limit.
@@ -99,50 +114,27 @@ def max_capacity(cfg: Config, snap: FleetSnapshot) -> int | None:
 
 
 async def open_request(
-    gw: Gateway,
+    gw: IntakePorts,
     request: Request,
     parsed: ParsedRequest,
     reservation_id: str,
     request_id: str,
     started: float,
-    cfg: Config | None = None,
-    policy: Policy | None = None,
+    cfg: Config,
+    policy: Policy,
 ) -> RequestContext:
     """Size and classify a valid request, refuse one no backend could ever hold, recall its failures.
 
     ``cfg``/``policy``: what the request runs on to its end (the gateway's, read once by
-    ``handle``); absent, the gateway's current ones.
+    ``handle``).
     """
-    cfg = gw.cfg if cfg is None else cfg
-    policy = gw.policy if policy is None else policy
-    rcfg = cfg.routing
     deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
-    served, catalog = route_model(gw, parsed, cfg)
-    sized = await size_or_bound(gw, parsed, cfg, policy, served, catalog)
-    bound = sized if isinstance(sized, Bound) else None
-    if isinstance(sized, Bound):
-        # Routed on a proven upper bound (already corrected) while the exact count finishes.
-        sized = sized.upper
-        counted, prompt_tokens = 0, sized.prompt_tokens
-    else:
-        # As the servers count them, where answers taught the gateway its tokenizer is off.
-        counted = sized.prompt_tokens
-        prompt_tokens = gw.token_counts.correct(parsed.model, counted)
-    demand = sized.total - sized.prompt_tokens + prompt_tokens
-    too_small = check_length(catalog, served, parsed, prompt_tokens)
-    cls = classify(demand, rcfg.long_threshold_tokens)
+    sized = await _size(gw, parsed, cfg, policy)
+    demand, prompt_tokens = sized.demand, sized.prompt_tokens
     snap = await gw.fleet.snapshot()
-    cap = max_capacity(cfg, snap)
-    need = demand * (1.0 + rcfg.safety_margin) if policy.checks_fit else float(demand)
-    # With the model's max_model_len known, that is the limit the servers enforce (above).
-    if served.limit is None and cap is not None and need > cap:
-        raise ApiError(
-            400,
-            f"this request needs {demand} tokens of KV cache ({prompt_tokens} prompt + "
-            f"{demand - prompt_tokens} max new), more than any backend holds ({cap}); shorten the prompt or lower max_tokens",
-            param="messages" if parsed.endpoint == "chat" else "prompt",
-            code="context_length_exceeded",
-        )
+    if not sized.limit_known:
+        # Unless the model's max_model_len is known (check_length enforced it): the largest cache.
+        refuse_beyond_every_backend(cfg, policy, parsed, snap, demand, prompt_tokens)
     key = retry_key(cfg, request, parsed)
     ctx = RequestContext(
         request=request,
@@ -152,26 +144,84 @@ async def open_request(
         started=started,
         deadline=deadline,
         prompt_tokens=prompt_tokens,
-        counted_prompt_tokens=counted,
+        counted_prompt_tokens=sized.counted,
         demand=demand,
-        cls=cls,
+        cls=classify(demand, cfg.routing.long_threshold_tokens),
         snap=snap,
         retry_key=key,
         upstream_headers=forward_headers(request.headers, strips_client_authorization(cfg.auth)),
         cfg=cfg,
         policy=policy,
-        ruled_out=served.ruled_out | too_small,
+        ruled_out=sized.ruled_out,
     )
-    if bound is None:
+    if sized.bound is None:
         ctx.affinity = await gw.affinity.key_of(request, parsed)
     else:
+        # Its block hashes come with its exact count (proxy.gateway.bound_route).
         ctx.affinity = gw.affinity.session_key(request, parsed)
-        attach(gw, ctx, bound)
+        attach(gw, ctx, sized.bound)
     if key is not None:
-        try:
-            listed = await gw.store_call("failed_on", lambda: gw.store.failed_on(key))
-            ctx.no_room = retry_memory.still_excluded(listed, snap, demand)
-            ctx.exclude |= ctx.no_room
-        except StoreUnavailable:
-            pass
+        await _recall_failures(gw, ctx, key)
     return ctx
+
+
+class Sizing(NamedTuple):
+    """What a request costs: its prompt as the gateway and as the servers count it, its KV
+    demand, and the backends its model rules out."""
+
+    counted: int
+    prompt_tokens: int
+    demand: int
+    ruled_out: frozenset[str]
+    # The model's max_model_len is known (the servers' own limit was checked).
+    limit_known: bool
+    # Routed on a proven upper bound while its exact count finishes (counted: 0 until then).
+    bound: Bound | None = None
+
+
+async def _size(gw: IntakePorts, parsed: ParsedRequest, cfg: Config, policy: Policy) -> Sizing:
+    served, catalog = route_model(gw, parsed, cfg)
+    sized = await size_or_bound(gw, parsed, cfg, policy, served, catalog)
+    bound = sized if isinstance(sized, Bound) else None
+    if isinstance(sized, Bound):
+        # The bound is corrected already; the exact count is compared with usage later.
+        counted, prompt_tokens, sized = 0, sized.upper.prompt_tokens, sized.upper
+    else:
+        # As the servers count them, where answers taught the gateway its tokenizer is off.
+        counted = sized.prompt_tokens
+        prompt_tokens = gw.token_counts.correct(parsed.model, counted)
+    demand = sized.total - sized.prompt_tokens + prompt_tokens
+    too_small = check_length(catalog, served, parsed, prompt_tokens)
+    ruled_out = served.ruled_out | too_small
+    return Sizing(counted, prompt_tokens, demand, ruled_out, served.limit is not None, bound)
+
+
+def refuse_beyond_every_backend(
+    cfg: Config,
+    policy: Policy,
+    parsed: ParsedRequest,
+    snap: FleetSnapshot,
+    demand: int,
+    prompt_tokens: int,
+) -> None:
+    """400 ``context_length_exceeded`` for a request larger than any backend's whole KV cache."""
+    cap = max_capacity(cfg, snap)
+    need = demand * (1.0 + cfg.routing.safety_margin) if policy.checks_fit else float(demand)
+    if cap is not None and need > cap:
+        raise ApiError(
+            400,
+            f"this request needs {demand} tokens of KV cache ({prompt_tokens} prompt + "
+            f"{demand - prompt_tokens} max new), more than any backend holds ({cap}); shorten the prompt or lower max_tokens",
+            param="messages" if parsed.endpoint == "chat" else "prompt",
+            code="context_length_exceeded",
+        )
+
+
+async def _recall_failures(gw: IntakePorts, ctx: RequestContext, key: str) -> None:
+    """Leave out the backends that failed to allocate the client's earlier try (its retry key)."""
+    try:
+        listed = await gw.tasks.store_call("failed_on", lambda: gw.store.failed_on(key))
+    except StoreUnavailable:
+        return
+    ctx.no_room = retry_memory.still_excluded(listed, ctx.snap, ctx.demand)
+    ctx.exclude |= ctx.no_room

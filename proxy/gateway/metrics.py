@@ -15,13 +15,73 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
-from proxy.core.fleet import FleetSnapshot
+from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView
 from proxy.gateway.sizing_metrics import SizingCollector
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+# Per-backend gauges read off each node's last report: (name, help, value at ``now``).
+_REPORT_GAUGES: tuple[tuple[str, str, Callable[[MemoryReport, float], float]], ...] = (
+    (
+        "largest_contiguous_free_block_ratio",
+        "Largest contiguous free KV block / total free KV memory",
+        lambda r, now: r.largest_block_ratio,
+    ),
+    (
+        "kvroute_fragmentation_ratio",
+        "1 - largest free block / total free",
+        lambda r, now: r.fragmentation,
+    ),
+    ("kvroute_backend_free_fraction", "Free KV memory / capacity", lambda r, now: r.free_fraction),
+    (
+        "kvroute_backend_free_tokens",
+        "Free KV memory in tokens",
+        lambda r, now: float(r.free_tokens),
+    ),
+    (
+        "kvroute_backend_largest_free_block_tokens",
+        "Largest contiguous free block in tokens",
+        lambda r, now: float(r.largest_free_block_tokens),
+    ),
+    (
+        "kvroute_backend_capacity_tokens",
+        "KV capacity in tokens",
+        lambda r, now: float(r.capacity_tokens),
+    ),
+    (
+        "kvroute_backend_uptime_seconds",
+        "Seconds since the backend's last restart",
+        lambda r, now: r.uptime(now),
+    ),
+)
+# Per-backend gauges of the gateway's own view of each node, report or not.
+_NODE_GAUGES: tuple[tuple[str, str, Callable[[NodeView], float]], ...] = (
+    (
+        "kvroute_backend_up",
+        "1 if the backend is reachable and reporting",
+        lambda n: 1.0 if n.up else 0.0,
+    ),
+    (
+        "kvroute_backend_draining",
+        "1 while the backend is drained",
+        lambda n: 1.0 if n.overlay.draining else 0.0,
+    ),
+    (
+        "kvroute_reserved_tokens",
+        "Tokens reserved by in-flight requests",
+        lambda n: float(n.overlay.reserved_tokens),
+    ),
+    (
+        "kvroute_inflight_requests",
+        "Requests in flight through the gateway",
+        lambda n: float(n.overlay.inflight),
+    ),
+)
+_PRESSURE_REASONS = ("queue", "slots", "preemption", "asleep")
 
 
 class FleetCollector(Collector):
@@ -36,84 +96,27 @@ class FleetCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         now = self._now()
-        lbl = ["backend", "pool"]
-        ratio = GaugeMetricFamily(
-            "largest_contiguous_free_block_ratio",
-            "Largest contiguous free KV block / total free KV memory",
-            labels=lbl,
-        )
-        frag = GaugeMetricFamily(
-            "kvroute_fragmentation_ratio", "1 - largest free block / total free", labels=lbl
-        )
-        free_frac = GaugeMetricFamily(
-            "kvroute_backend_free_fraction", "Free KV memory / capacity", labels=lbl
-        )
-        free = GaugeMetricFamily(
-            "kvroute_backend_free_tokens", "Free KV memory in tokens", labels=lbl
-        )
-        largest = GaugeMetricFamily(
-            "kvroute_backend_largest_free_block_tokens",
-            "Largest contiguous free block in tokens",
-            labels=lbl,
-        )
-        cap = GaugeMetricFamily(
-            "kvroute_backend_capacity_tokens", "KV capacity in tokens", labels=lbl
-        )
-        uptime = GaugeMetricFamily(
-            "kvroute_backend_uptime_seconds", "Seconds since the backend's last restart", labels=lbl
-        )
-        up = GaugeMetricFamily(
-            "kvroute_backend_up", "1 if the backend is reachable and reporting", labels=lbl
-        )
-        draining = GaugeMetricFamily(
-            "kvroute_backend_draining", "1 while the backend is drained", labels=lbl
-        )
-        reserved = GaugeMetricFamily(
-            "kvroute_reserved_tokens", "Tokens reserved by in-flight requests", labels=lbl
-        )
-        inflight = GaugeMetricFamily(
-            "kvroute_inflight_requests", "Requests in flight through the gateway", labels=lbl
-        )
-        fams = [
-            ratio,
-            frag,
-            free_frac,
-            free,
-            largest,
-            cap,
-            uptime,
-            up,
-            draining,
-            reserved,
-            inflight,
-        ]
+        labels = ["backend", "pool"]
+        by_report = [(GaugeMetricFamily(n, h, labels=labels), f) for n, h, f in _REPORT_GAUGES]
+        by_node = [(GaugeMetricFamily(n, h, labels=labels), f) for n, h, f in _NODE_GAUGES]
         pressure = GaugeMetricFamily(
             "kvroute_backend_pressure",
             "1 while a queueing backend is full for new work: queue, slots, preemption or asleep",
             labels=["backend", "reason"],
         )
-        fams.append(pressure)
-        if snap is not None:
-            for n in snap.nodes:
-                labels = [n.name, n.pool]
-                up.add_metric(labels, 1.0 if n.up else 0.0)
-                draining.add_metric(labels, 1.0 if n.overlay.draining else 0.0)
-                reserved.add_metric(labels, float(n.overlay.reserved_tokens))
-                inflight.add_metric(labels, float(n.overlay.inflight))
-                for reason in ("queue", "slots", "preemption", "asleep"):
-                    on = 1.0 if n.overlay.pressure == reason else 0.0
-                    pressure.add_metric([n.name, reason], on)
-                r = n.report
-                if r is None:
-                    continue
-                ratio.add_metric(labels, r.largest_block_ratio)
-                frag.add_metric(labels, r.fragmentation)
-                free_frac.add_metric(labels, r.free_fraction)
-                free.add_metric(labels, float(r.free_tokens))
-                largest.add_metric(labels, float(r.largest_free_block_tokens))
-                cap.add_metric(labels, float(r.capacity_tokens))
-                uptime.add_metric(labels, r.uptime(now))
-        yield from fams
+        for node in snap.nodes if snap is not None else ():
+            values = [node.name, node.pool]
+            for family, of_node in by_node:
+                family.add_metric(values, of_node(node))
+            for reason in _PRESSURE_REASONS:
+                on = 1.0 if node.overlay.pressure == reason else 0.0
+                pressure.add_metric([node.name, reason], on)
+            if node.report is not None:
+                for family, of_report in by_report:
+                    family.add_metric(values, of_report(node.report, now))
+        yield from (family for family, _ in by_report)
+        yield from (family for family, _ in by_node)
+        yield pressure
 
 
 class GatewayMetrics:
@@ -126,6 +129,12 @@ class GatewayMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         # Chunk-cache and sizing counters, read at scrape time (proxy.gateway.sizing_metrics).
         r.register(SizingCollector())
+        self._count_outcomes(r)
+        self._time_requests(r)
+        self._watch_the_gateway(r)
+
+    def _count_outcomes(self, r: CollectorRegistry) -> None:
+        """How requests and their attempts ended, and why some were refused or retried."""
         self.requests = Counter(
             "kvroute_requests",
             "Requests by class, final backend and outcome",
@@ -155,6 +164,9 @@ class GatewayMetrics:
         self.rejected = Counter(
             "kvroute_rejected", "Requests refused before routing, by reason", ["reason"], registry=r
         )
+
+    def _time_requests(self, r: CollectorRegistry) -> None:
+        """Where a request's time goes: the admission queue, the decision, the whole request."""
         self.queue_depth = Gauge(
             "kvroute_queue_depth", "Requests waiting for a node with a big enough block", registry=r
         )
@@ -177,6 +189,9 @@ class GatewayMetrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
+
+    def _watch_the_gateway(self, r: CollectorRegistry) -> None:
+        """The gateway's own state: the store, requests in flight, two-step requests."""
         self.store_degraded = Gauge(
             "kvroute_store_degraded",
             "1 while the state store is unreachable and routing runs on a snapshot",

@@ -11,16 +11,13 @@ for this request are ruled out of its routing.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from proxy.config import Config
 from proxy.core.catalog import BackendModels, Catalog, ModelRoute
 from proxy.core.model_limits import LimitError, context_length_error, model_not_found
 from proxy.core.validation import ParsedRequest
 from proxy.errors import ApiError
-
-if TYPE_CHECKING:
-    from proxy.gateway.walk import Gateway
 
 # Backend name -> what its /v1/models listed (model id -> max_model_len), None while unknown.
 # The app wires it to the collector's cache (gateway code does not import the adapters).
@@ -89,7 +86,14 @@ def as_api_error(err: LimitError) -> ApiError:
     return ApiError(err.status, err.message, type=err.type, param=err.param, code=err.code)
 
 
-def route_model(gw: Gateway, parsed: ParsedRequest, cfg: Config) -> tuple[ModelRoute, Catalog]:
+class ModelsPorts(Protocol):
+    """What routing by model uses: the backends' model lists and the catalog built from them."""
+
+    catalogs: CatalogCache
+    models_info: ModelsLookup
+
+
+def route_model(gw: ModelsPorts, parsed: ParsedRequest, cfg: Config) -> tuple[ModelRoute, Catalog]:
     """Where the request's model is served, and the catalog that says so (for ``check_length``:
     one look at the model lists per request); 404 ``model_not_found`` when nowhere."""
     catalog = gw.catalogs.get(cfg, gw.models_info)

@@ -15,24 +15,43 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Coroutine
+from typing import Any, Literal, Protocol
 
 from starlette.responses import Response
 
 from proxy.core.fleet import FleetSnapshot
 from proxy.errors import ApiError, upstream_answer
 from proxy.gateway import queueing
+from proxy.gateway.admission import Admission
+from proxy.gateway.affinity import Affinity
 from proxy.gateway.context import RequestContext
-from proxy.gateway.divert import record_allocation_failure, verdict_for
+from proxy.gateway.divert import DivertPorts, record_allocation_failure, verdict_for
+from proxy.gateway.ledger import ReservationLedger
+from proxy.gateway.local_view import LocalReservations
+from proxy.gateway.queueing import QueueingPorts
+from proxy.gateway.retry_budget import RetryBudget
 from proxy.routing.nothing_fits import NothingFits
 from proxy.routing.policy import RouteRequest
 from proxy.state.base import StoreUnavailable
-
-if TYPE_CHECKING:
-    from proxy.gateway.walk import Gateway
+from proxy.state.fleet_cache import FleetCache
 
 
-async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
+class PlacementPorts(DivertPorts, QueueingPorts, Protocol):
+    """What ranking and reserving use: the fleet view and this replica's reservations laid
+    over it, affinity, the ledger, the retry budget and the admission queue."""
+
+    fleet: FleetCache
+    local: LocalReservations
+    affinity: Affinity
+    ledger: ReservationLedger
+    budget: RetryBudget
+    admission: Admission
+    # Requests in flight on this replica (the retry budget's share is of these).
+    active: int
+
+
+async def place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
     """The backend that now holds this request's reservation, or the request's final answer."""
     try:
         placed = await _place(gw, ctx)
@@ -47,7 +66,7 @@ async def place(gw: Gateway, ctx: RequestContext) -> str | Response:
     return placed
 
 
-async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
+async def _place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
     loop = asyncio.get_running_loop()
     while ctx.attempts < ctx.cfg.retry.max_attempts:
         if loop.time() >= ctx.deadline:
@@ -58,21 +77,9 @@ async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
         if ctx.exclude:
             avoid |= ctx.exclude
         now = gw.clock()
-        view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
-        request = RouteRequest(ctx.demand, ctx.cls, avoid)
-        request = gw.affinity.route_request(ctx.affinity, request, view, now)
-        # An older held request that reached its overtake limit: the room is kept for it.
-        fair = gw.pressure.order.may_place(ctx.reservation_id)
-        ranked = ctx.policy.rank(view, request, now) if fair else []
-        if not ctx.decided:
-            gw.metrics.decision.observe(time.perf_counter() - ctx.started)
-            ctx.decided = True
-        if ranked and ctx.failure is not None:
-            # A retry of a failed attempt: only within the budget.
-            if not gw.budget.try_acquire(gw.active):
-                gw.metrics.retries.labels("budget_exhausted").inc()
-                return give_up(gw, ctx)
-            ctx.retries += 1
+        view, request, ranked = _rank(gw, ctx, avoid, now)
+        if ranked and ctx.failure is not None and not _retry_allowed(gw, ctx):
+            return give_up(gw, ctx)
         demands = (
             {n: gw.affinity.demand_on(request, view, n) for n in ranked} if request.cached else None
         )
@@ -87,30 +94,15 @@ async def _place(gw: Gateway, ctx: RequestContext) -> str | Response:
         if verdict.cause == "unavailable":
             # An outage: no report will make room, so the queue would only delay the 503.
             return nothing_fits(gw, ctx, verdict)
-        if queueing.hold_over(gw, ctx, view, avoid):
-            # A queueing backend with KV room, only its queue full: no hold at all.
-            if (queued := await join_queue(gw, ctx, avoid, recheck=True)) is not None:
-                return queued
-        if ctx.queue_deadline is None:
-            ctx.queue_deadline = time.monotonic() + hold_limit_s(gw, ctx, view)
-        waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
-        if waited == "hand_over":
-            if (queued := await join_queue(gw, ctx, avoid, recheck=True)) is not None:
-                return queued
-            # The room went to a request that joined first: hold again.
-            continue
-        if waited is None:
-            # Queueing backends (vLLM, SGLang, TGI) are a place to wait, never a 503.
-            if (queued := await join_queue(gw, ctx, avoid)) is not None:
-                return queued
-            return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=ctx.attempts > 0)
-        ctx.snap = waited
+        held = await _hold(gw, ctx, view, avoid)
+        if held is not None:
+            return held
     if ctx.failure is not None:
         return give_up(gw, ctx)
     return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=True)
 
 
-def hold_limit_s(gw: Gateway, ctx: RequestContext, view: FleetSnapshot) -> float:
+def hold_limit_s(gw: PlacementPorts, ctx: RequestContext, view: FleetSnapshot) -> float:
     """The longest hold: ``queue.max_wait_s``, or longer where a lazily allocating node waits.
 
     A hold for a queueing backend ends by joining its queue, never in a 503, so holding it
@@ -122,11 +114,11 @@ def hold_limit_s(gw: Gateway, ctx: RequestContext, view: FleetSnapshot) -> float
     return limit
 
 
-def _verdict_now(gw: Gateway, ctx: RequestContext) -> NothingFits:
+def _verdict_now(gw: PlacementPorts, ctx: RequestContext) -> NothingFits:
     return verdict_for(gw, ctx, gw.local.apply(ctx.snap), gw.clock())
 
 
-def give_up(gw: Gateway, ctx: RequestContext) -> Response:
+def give_up(gw: PlacementPorts, ctx: RequestContext) -> Response:
     """The last upstream failure is the answer: count the request once, by that outcome."""
     assert ctx.failure is not None
     backend = ctx.failed_on[-1] if ctx.failed_on else "none"
@@ -135,7 +127,7 @@ def give_up(gw: Gateway, ctx: RequestContext) -> Response:
     return ctx.failure
 
 
-def out_of_time(gw: Gateway, ctx: RequestContext) -> Response:
+def out_of_time(gw: PlacementPorts, ctx: RequestContext) -> Response:
     """The request's total time ran out between attempts: its last failure, or a 504."""
     if ctx.failure is None:
         limit = ctx.cfg.upstream.total_timeout_s
@@ -147,7 +139,7 @@ def out_of_time(gw: Gateway, ctx: RequestContext) -> Response:
     return give_up(gw, ctx)
 
 
-def _begin_attempt(gw: Gateway, ctx: RequestContext) -> None:
+def _begin_attempt(gw: PlacementPorts, ctx: RequestContext) -> None:
     ctx.attempts += 1
     if ctx.attempts > 1:
         gw.metrics.retries.labels(
@@ -156,14 +148,81 @@ def _begin_attempt(gw: Gateway, ctx: RequestContext) -> None:
     ctx.failure = None
 
 
-async def move_on(gw: Gateway, ctx: RequestContext, backend: str) -> None:
+async def move_on(gw: PlacementPorts, ctx: RequestContext, backend: str) -> None:
     """The attempt on ``backend`` was diverted: leave it out and look at a fresh snapshot."""
     ctx.exclude.add(backend)
     ctx.snap = await gw.fleet.snapshot()
 
 
+async def _hold(
+    gw: PlacementPorts, ctx: RequestContext, view: FleetSnapshot, avoid: frozenset[str]
+) -> str | Response | None:
+    """Nothing took the request now: hand it to a backend's queue, wait for room, or answer
+    why not. None: rank again (on the snapshot that showed room, or after a lost hand-over)."""
+    if queueing.hold_over(gw, ctx, view, avoid):
+        # A queueing backend with KV room, only its queue full: no hold at all.
+        if (queued := await join_queue(gw, ctx, avoid, recheck=True)) is not None:
+            return queued
+    if ctx.queue_deadline is None:
+        ctx.queue_deadline = time.monotonic() + hold_limit_s(gw, ctx, view)
+    waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
+    if waited == "hand_over":
+        # None: the room went to a request that joined first, hold again.
+        return await join_queue(gw, ctx, avoid, recheck=True)
+    if waited is None:
+        # Queueing backends (vLLM, SGLang, TGI) are a place to wait, never a 503.
+        if (queued := await join_queue(gw, ctx, avoid)) is not None:
+            return queued
+        return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=ctx.attempts > 0)
+    ctx.snap = waited
+    return None
+
+
+def _rank(
+    gw: PlacementPorts, ctx: RequestContext, avoid: frozenset[str], now: float
+) -> tuple[FleetSnapshot, RouteRequest, list[str]]:
+    """The view ranked (in-flight reservations and projected KV peaks laid over the cached
+    snapshot), the request as ranked (affinity may lower its demand), and the candidates."""
+    view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
+    request = RouteRequest(ctx.demand, ctx.cls, avoid)
+    request = gw.affinity.route_request(ctx.affinity, request, view, now)
+    # An older held request that reached its overtake limit: the room is kept for it.
+    fair = gw.pressure.order.may_place(ctx.reservation_id)
+    ranked = ctx.policy.rank(view, request, now) if fair else []
+    if not ctx.decided:
+        gw.metrics.decision.observe(time.perf_counter() - ctx.started)
+        ctx.decided = True
+    return view, request, ranked
+
+
+def _retry_allowed(gw: PlacementPorts, ctx: RequestContext) -> bool:
+    """A retry of a failed attempt takes a slot of the retry budget, or is not made."""
+    if not gw.budget.try_acquire(gw.active):
+        gw.metrics.retries.labels("budget_exhausted").inc()
+        return False
+    ctx.retries += 1
+    return True
+
+
+def _store_reserve(
+    gw: PlacementPorts, ctx: RequestContext, name: str, tokens: int, now: float, check_fit: bool
+) -> functools.partial[Coroutine[Any, Any, bool]]:
+    """The store call that reserves ``tokens`` on ``name`` (the ledger makes it, and retries it)."""
+    return functools.partial(
+        gw.store.reserve,
+        name,
+        ctx.reservation_id,
+        tokens,
+        now,
+        ctx.cfg.store.reservation_ttl_s,
+        check_fit=ctx.policy.checks_fit and check_fit,
+        headroom=ctx.cfg.routing.safety_margin,
+        grace_s=ctx.cfg.store.report_grace_s,
+    )
+
+
 async def reserve_first(
-    gw: Gateway,
+    gw: PlacementPorts,
     ctx: RequestContext,
     ranked: list[str],
     now: float,
@@ -183,17 +242,7 @@ async def reserve_first(
         # ranking meanwhile already see it.
         gw.local.add(name, ctx.reservation_id, tokens)
         try:
-            reserve = functools.partial(
-                gw.store.reserve,
-                name,
-                ctx.reservation_id,
-                tokens,
-                now,
-                ctx.cfg.store.reservation_ttl_s,
-                check_fit=ctx.policy.checks_fit and check_fit,
-                headroom=ctx.cfg.routing.safety_margin,
-                grace_s=ctx.cfg.store.report_grace_s,
-            )
+            reserve = _store_reserve(gw, ctx, name, tokens, now, check_fit)
             # The ledger holds whatever the call may reserve, also when this request is
             # cancelled while the call is in flight or the store times out (it may still land).
             # The embedded store's call runs to its end at once (no await).
@@ -220,7 +269,7 @@ async def reserve_first(
 
 
 async def join_queue(
-    gw: Gateway, ctx: RequestContext, avoid: frozenset[str], recheck: bool = False
+    gw: PlacementPorts, ctx: RequestContext, avoid: frozenset[str], recheck: bool = False
 ) -> str | None:
     """Hand the request to the queueing backend expected to start it soonest (or None).
 
@@ -244,7 +293,7 @@ async def join_queue(
 
 
 async def wait_for_fit(
-    gw: Gateway, ctx: RequestContext, exclude: frozenset[str], deadline: float
+    gw: PlacementPorts, ctx: RequestContext, exclude: frozenset[str], deadline: float
 ) -> FleetSnapshot | Literal["hand_over"] | None:
     """The admission queue: wait (bounded) for a report that shows a big enough block.
 
@@ -283,7 +332,7 @@ async def wait_for_fit(
 
 
 def nothing_fits(
-    gw: Gateway, ctx: RequestContext, verdict: NothingFits, exhausted: bool = False
+    gw: PlacementPorts, ctx: RequestContext, verdict: NothingFits, exhausted: bool = False
 ) -> Response:
     """A 503 that says why nothing can take the request: an outage, fragmentation or capacity."""
     cause, why = verdict.cause, verdict.message

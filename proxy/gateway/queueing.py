@@ -17,13 +17,15 @@ a valid place to wait, never a reason for a 503:
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.gateway.context import RequestContext
+from proxy.gateway.memory_pressure import MemoryPressure
 from proxy.routing.policy import PolicySettings, RouteRequest, eligible
 from proxy.routing.pool_sizing import PoolSizing
 from proxy.routing.prefill_rate import PrefillRates
@@ -35,9 +37,6 @@ from proxy.routing.queueing import (
     is_queueing,
     rank_by_wait,
 )
-
-if TYPE_CHECKING:
-    from proxy.gateway.walk import Gateway
 
 
 def settings_from(cfg: Config) -> QueueingSettings:
@@ -119,7 +118,17 @@ class BackendQueues:
         return rank_by_wait(nodes, ctx.prompt_tokens, ctx.demand, ctx.cls, settings)
 
 
-def hold_over(gw: Gateway, ctx: RequestContext, snap: FleetSnapshot, avoid: frozenset[str]) -> bool:
+class QueueingPorts(Protocol):
+    """What the queueing-backend rules use: the queues, the KV projection, the clock."""
+
+    queues: BackendQueues
+    pressure: MemoryPressure
+    clock: Callable[[], float]
+
+
+def hold_over(
+    gw: QueueingPorts, ctx: RequestContext, snap: FleetSnapshot, avoid: frozenset[str]
+) -> bool:
     """Should the request stop holding at the gateway and join a backend's queue now?
 
     At once when the best backend has the KV room and only its queue or slots are full: the

@@ -11,33 +11,42 @@ each reservation released, exactly once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from starlette.responses import Response
 
 from proxy.core.stream_transcript import Rewrite, Transcript
 from proxy.errors import BodyTimeout, UpstreamBroken, sse_error_event
-from proxy.gateway import continuation
-from proxy.gateway.answers import broken_answer
+from proxy.gateway.answers import AnswerPorts
 from proxy.gateway.context import RequestContext, RequestResult
 from proxy.gateway.continuation_metrics import BreakCause
+from proxy.gateway.continuation_rules import break_cause, stall_timeout, transcript_for
+from proxy.gateway.first_event import first_event
+from proxy.gateway.live_streams import LiveStreams
 from proxy.gateway.relay import OnceCallback, RelayResponse
-from proxy.upstream.classify import looks_like_sse
 from proxy.upstream.client import UpstreamAnswer, next_chunk, response_headers
-
-if TYPE_CHECKING:
-    from proxy.gateway.walk import Gateway
 
 log = logging.getLogger("kvroute.gateway")
 
 
+class StreamPorts(AnswerPorts, Protocol):
+    """What relaying uses: the answer ports, the register of live streams (a shutdown ends
+    them), and the continuation of a broken stream (``proxy.gateway.continuation``, reached
+    through this port: the continuation drives a relay, so the relay does not import it)."""
+
+    live_streams: LiveStreams
+
+    def carry_on(self, relay: StreamRelay, broken: Break) -> AsyncIterator[bytes]:
+        """What the client gets after ``broken``: continuations where allowed, else the final event."""
+        ...
+
+
 async def start_stream(
-    gw: Gateway,
+    gw: StreamPorts,
     ctx: RequestContext,
     backend: str,
     resp: UpstreamAnswer,
@@ -50,7 +59,7 @@ async def start_stream(
         return None
     ctx.backend = backend
     relay = StreamRelay(gw, ctx, backend, resp, started)
-    relay.transcript = continuation.transcript_for(gw, ctx, backend)
+    relay.transcript = transcript_for(ctx, backend)
     # RelayResponse runs close() even if the client left before the first chunk was pulled
     # (then the generator never starts and its own finally would never run).
     on_close = OnceCallback(relay.close)
@@ -62,29 +71,6 @@ async def start_stream(
         media_type=resp.headers.get("content-type", "text/event-stream"),
         deadline=ctx.deadline,
     )
-
-
-async def first_event(
-    gw: Gateway, ctx: RequestContext, backend: str, resp: UpstreamAnswer, ttfb_deadline: float
-) -> bytes | None:
-    """The stream's first bytes, or None (diverted) when they do not come in time or are not SSE."""
-    loop = asyncio.get_running_loop()
-    try:
-        first = await next_chunk(resp, max(0.001, ttfb_deadline - loop.time()), ctx.deadline)
-    except BodyTimeout as exc:
-        message = f"backend {backend} sent no first event in time: {exc}"
-        broken_answer(gw, ctx, backend, resp, "first_event_timeout", message)
-        return None
-    except UpstreamBroken as exc:
-        message = f"backend {backend} broke off before its first event: {exc.cause}"
-        broken_answer(gw, ctx, backend, resp, "broken", message)
-        return None
-    if not looks_like_sse(first):
-        message = f"backend {backend} sent a stream that is not server-sent events"
-        broken_answer(gw, ctx, backend, resp, "bad_response", message)
-        return None
-    gw.metrics.labelled(gw.metrics.attempts, backend, "ok").inc()
-    return first
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +92,7 @@ class StreamRelay:
 
     def __init__(
         self,
-        gw: Gateway,
+        gw: StreamPorts,
         ctx: RequestContext,
         backend: str,
         resp: UpstreamAnswer,
@@ -141,7 +127,7 @@ class StreamRelay:
             async for piece in self.relay_part(first):
                 yield piece
             if self.broken is not None:
-                async for piece in continuation.carry_on(self, self.broken):
+                async for piece in self.gw.carry_on(self, self.broken):
                     yield piece
         finally:
             await on_close()
@@ -151,8 +137,8 @@ class StreamRelay:
     ) -> AsyncIterator[bytes]:
         """Relay ``self.resp`` to its end; a break is left in ``self.broken``, nothing yielded for
         it. A shutdown's interrupt ends the stream with its own event (never continued)."""
-        backend, health, transcript = self.backend, self.gw.health, self.transcript
-        idle = continuation.stall_timeout(self.ctx, transcript is not None)
+        backend, transcript = self.backend, self.transcript
+        idle = stall_timeout(self.ctx, transcript is not None)
         self.broken = None
         # The last two chunks as the server sent them: its final usage chunk is in them.
         self.tail = (b"", first)
@@ -176,54 +162,61 @@ class StreamRelay:
             if transcript is not None and not (transcript.done or transcript.complete):
                 raise UpstreamBroken("the stream ended before its last event")
             # The body's end, even if interrupt() came just after it: the stream is whole.
-            self.outcome = "success"
-            pressure.finished(self.ctx, backend)
-            health.success(backend)
-            if rewrite is None:
-                # The server's count of the prompt the gateway sized (not a continuation's).
-                self.gw.token_counts.observe(
-                    self.ctx.parsed.model, self.ctx.counted_prompt_tokens, b"".join(self.tail)
-                )
+            self._ended_whole(rewrite is None)
         except BodyTimeout as exc:
-            self.outcome = "upstream_timeout"
-            if exc.phase == "idle":
-                health.failure(backend)
-            log.warning(
-                "request %s: stream from %s timed out (%s)", self.ctx.request_id, backend, exc.phase
-            )
-            event = sse_error_event(
-                f"backend {backend}: {exc}", code=f"upstream_{exc.phase}_timeout"
-            )
-            self.broken = Break(
-                "stall" if exc.phase == "idle" else "total_timeout", str(exc), event
-            )
+            self.broken = self._timed_out(exc)
         except UpstreamBroken as exc:
             if self.interrupted:
                 # The break is ours (interrupt()), not the backend's: no health failure.
                 yield self.shutdown_event()
                 return
-            self.outcome = "upstream_error"
-            health.failure(backend)
-            log.warning(
-                "request %s: stream from %s broke off: %s", self.ctx.request_id, backend, exc.cause
+            self.broken = self._broke_off(exc)
+
+    def _ended_whole(self, first_part: bool) -> None:
+        """The part reached its last event: a success for the backend and the KV projection."""
+        self.outcome = "success"
+        self.gw.pressure.finished(self.ctx, self.backend)
+        self.gw.health.success(self.backend)
+        if first_part:
+            # The server's count of the prompt the gateway sized (not a continuation's).
+            self.gw.token_counts.observe(
+                self.ctx.parsed.model, self.ctx.counted_prompt_tokens, b"".join(self.tail)
             )
-            event = sse_error_event(
-                f"backend {backend} stopped streaming ({exc.cause})",
-                code="upstream_stream_broken",
-            )
-            if transcript is not None and transcript.error is not None:
-                # The backend's own error event, as it would have reached the client.
-                final = transcript.final_error_event()
-                self.broken = Break("error_event", transcript.error, final)
-            else:
-                self.broken = Break(continuation.break_cause(exc.cause), exc.cause, event)
+
+    def _timed_out(self, exc: BodyTimeout) -> Break:
+        """The stream went silent too long (idle: the backend's fault) or ran out of total time."""
+        backend = self.backend
+        self.outcome = "upstream_timeout"
+        if exc.phase == "idle":
+            self.gw.health.failure(backend)
+        log.warning(
+            "request %s: stream from %s timed out (%s)", self.ctx.request_id, backend, exc.phase
+        )
+        event = sse_error_event(f"backend {backend}: {exc}", code=f"upstream_{exc.phase}_timeout")
+        return Break("stall" if exc.phase == "idle" else "total_timeout", str(exc), event)
+
+    def _broke_off(self, exc: UpstreamBroken) -> Break:
+        """The backend broke the stream off, or sent its own error event."""
+        backend, transcript = self.backend, self.transcript
+        self.outcome = "upstream_error"
+        self.gw.health.failure(backend)
+        log.warning(
+            "request %s: stream from %s broke off: %s", self.ctx.request_id, backend, exc.cause
+        )
+        if transcript is not None and transcript.error is not None:
+            # The backend's own error event, as it would have reached the client.
+            return Break("error_event", transcript.error, transcript.final_error_event())
+        event = sse_error_event(
+            f"backend {backend} stopped streaming ({exc.cause})", code="upstream_stream_broken"
+        )
+        return Break(break_cause(exc.cause), exc.cause, event)
 
     def drop_part(self) -> None:
         """The part being relayed broke: drop its connection and free its reservation, once."""
         self.resp.close()
         if self.holds:
             self.holds = False
-            self.gw.release_later(self.ctx, self.backend)
+            self.gw.tasks.release_later(self.ctx, self.backend)
 
     def shutdown_event(self) -> bytes:
         """The last event of a stream the gateway's shutdown cut (not the backend's fault)."""
@@ -254,4 +247,4 @@ class StreamRelay:
         self.gw.live_streams.discard(self)
         if self.holds:
             self.holds = False
-            self.gw.release_later(self.ctx, self.backend)
+            self.gw.tasks.release_later(self.ctx, self.backend)

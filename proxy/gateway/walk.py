@@ -16,12 +16,10 @@ every reservation is released, or its release retried, whatever happens.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,9 +28,10 @@ from proxy.config import Config
 from proxy.core.redact import safe_request_id
 from proxy.core.validation import Endpoint
 from proxy.errors import ApiError
-from proxy.gateway import attempt, disaggregated, intake, placement
+from proxy.gateway import attempt, continuation, disaggregated, intake, placement
 from proxy.gateway.admission import Admission
 from proxy.gateway.affinity import Affinity
+from proxy.gateway.background import Background
 from proxy.gateway.context import RequestContext
 from proxy.gateway.continuation_metrics import ContinuationMetrics
 from proxy.gateway.divert import AllocationFailureHook
@@ -46,14 +45,14 @@ from proxy.gateway.queueing import BackendQueues
 from proxy.gateway.relay import OnceCallback, RelayResponse
 from proxy.gateway.resilience_metrics import ResilienceCollector
 from proxy.gateway.retry_budget import RetryBudget
+from proxy.gateway.stream import Break, StreamRelay
 from proxy.gateway.token_counts import TokenCounts
 from proxy.routing.policy import Policy
-from proxy.state.base import StateStore, StoreUnavailable
+from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache
 from proxy.upstream.client import Upstream, header
 from proxy.upstream.health import ActiveChecker, BackendHealth
 
-T = TypeVar("T")
 log = logging.getLogger("kvroute.gateway")
 
 
@@ -91,9 +90,21 @@ class Gateway:
         self.upstream = upstream
         self.metrics = metrics
         self.clock = clock
-        self.admission = Admission(cfg.queue.max_size)
-        # Streams being relayed, ended by a shutdown whose drain time is over (proxy.api.drain).
-        self.live_streams = LiveStreams()
+        self.active = 0
+        # Read at scrape time: no locked gauge update twice per request.
+        metrics.active.set_function(lambda: self.active)
+        self._reach_backends(cfg)
+        self._keep_reservations(cfg, store, fleet, metrics)
+        self._rank_and_hold(cfg, metrics)
+        # The one helper for background work and guarded store calls (the steps' ``tasks``).
+        self.tasks = Background(
+            self.ledger, self.local, self.pressure, self.breaker, metrics.store_errors
+        )
+        self.health.register(metrics.registry)
+        metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
+
+    def _reach_backends(self, cfg: Config) -> None:
+        """Each backend's URL and credential, and what its answers and model lists say."""
         # Without user:pass@ (aiohttp refuses those next to an Authorization header): each
         # backend's credential goes as a header instead, in place of the client's.
         self.urls = {b.name: b.plain_url for b in cfg.backends}
@@ -101,13 +112,23 @@ class Gateway:
         for b in cfg.backends:
             if b.api_key_env is not None and self.credentials[b.name] is None:
                 log.warning("backend %s: environment variable %s is not set", b.name, b.api_key_env)
-        self.on_allocation_failure: list[AllocationFailureHook] = []
-        self._background: set[asyncio.Task[None]] = set()
-        self.active = 0
-        # Read at scrape time: no locked gauge update twice per request.
-        metrics.active.set_function(lambda: self.active)
-        self.breaker = fleet.breaker
         self.health = BackendHealth([b.name for b in cfg.backends], cfg.health)
+        self.checker: ActiveChecker | None = None
+        self._probe_headers: dict[str, dict[str, str]] = {}
+        # What each backend's /v1/models said (the collector's cache; the app wires it).
+        self.models_info: ModelsLookup = lambda name: None
+        self.catalogs = CatalogCache()
+        # A backend kind's own reading of an error answer (its adapter's classify_error);
+        # the app wires the adapters in. Unset, the generic verdict stands.
+        self.kind_errors: KindErrors = lambda kind, status, body: None
+        # Streams being relayed, ended by a shutdown whose drain time is over (proxy.api.drain).
+        self.live_streams = LiveStreams()
+
+    def _keep_reservations(
+        self, cfg: Config, store: StateStore, fleet: FleetCache, metrics: GatewayMetrics
+    ) -> None:
+        """The store's breaker, the ledger of reservations, this replica's view of them."""
+        self.breaker = fleet.breaker
         self.budget = RetryBudget(cfg.retry.budget_percent, cfg.retry.budget_min_concurrency)
         self.ledger = ReservationLedger(
             store,
@@ -119,24 +140,19 @@ class Gateway:
         fleet.on_degraded_change.append(self._store_lost)
         # This replica's reservations in flight, laid over the cached snapshot when ranking.
         self.local = LocalReservations()
+        self.on_allocation_failure: list[AllocationFailureHook] = []
+
+    def _rank_and_hold(self, cfg: Config, metrics: GatewayMetrics) -> None:
+        """What ranking and holding learn as requests pass: affinity, queues, KV pressure."""
+        self.admission = Admission(cfg.queue.max_size)
         # Prefix-cache and session affinity of this replica (proxy.gateway.affinity).
         self.affinity = Affinity(cfg)
-        self.checker: ActiveChecker | None = None
-        self._probe_headers: dict[str, dict[str, str]] = {}
-        # What each backend's /v1/models said (the collector's cache; the app wires it).
-        self.models_info: ModelsLookup = lambda name: None
-        self.catalogs = CatalogCache()
-        # A backend kind's own reading of an error answer (its adapter's classify_error);
-        # the app wires the adapters in. Unset, the generic verdict stands.
-        self.kind_errors: KindErrors = lambda kind, status, body: None
         self.queues = BackendQueues(cfg, metrics.registry)
         # Projected KV peaks, learned output lengths, held-request fairness (paged engines).
         self.pressure = MemoryPressure(cfg, metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.
         self.token_counts = TokenCounts(cfg, metrics.registry)
         self.continuation_metrics = ContinuationMetrics(metrics.registry)
-        self.health.register(metrics.registry)
-        metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))
 
     # ---------------------------------------------------------------- the walk
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
@@ -250,38 +266,10 @@ class Gateway:
         if self.checker is not None:
             await self.checker.stop()
             self.checker = None
-        await self.drain_background()
+        await self.tasks.drain()
         await self.ledger.close()
 
-    # ---------------------------------------------------------------- shared by the steps
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run store bookkeeping off the answer's path; ``close()`` waits for it."""
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def release_later(self, ctx: RequestContext, backend: str) -> None:
-        """Free this request's reservation on ``backend`` (the ledger retries a failed release)."""
-        self.local.remove(backend, ctx.reservation_id)
-        self.pressure.ended(ctx, backend)
-        if not self.ledger.release_at_once(backend, ctx.reservation_id):
-            self.spawn(self.ledger.release(backend, ctx.reservation_id))
-
-    async def drain_background(self) -> None:
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-
-    async def store_call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """A store call on the request path: through the breaker; StoreUnavailable counted and re-raised."""
-        try:
-            return await self.breaker.call(fn, op)
-        except StoreUnavailable:
-            self.metrics.store_errors.labels(op).inc()
-            raise
-
-    async def store_quietly(self, op: str, fn: Callable[[], Awaitable[None]]) -> None:
-        """A store call whose failure only costs an optimisation (counted, not raised)."""
-        try:
-            await self.store_call(op, fn)
-        except StoreUnavailable:
-            pass
+    # ---------------------------------------------------------------- ports of the steps
+    def carry_on(self, relay: StreamRelay, broken: Break) -> AsyncIterator[bytes]:
+        """The relay's port to the continuation (``proxy.gateway.stream.StreamPorts``)."""
+        return continuation.carry_on(self, relay, broken)

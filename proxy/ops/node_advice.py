@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy.config import MaintenanceConfig
-from proxy.core.fleet import FleetSnapshot, NodeView
+from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView
 from proxy.core.freshness import judged_at
 from proxy.ops.diagnosis import Level, Trend, level
 
@@ -137,6 +137,48 @@ def update_below_since(
     return out
 
 
+def _restart_reasons(
+    r: MemoryReport,
+    cfg: MaintenanceConfig,
+    trend: Trend | None,
+    below_for: float | None,
+    failed_demand_here: int,
+    uptime: float | None,
+) -> list[RestartReason]:
+    """Why a restart would help this node, whether or not one is allowed now."""
+    reasons: list[RestartReason] = []
+    if below_for is not None and below_for >= cfg.restart_after_s:
+        reasons.append("fragmentation")
+    if failed_demand_here and r.largest_free_block_tokens < failed_demand_here <= r.free_tokens:
+        reasons.append("failures")  # it still has the memory for what failed, and still no block
+    if cfg.restart_on_trend and trend is not None and trend.rising:
+        reasons.append("trend")
+    if (
+        cfg.scheduled_restart_uptime_s is not None
+        and uptime is not None
+        and uptime >= cfg.scheduled_restart_uptime_s
+    ):
+        reasons.append("scheduled")
+    return reasons
+
+
+def _held_back(
+    state: str,
+    cfg: MaintenanceConfig,
+    uptime: float | None,
+    now: float,
+    blocked_until: float | None,
+) -> str:
+    """Why a node with reasons to restart may not be restarted now ("" when it may)."""
+    if state != "up":
+        return f"node is {state}"
+    if uptime is not None and uptime < cfg.min_interval_per_node_s:
+        return f"restarted {uptime:.0f}s ago, min_interval_per_node_s is {cfg.min_interval_per_node_s:.0f}"
+    if blocked_until is not None and now < blocked_until:
+        return f"a recent restart attempt: next one allowed in {blocked_until - now:.0f}s"
+    return ""
+
+
 def assess(
     n: NodeView,
     now: float,
@@ -158,28 +200,9 @@ def assess(
         return NodeAdvice(n.name, n.pool, state, level(None, cfg.min_free_fraction))
     uptime = r.uptime(now) if r.started_at > 0 else None
     below_for = now - below_since if below_since is not None else None
-    reasons: list[RestartReason] = []
-    if below_for is not None and below_for >= cfg.restart_after_s:
-        reasons.append("fragmentation")
-    if failed_demand_here and r.largest_free_block_tokens < failed_demand_here <= r.free_tokens:
-        reasons.append("failures")  # it still has the memory for what failed, and still no block
-    if cfg.restart_on_trend and trend is not None and trend.rising:
-        reasons.append("trend")
-    if (
-        cfg.scheduled_restart_uptime_s is not None
-        and uptime is not None
-        and uptime >= cfg.scheduled_restart_uptime_s
-    ):
-        reasons.append("scheduled")
-    why = ""
-    if reasons and state != "up":
-        why = f"node is {state}"
-        reasons = []
-    elif reasons and uptime is not None and uptime < cfg.min_interval_per_node_s:
-        why = f"restarted {uptime:.0f}s ago, min_interval_per_node_s is {cfg.min_interval_per_node_s:.0f}"
-        reasons = []
-    elif reasons and blocked_until is not None and now < blocked_until:
-        why = f"a recent restart attempt: next one allowed in {blocked_until - now:.0f}s"
+    reasons = _restart_reasons(r, cfg, trend, below_for, failed_demand_here, uptime)
+    why = _held_back(state, cfg, uptime, now, blocked_until) if reasons else ""
+    if why:
         reasons = []
     return NodeAdvice(
         name=n.name,

@@ -21,7 +21,7 @@ from proxy.config import MaintenanceConfig
 from proxy.core.fleet import MemoryReport
 from proxy.errors import RestartFailed
 from proxy.ops.node_advice import RestartReason
-from proxy.ops.restart_hooks import HookResult, RestartHook
+from proxy.ops.restart_contract import HookResult, RestartHook
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
 

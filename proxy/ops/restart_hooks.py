@@ -15,51 +15,25 @@ hook's target and response body, URL credentials redacted) goes to the gateway's
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
 
 import httpx
 
 from proxy.config import RestartHookConfig
 from proxy.core.redact import redact
+from proxy.ops.restart_contract import HookResult as HookResult
+from proxy.ops.restart_contract import RestartHook as RestartHook
+from proxy.ops.restart_kubernetes import KubernetesHook
 from proxy.upstream.tls import verifying_context
 
 OUTPUT_LIMIT = 2_000  # characters of a command's output or an HTTP body kept for the log
 
 
-@dataclass(frozen=True, slots=True)
-class HookResult:
-    ok: bool
-    # For the log only: may hold a command's output or an HTTP hook's target and body.
-    detail: str
-    duration_s: float = 0.0
-    # For the open event log: what happened, without output or URLs ("" = the detail is safe).
-    summary: str = ""
-    # The backend that replaces the restarted one, when it comes back under another name.
-    replaced_by: str | None = None
-
-    @property
-    def public(self) -> str:
-        return self.summary or self.detail
-
-
 def fill(template: str, name: str, url: str) -> str:
     """Replace ``{name}`` and ``{url}``; nothing else is interpreted (no str.format)."""
     return template.replace("{name}", name).replace("{url}", url)
-
-
-class RestartHook(abc.ABC):
-    kind: str = "abstract"
-
-    @abc.abstractmethod
-    async def restart(self, name: str, url: str) -> HookResult:
-        """Restart backend ``name`` (base URL ``url``); never raises."""
-
-    async def close(self) -> None:
-        return None
 
 
 class NoHook(RestartHook):
@@ -185,8 +159,6 @@ class CommandHook(RestartHook):
 
 def make_hook(cfg: RestartHookConfig) -> RestartHook:
     if cfg.type == "kubernetes":
-        from proxy.ops.restart_kubernetes import KubernetesHook
-
         assert cfg.pod_selector is not None  # the config model requires it
         return KubernetesHook(cfg.kubernetes, cfg.pod_selector, cfg.timeout_s)
     if cfg.type == "http":

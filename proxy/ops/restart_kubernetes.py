@@ -21,7 +21,7 @@ from typing import Any
 
 from proxy.config import KubernetesApiConfig
 from proxy.errors import KubernetesApiError
-from proxy.ops.restart_hooks import HookResult, RestartHook
+from proxy.ops.restart_contract import HookResult, RestartHook
 from proxy.upstream.kubernetes_api import KubernetesApi, labels_match
 
 POLL_S = 0.5

@@ -89,7 +89,10 @@ async def report(gw: Gateway, name: str, free: int, largest: int) -> None:
 async def context(gw: Gateway, req: Request | None = None) -> RequestContext:
     req = req or request()
     parsed = await intake.read_and_parse(gw.cfg, req, "chat")
-    return await intake.open_request(gw, req, parsed, "res-1", "client-1", time.perf_counter())
+    started = time.perf_counter()
+    return await intake.open_request(
+        gw, req, parsed, "res-1", "client-1", started, gw.cfg, gw.policy
+    )
 
 
 def metric(gw: Gateway, name: str, labels: dict[str, str]) -> float:
@@ -144,7 +147,8 @@ async def test_open_request_refuses_what_no_backend_could_ever_hold(gw: Gateway)
     req = request(big)
     parsed = parse_request(big, "chat", 10 * CAP, "application/json")
     with pytest.raises(ApiError) as err:
-        await intake.open_request(gw, req, parsed, "res", "client", time.perf_counter())
+        started = time.perf_counter()
+        await intake.open_request(gw, req, parsed, "res", "client", started, gw.cfg, gw.policy)
     assert err.value.status == 400 and err.value.code == "context_length_exceeded"
 
 
@@ -214,7 +218,7 @@ async def test_divert_books_a_broken_attempt_once(gw: Gateway) -> None:
     ((_, backend),) = gw.ledger.held
     answer = upstream_answer("ttfb_timeout", f"backend {backend} did not answer")
     divert_step.divert(gw, ctx, backend, answer, result="timeout", broken="no answer")
-    await gw.drain_background()
+    await gw.tasks.drain()
     assert gw.ledger.held == {}
     state = await gw.store.read([backend], time.time())
     assert state[backend].overlay(time.time(), 0.0).inflight == 0
@@ -231,13 +235,26 @@ async def test_divert_on_a_full_backend_learns_its_ceiling(gw: Gateway) -> None:
     await report(gw, "a", CAP, CAP)
     ctx = await context(gw)
     divert_step.divert(gw, ctx, "a", None, result="allocation", full=True, retry_after_s=1.0)
-    await gw.drain_background()
+    await gw.tasks.drain()
     assert ctx.failure is None and ctx.failed_on == ["a"]
     overlay = (await gw.store.read(["a"], time.time()))["a"].overlay(time.time(), 0.0)
     assert overlay.ceiling_tokens == ctx.demand
     assert overlay.cooldown_until > time.time()
     cooldown = gw.health.snapshot()["a"]["cooldown_for_s"]
     assert isinstance(cooldown, float) and cooldown > 0
+
+
+async def test_divert_reads_the_config_the_request_started_with(gw: Gateway) -> None:
+    """A reload while the request runs does not change how its divert honours Retry-After."""
+    await report(gw, "a", CAP, CAP)
+    ctx = await context(gw)
+    assert ctx.cfg.retry.max_retry_after_s == 30.0
+    gw.cfg = config(retry={"hash_body": True, "max_retry_after_s": 1.0})
+    divert_step.divert(gw, ctx, "a", None, result="allocation", full=True, retry_after_s=20.0)
+    await gw.tasks.drain()
+    cooldown = gw.health.snapshot()["a"]["cooldown_for_s"]
+    # 20 s as asked (under the request's 30 s cap), not the reloaded 1 s cap.
+    assert isinstance(cooldown, float) and cooldown > 10
 
 
 def test_every_upstream_failure_has_an_answer_and_a_result() -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-pytestmark = pytest.mark.timeout(180)
+# Minutes on a loaded 2-core machine (the run starts engines and a gateway): a bound on a hang.
+pytestmark = pytest.mark.timeout(520)
 
 
 def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
@@ -18,7 +19,7 @@ def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "loadtest.bench.memory_pressure", "--runs", "1"]
     argv += ["--duration", "2", "--workloads", "bimodal-low,trace"]
     argv += ["--policies", "kvroute,round_robin", "--json", str(out_json), "--plot", str(out_png)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=170, cwd=ROOT, check=False)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=500, cwd=ROOT, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads(out_json.read_text())
     assert [(r["workload"], r["policy"]) for r in rows] == [

@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(120)
+# Each smoke run starts engines, a gateway and sometimes a peer router for a few seconds of load:
+# quick on a quiet machine, minutes on a loaded 2-core one. The bounds catch a hang, nothing else.
+pytestmark = pytest.mark.timeout(420)
 
 
-def run_module(module: str, *args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+def run_module(module: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
     out = subprocess.run(
         [sys.executable, "-m", module, *args],
         capture_output=True,
@@ -32,7 +34,7 @@ def run_module(module: str, *args: str, timeout: float = 100) -> subprocess.Comp
 
 
 def run_bench(
-    subcommand: str, *args: str, timeout: float = 100
+    subcommand: str, *args: str, timeout: float = 400
 ) -> subprocess.CompletedProcess[str]:
     """A benchmark as users start it: ``python -m loadtest.bench <subcommand> ...``."""
     return run_module("loadtest.bench", subcommand, *args, timeout=timeout)

@@ -76,7 +76,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no release after a successful non-streamed answer",
         NO_RESERVATION_LEFT,
         "whole_answer",
-        r"^(\s*)gw\.release_later\(ctx, backend\)$",
+        r"^(\s*)gw\.tasks\.release_later\(ctx, backend\)$",
         r"\1pass  # MUTATION",
     ),
     Mutation(
@@ -84,7 +84,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no release when a stream closes",
         NO_RESERVATION_LEFT,
         "StreamRelay.close",
-        r"self\.gw\.release_later\(self\.ctx, self\.backend\)",
+        r"self\.gw\.tasks\.release_later\(self\.ctx, self\.backend\)",
         "pass  # MUTATION",
     ),
     Mutation(
@@ -92,7 +92,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no release when an attempt fails before the first byte and the request moves on",
         ("tests/faults/test_fault_suite.py::test_fault_backend_misbehaves",),
         "divert",
-        r"^(\s*)gw\.release_later\(ctx, backend\)$",
+        r"^(\s*)gw\.tasks\.release_later\(ctx, backend\)$",
         r"\1pass  # MUTATION",
     ),
     Mutation(
@@ -102,7 +102,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/faults/test_fault_gateway_causes.py::test_fault_client_leaves_a_non_streamed_request",
         ),
         "send_attempt",
-        r"^(\s*)gw\.release_later\(ctx, backend\)\n(\s*)raise$",
+        r"^(\s*)gw\.tasks\.release_later\(ctx, backend\)\n(\s*)raise$",
         r"\1pass  # MUTATION\n\2raise",
     ),
     Mutation(
@@ -110,7 +110,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no release of the broken part's reservation when a stream is continued elsewhere",
         ("tests/gateway/test_continuation_e2e.py",),
         "StreamRelay.drop_part",
-        r"self\.gw\.release_later\(self\.ctx, self\.backend\)",
+        r"self\.gw\.tasks\.release_later\(self\.ctx, self\.backend\)",
         "pass  # MUTATION",
     ),
     Mutation(

@@ -23,13 +23,15 @@ def _remove_faketime_leftovers() -> Iterator[None]:
         yield
 
 
+# The stores here wait up to 5 s per Redis call: these tests are about clocks, not timeouts, and
+# the gateway's 0.1 s default failed them on a loaded machine.
 CHILD = """
 import asyncio, sys, time
 from proxy.config import StoreConfig
 from proxy.state.redis_store import RedisStore
 
 async def main() -> None:
-    store = RedisStore(StoreConfig(redis_url=sys.argv[1]))
+    store = RedisStore(StoreConfig(redis_url=sys.argv[1], op_timeout_s=5.0))
     offset = await store.sync_clock()
     print(offset, store.now(), time.time(), flush=True)
     await store.close()
@@ -71,7 +73,7 @@ from proxy.config import StoreConfig
 from proxy.state.redis_store import RedisStore
 
 async def main() -> None:
-    store = RedisStore(StoreConfig(redis_url=sys.argv[1], key_prefix=sys.argv[2]))
+    store = RedisStore(StoreConfig(redis_url=sys.argv[1], key_prefix=sys.argv[2], op_timeout_s=5.0))
     await store.sync_clock()
     print("ready", flush=True)
     sys.stdin.readline()
@@ -97,7 +99,7 @@ async def test_replica_half_a_second_behind_never_overcommits(redis_server: str)
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )
-    store = RedisStore(StoreConfig(redis_url=redis_server, key_prefix=prefix))
+    store = RedisStore(StoreConfig(redis_url=redis_server, key_prefix=prefix, op_timeout_s=5.0))
     try:
         assert child.stdout is not None and child.stdin is not None
         assert (await asyncio.wait_for(child.stdout.readline(), 30)).strip() == b"ready"

@@ -26,7 +26,7 @@ async def store(request: pytest.FixtureRequest, redis_server: str) -> AsyncItera
         yield InProcessStore()
         return
     prefix = f"kvr-forget-{time.monotonic_ns()}"
-    s = RedisStore(StoreConfig(redis_url=redis_server, key_prefix=prefix))
+    s = RedisStore(StoreConfig(redis_url=redis_server, key_prefix=prefix, op_timeout_s=5.0))
     try:
         yield s
     finally:
