@@ -1,13 +1,17 @@
 """KV-cache events against the approximate index: the document workload under disturbances.
 
-Four simulated vLLM engines (``--behaviour vllm --serial-prefill``, prefix cache, 200,000
-KV tokens each) publish KV-cache events as vLLM does (``--kv-events-config``); the
-shared-document workload (``loadtest.bench.prefix``: 40 documents of 15-30k tokens, more
-than the fleet's cache holds, and short chats) runs through each target, one fresh fleet
-per row, in four scenarios:
+Four simulated vLLM engines (``--behaviour vllm --serial-prefill``, prefix cache) publish
+KV-cache events as vLLM 0.28 does (``--kv-events-config``; ``--encoding``) and answer vLLM's
+render API; the shared-document workload (``loadtest.bench.prefix``: documents of 15-30k
+tokens, Zipf popularity, and short chats) runs through each target, one fresh fleet per row.
+The engines' KV cache is sized from the run: the fleet holds ``--cache-share`` (0.8) of the
+documents the run asks about, so engines evict (a fleet that holds every document tells
+events and guesses apart only by luck). Five scenarios:
 
 * ``plain``: every request through the router;
 * ``restart``: engine e1's process is restarted half way through (its cache is empty after);
+* ``reset``: engine e1's prefix cache is reset half way through (vLLM's
+  ``/reset_prefix_cache``: ``AllBlocksCleared``, same process, same start time);
 * ``bypass``: 30% of requests go straight to a random engine, past the router (another
   client filling caches the router never saw);
 * ``replicas``: two router processes, requests alternating between them (kvroute: one Redis
@@ -29,43 +33,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import socket
-import statistics
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from loadtest.bench.kv_events_measure import Row, drive, fill, request_urls, table
 from loadtest.bench.overhead_targets import find_vllm_router
-from loadtest.bench.prefix import bodies, pct, scrape, wait_reported, wait_serving
+from loadtest.bench.prefix import bodies, scrape, wait_reported, wait_serving
 from loadtest.local_fleet import EngineSpec, LocalFleet, Proc, free_port, wait_http
 from loadtest.workload import SharedDocs, shared_documents
 
-SCENARIOS = ("plain", "restart", "bypass", "replicas")
+SCENARIOS = ("plain", "restart", "reset", "bypass", "replicas")
 TARGETS = (
     "kvroute + events",
     "kvroute approximate",
     "vllm-router cache_aware",
     "vllm-router kv_aware",
 )
-BYPASS_SHARE = 0.3
-
-
-@dataclass
-class Row:
-    scenario: str
-    target: str
-    hit_rate: float = 0.0
-    doc_p50_ms: float = 0.0
-    doc_p99_ms: float = 0.0
-    failed: int = 0
-    requests: int = 0
-    note: str = ""
+ENGINES = 4
+#: Per engine: the largest document (30k tokens) with its questions and answer must fit.
+MIN_CAPACITY = 40_000
 
 
 def free_port_pair() -> int:
@@ -82,13 +73,14 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def events_flag(base: int) -> str:
+def events_flag(base: int, encoding: str = "batch_array") -> str:
     return json.dumps(
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": f"tcp://127.0.0.1:{base}",
             "replay_endpoint": f"tcp://127.0.0.1:{base + 1}",
+            "encoding": encoding,
         }
     )
 
@@ -102,7 +94,13 @@ def make_fleet(args: Any, ports: list[int], redis: bool) -> LocalFleet:
             args.capacity,
             args.speedup,
             16,
-            ("--behaviour", "vllm", "--serial-prefill", "--kv-events-config", events_flag(p)),
+            (
+                "--behaviour",
+                "vllm",
+                "--serial-prefill",
+                "--kv-events-config",
+                events_flag(p, args.encoding),
+            ),
         )
         for i, p in enumerate(ports)
     ]
@@ -126,11 +124,15 @@ def kvroute_backends(fleet: LocalFleet, ports: list[int], events: bool) -> list[
     return out
 
 
-def start_kvroute(fleet: LocalFleet, ports: list[int], events: bool, replicas: int) -> list[Proc]:
+def start_kvroute(
+    fleet: LocalFleet, ports: list[int], events: bool, replicas: int, ttft_slack: float = 0.25
+) -> list[Proc]:
     fleet.config_overrides["backends"] = kvroute_backends(fleet, ports, events)
-    fleet.config_overrides["routing"] = {
-        "prefix": {"chat_render": {}, "events": {"enabled": events}}
-    }
+    prefix: dict[str, Any] = {"chat_render": {}, "events": {"enabled": events}}
+    # A negative slack: the expected-TTFT rule off, its default (docs/expected-ttft.md).
+    if ttft_slack >= 0:
+        prefix.update({"ttft_aware": True, "ttft_slack": ttft_slack})
+    fleet.config_overrides["routing"] = {"prefix": prefix}
     procs = [fleet.start_gateway("kvroute")]
     for i in range(1, replicas):
         port = free_port()
@@ -163,57 +165,13 @@ def start_router(exe: str, policy: str, fleet: LocalFleet, ports: list[int]) -> 
     return proc
 
 
-async def drive(
-    urls: list[str], w: SharedDocs, payloads: list[dict[str, Any]], restart: Any
-) -> list[dict[str, Any]]:
-    """Open loop; request i goes to ``urls[i]``; ``restart`` (or None) runs half way through."""
-    results: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    half = w.turns[len(w.turns) // 2].arrival_s if w.turns else 0.0
-    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
-        start = time.monotonic()
+def reset_of(proc: Proc) -> Any:
+    """vLLM's ``POST /reset_prefix_cache``: the cache emptied, the process (and start time) kept."""
 
-        async def one(kind: str, body: dict[str, Any], url: str, routed: bool) -> None:
-            t0 = time.monotonic()
-            res: dict[str, Any] = {"kind": kind, "status": 0, "ttft": None, "routed": routed}
-            try:
-                async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-                    res["status"] = r.status_code
-                    async for _ in r.aiter_bytes():
-                        if res["ttft"] is None:
-                            res["ttft"] = time.monotonic() - t0
-            except httpx.HTTPError:
-                res["status"] = -1
-            results.append(res)
+    def reset() -> None:
+        httpx.post(proc.url + "/reset_prefix_cache", timeout=10.0).raise_for_status()
 
-        tasks: list[asyncio.Task[None]] = []
-        restarted: asyncio.Task[None] | None = None
-        for i, (t, body) in enumerate(zip(w.turns, payloads, strict=True)):
-            delay = start + t.arrival_s - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if restart is not None and restarted is None and t.arrival_s >= half:
-                restarted = asyncio.create_task(asyncio.to_thread(restart))
-            routed = not urls[i].startswith("direct:")
-            url = urls[i].removeprefix("direct:")
-            tasks.append(asyncio.create_task(one(t.kind, body, url, routed)))
-        await asyncio.gather(*tasks)
-        if restarted is not None:
-            await restarted
-    return results
-
-
-def request_urls(
-    scenario: str, routers: list[str], engines: list[str], n: int, seed: int
-) -> list[str]:
-    rng = random.Random(seed + 7)
-    out = []
-    for i in range(n):
-        if scenario == "bypass" and rng.random() < BYPASS_SHARE:
-            out.append("direct:" + rng.choice(engines))
-        else:
-            out.append(routers[i % len(routers)])
-    return out
+    return reset
 
 
 def restart_of(proc: Proc, fleet: LocalFleet) -> Any:
@@ -233,7 +191,7 @@ def one_row(
     if target.startswith("vllm-router") and exe is None:
         row.note = "vllm-router not installed"
         return row
-    ports = [free_port_pair() for _ in range(4)]
+    ports = [free_port_pair() for _ in range(ENGINES)]
     replicas = 2 if scenario == "replicas" else 1
     fleet = make_fleet(args, ports, redis=replicas > 1 and exe is None)
     routers: list[Proc] = []
@@ -242,7 +200,8 @@ def one_row(
             fleet.start_redis()
         fleet.start_engines()
         if exe is None:
-            routers = start_kvroute(fleet, ports, target == "kvroute + events", replicas)
+            events = target == "kvroute + events"
+            routers = start_kvroute(fleet, ports, events, replicas, args.ttft_slack)
         else:
             policy = target.rpartition(" ")[2]
             for _ in range(replicas):
@@ -254,7 +213,11 @@ def one_row(
             len(payloads),
             args.seed,
         )
-        restart = restart_of(fleet.engines[1], fleet) if scenario == "restart" else None
+        restart = None
+        if scenario == "restart":
+            restart = restart_of(fleet.engines[1], fleet)
+        elif scenario == "reset":
+            restart = reset_of(fleet.engines[1])
         before = [scrape(p.url) for p in fleet.engines]
         results = asyncio.run(drive(urls, w, payloads, restart))
         after = [scrape(p.url) for p in fleet.engines]
@@ -270,60 +233,57 @@ def one_row(
     return row
 
 
-def fill(
-    row: Row,
-    results: list[dict[str, Any]],
-    before: list[dict[str, float]],
-    after: list[dict[str, float]],
-    scenario: str,
-) -> None:
-    def delta(name: str) -> float:
-        got = 0.0
-        for b, a in zip(before, after, strict=True):
-            # A restarted engine's counters start again from 0: count what it did since.
-            got += a.get(name, 0.0) - (
-                b.get(name, 0.0) if a.get(name, 0.0) >= b.get(name, 0.0) else 0.0
-            )
-        return got
-
-    queries = delta("vllm:prefix_cache_queries_total")
-    row.hit_rate = delta("vllm:prefix_cache_hits_total") / queries if queries else 0.0
-    routed = [r for r in results if r["routed"]]
-    ok = [r for r in routed if r["status"] == 200 and r["ttft"] is not None]
-    docs = [r["ttft"] for r in ok if r["kind"] == "document"]
-    row.doc_p50_ms = 1000 * statistics.median(docs) if docs else 0.0
-    row.doc_p99_ms = 1000 * pct(docs, 0.99)
-    row.requests = len(routed)
-    row.failed = len(routed) - len(ok)
-    if scenario == "restart":
-        row.note = "restart counters: hit rate from the engines' counters since start"
-
-
-def table(rows: Sequence[Row]) -> str:
-    head = "| scenario | target | hit rate | doc TTFT p50 ms | doc TTFT p99 ms | failed |\n|---|---|---|---|---|---|"
-    lines = [
-        f"| {r.scenario} | {r.target} | {r.hit_rate:.1%} | {r.doc_p50_ms:.0f} | {r.doc_p99_ms:.0f} | "
-        f"{r.failed}/{r.requests} |" + (f" {r.note}" if r.note and not r.requests else "")
-        for r in rows
-    ]
-    return "\n".join([head, *lines])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.kv_events", description=__doc__)
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--rate", type=float, default=16.0, help="requests per second")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--capacity", type=int, default=200_000, help="KV tokens per engine")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=0,
+        help="KV tokens per engine (default: --cache-share of the documents the run asks about)",
+    )
+    p.add_argument(
+        "--cache-share",
+        type=float,
+        default=0.8,
+        help="the fleet's KV cache as a share of the run's document working set",
+    )
     p.add_argument("--speedup", type=float, default=20.0)
     p.add_argument("--quick", action="store_true", help="120 requests a row")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--targets", default="", help="comma-separated substrings of target names")
+    p.add_argument(
+        "--ttft-slack",
+        type=float,
+        default=-1.0,
+        help="kvroute: routing.prefix.ttft_aware on with this ttft_slack; negative (the "
+        "default): the rule off",
+    )
+    p.add_argument(
+        "--encoding",
+        choices=("batch_array", "array", "map"),
+        default="batch_array",
+        help="the engines' event layout: batch_array (vLLM 0.28: the one vllm-router 0.1.17 "
+        "decodes), array (older vLLM) or map (newer vLLM)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     n = 120 if args.quick else args.requests
     w = shared_documents(n, args.rate, seed=args.seed)
     payloads = bodies(w)
+    for body in payloads:
+        # The final chunk then carries the prompt's cached tokens (hit rate of routed requests).
+        body["stream_options"] = {"include_usage": True}
+    working_set = sum(w.doc_tokens[d] for d in {t.doc for t in w.turns if t.doc is not None})
+    if not args.capacity:
+        args.capacity = max(MIN_CAPACITY, int(args.cache_share * working_set / ENGINES))
+    print(
+        f"documents asked about: {working_set} tokens; fleet KV cache: "
+        f"{ENGINES * args.capacity} tokens ({ENGINES} x {args.capacity})",
+        flush=True,
+    )
     targets = [
         t for t in TARGETS if not args.targets or any(k in t for k in args.targets.split(","))
     ]
@@ -331,6 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for scenario in args.scenarios.split(","):
         for target in targets:
             row = one_row(scenario, target, w, payloads, args)
+            if row.note.startswith("did not start"):
+                # Ports are picked free, then bound by the engines: another process on the
+                # box may take one in between. A fresh fleet, fresh ports.
+                row = one_row(scenario, target, w, payloads, args)
             print(json.dumps(row.__dict__), flush=True)
             rows.append(row)
     print(table(rows))

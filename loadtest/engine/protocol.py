@@ -265,8 +265,15 @@ def chunk(
     return sse(body)
 
 
-def usage_chunk(completion_id: str, created: int, p: Parsed, prompt_tokens: int) -> bytes:
+def usage_chunk(
+    completion_id: str, created: int, p: Parsed, prompt_tokens: int, cached: int | None = None
+) -> bytes:
+    """The final usage chunk; ``cached``: prompt tokens served from the prefix cache, as vLLM
+    reports them (``prompt_tokens_details.cached_tokens``)."""
     obj = "chat.completion.chunk" if p.chat else "text_completion"
+    counts: dict[str, Any] = dict(usage(prompt_tokens, p.max_tokens))
+    if cached is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached}
     return sse(
         {
             "id": completion_id,
@@ -274,6 +281,6 @@ def usage_chunk(completion_id: str, created: int, p: Parsed, prompt_tokens: int)
             "created": created,
             "model": p.model,
             "choices": [],
-            "usage": usage(prompt_tokens, p.max_tokens),
+            "usage": counts,
         }
     )

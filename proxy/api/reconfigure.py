@@ -48,6 +48,9 @@ def reconfigure_gateway(gateway: Gateway, old: Config, new: Config) -> None:
         fresh = Affinity(new)
         # The shared stream (routing.prefix.share) is the app's: it stays, feeding the new index.
         fresh.share = gateway.affinity.share
+        fresh.rates = gateway.affinity.rates
+        # The KV-event feeds are the app's too (started once): the new index keeps them.
+        fresh.exact = gateway.affinity.exact
         gateway.affinity = fresh
     gateway.health.cfg = new.health
     if gateway.checker is not None:

@@ -54,6 +54,18 @@ class PrefixConfig(_Strict):
         default=True,
         description="paged fleets: a new long prefix goes where it displaces the least cached content",
     )
+    ttft_aware: bool = Field(
+        default=False,
+        description="queueing servers: a cached node whose prefill backlog costs more than "
+        "recomputing the prompt elsewhere yields (docs/expected-ttft.md; off: measured to "
+        "spill too often where the learned prefill rate reads low)",
+    )
+    ttft_slack: float = Field(
+        default=0.25,
+        ge=0.0,
+        description="a node within this fraction of the prompt's full prefill time of the "
+        "best expected TTFT keeps its affinity place",
+    )
     session_header: str = Field(default="x-session-id", min_length=1)
     session_from_user: bool = Field(
         default=True, description="the OpenAI `user` field is a session key"

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from starlette.requests import Request
@@ -37,7 +37,10 @@ from proxy.core.prefix_render import rendered_hashes
 from proxy.core.validation import ParsedRequest
 from proxy.gateway.sizing import hash_spec, prefix_hashes, sizer_for, take_hashes
 from proxy.routing.affinity import AffinitySettings, demand_on, utilisation
+from proxy.routing.expected_ttft import PrefillBacklog, reported_wait_s, slack_s
+from proxy.routing.node_cost import NodeCost
 from proxy.routing.policy import RouteRequest
+from proxy.routing.queueing import DEFAULT_PREFILL_TOKENS_PER_S, Rates, is_queueing
 from proxy.state.prefix_share import PrefixShare
 from proxy.upstream.client import header
 
@@ -87,6 +90,9 @@ class AffinityKey:
     session: str | None = None
     # Set for a request routed before its hashes were known: ``placed`` notes the backend.
     later: Placement | None = None
+    # Filled at placement: each node's expected-TTFT terms, so that the node chosen learns
+    # the prefill this request adds to its backlog (``Affinity.placed``).
+    costs: dict[str, NodeCost] = field(default_factory=dict, compare=False)
 
 
 class Affinity:
@@ -110,6 +116,14 @@ class Affinity:
         self._next_expiry = 0.0
         # Each node's last reported start time: a restarted server's cache is empty.
         self._started: dict[str, float] = {}
+        # Prefill this gateway queued on each node (``proxy.routing.expected_ttft``), and
+        # each node's prefill rate: configured here, learned ones set by the gateway.
+        self.backlog = PrefillBacklog()
+        configured = {
+            b.name: Rates(b.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S)
+            for b in cfg.backends
+        }
+        self.rates: Callable[[FleetSnapshot], Mapping[str, Rates]] = lambda _snap: configured
 
     @property
     def enabled(self) -> bool:
@@ -201,8 +215,37 @@ class Affinity:
         ):
             indexed = {n.name: self._held_on(n.name, exact) for n in view.nodes}
         session_node = self._session_node(key.session, now)
+        ttft, slack = (
+            self._ttft_costs(key, cached, view, now) if indexed is not None else (None, 0.0)
+        )
         # Field by field, not ``dataclasses.replace`` (per request; replace inspects the fields).
-        return RouteRequest(base.demand, base.cls, base.exclude, cached, session_node, indexed)
+        return RouteRequest(
+            base.demand, base.cls, base.exclude, cached, session_node, indexed, ttft, slack
+        )
+
+    def _ttft_costs(
+        self, key: AffinityKey, cached: Mapping[str, int], view: FleetSnapshot, now: float
+    ) -> tuple[dict[str, NodeCost] | None, float]:
+        """Each queueing node's expected-TTFT terms for this prompt, and the slack in seconds.
+
+        The backlog is the larger of what this gateway queued there (its virtual clock) and
+        what the node's own report shows waiting (other clients' work included).
+        """
+        key.costs.clear()
+        if not self.cfg.ttft_aware:
+            return None, 0.0
+        rates = self.rates(view)
+        prompt = len(key.hashes) * self.cfg.block_tokens
+        for n in view.nodes:
+            if not is_queueing(n) or n.report is None:
+                continue
+            rate = rates.get(n.name, Rates())
+            per_s = rate.prefill_tokens_per_s * max(1, n.report.engines)
+            ours = self.backlog.wait_s(n.name, now, n.overlay.inflight, per_s)
+            backlog = max(ours, reported_wait_s(n, per_s))
+            uncached = max(0, prompt - cached.get(n.name, 0))
+            key.costs[n.name] = NodeCost(backlog, uncached, per_s)
+        return key.costs, slack_s(prompt, key.costs, self.cfg.ttft_slack)
 
     def _cached_on(
         self, node: str, hashes: Sequence[int], now: float, exact: dict[str, int]
@@ -247,6 +290,9 @@ class Affinity:
             asyncio.get_running_loop().call_soon(self.index.record, backend, key.hashes, now)
         else:
             self.learn(backend, key.hashes, key.session, now)
+        cost = key.costs.get(backend)
+        if cost is not None:
+            self.backlog.add(backend, cost.uncached_tokens, cost.tokens_per_s, now)
         if self.exact is not None and key.hashes:
             self.exact.placed(backend, key.hashes, now)
         if self.share is not None:
@@ -281,6 +327,7 @@ class Affinity:
                 continue
             if self._started.setdefault(n.name, r.started_at) != r.started_at:
                 self.index.forget(n.name)
+                self.backlog.forget(n.name)
                 self._started[n.name] = r.started_at
             self.index.observe(n.name, r.capacity_tokens, _evicting(n))
         if now >= self._next_expiry:

@@ -219,4 +219,4 @@ def _record_blocks(gw: BoundPorts, ctx: RequestContext) -> None:
         # records nothing more; the index is a hint).
         gw.affinity.placed(AffinityKey(hashes, None), placed, gw.clock())
     else:
-        ctx.affinity = AffinityKey(hashes, key.session)
+        ctx.affinity = AffinityKey(hashes, key.session, key.later, key.costs)

@@ -148,6 +148,8 @@ class Gateway:
         # Prefix-cache and session affinity of this replica (proxy.gateway.affinity).
         self.affinity = Affinity(cfg)
         self.queues = BackendQueues(cfg, metrics.registry)
+        # Expected TTFT per node (routing.prefix.ttft_aware) at the learned prefill rates.
+        self.affinity.rates = lambda snap: self.queues.current(snap).rates
         # Projected KV peaks, learned output lengths, held-request fairness (paged engines).
         self.pressure = MemoryPressure(cfg, metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from proxy.core.fleet import FleetSnapshot, NodeView
 from proxy.routing.affinity import demand_on, prefer_cached
+from proxy.routing.expected_ttft import by_expected_ttft
 from proxy.routing.policy import Policy, PolicySettings, RequestClass, RouteRequest, eligible
 from proxy.routing.queueing import queue_load, slot_turns
 
@@ -84,7 +85,9 @@ class KvroutePolicy(Policy):
     node whose slots alone are full still takes work (``_takes``).
 
     Prefix-cache and session affinity (``proxy.routing.affinity``) then move the nodes that
-    fit and probably hold this prompt's prefix ahead of that order, unless they are loaded.
+    fit and probably hold this prompt's prefix ahead of that order, unless they are loaded;
+    among queueing servers a node whose expected TTFT (prefill backlog plus the prompt's
+    uncached tokens, ``proxy.routing.expected_ttft``) is beyond the best by the slack yields.
     """
 
     settings: PolicySettings = field(default_factory=PolicySettings)
@@ -144,6 +147,9 @@ class KvroutePolicy(Policy):
             ordered = general + long_pool + queued
         if cached or req.session_node is not None or req.indexed is not None:
             ordered = prefer_cached(ordered, cached, req.session_node, affinity, req.indexed)
+        if req.ttft is not None:
+            # A cached node whose prefill queue costs more than recomputing elsewhere yields.
+            ordered = by_expected_ttft(ordered, req.ttft, req.ttft_slack_s)
         # Nodes with no report: nothing to fit against, so last; by length only (pool role).
         want = "long" if req.cls == "long" else "general"
         unknown.sort(key=lambda n: (n.role != want, n.overlay.inflight, n.name))

@@ -16,7 +16,7 @@ import abc
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from proxy.config import CollectorConfig, RoutingConfig
 from proxy.core.fleet import FleetSnapshot, NodeView
@@ -25,6 +25,9 @@ from proxy.routing.affinity import AffinitySettings
 
 # Re-exported: the one per-node test of why nothing fits lives in its own module.
 from proxy.routing.nothing_fits import nothing_fits_reason as nothing_fits_reason
+
+if TYPE_CHECKING:
+    from proxy.routing.node_cost import NodeCost
 
 RequestClass = Literal["short", "long"]
 
@@ -46,6 +49,11 @@ class RouteRequest:
     # Given for a prompt worth caching: tokens the prefix index holds per node (spreads new
     # prefixes over the fleet's caches, ``proxy.routing.affinity``).
     indexed: Mapping[str, int] | None = None
+    # Given for a prompt worth caching on queueing servers: each node's prefill backlog and
+    # this prompt's uncached tokens there (``proxy.routing.expected_ttft``), and the seconds
+    # of expected TTFT within which the affinity order stands.
+    ttft: Mapping[str, NodeCost] | None = None
+    ttft_slack_s: float = 0.0
 
 
 _NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})

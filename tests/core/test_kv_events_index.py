@@ -33,7 +33,7 @@ def stored(
     return BlockStored(tuple(keys), parent, tuple(ids), BS, medium, False, 0)
 
 
-@pytest.mark.parametrize("enc", ["map", "array"])
+@pytest.mark.parametrize("enc", ["map", "array", "batch_array"])
 def test_both_encodings_decode_to_the_same_events(enc: ks.Encoding) -> None:
     payload = ks.batch_bytes(
         enc,

@@ -98,3 +98,42 @@ def test_affinity_follows_a_prompt_cached_by_a_client_that_bypassed_the_gateway(
             metrics = httpx.get(gw + "/metrics", timeout=5).text
             assert 'kvroute_kv_event_live{backend="a"} 1.0' in metrics
             assert 'kvroute_kv_events_total{backend="b",rank="0"}' in metrics
+
+
+def test_a_prefix_cache_reset_without_a_restart_empties_the_engines_index() -> None:
+    """vLLM's ``/reset_prefix_cache``: the process and its start time stay, the events say it.
+
+    The render endpoint gives the engine's own token ids (what vllm-router ``kv_aware``
+    matches with): their full blocks are exactly the blocks the engine's events stored.
+    """
+    ports = {"a": free_ports(2)}
+    specs = [("vllm", n, {**FAST, "kv_events_config": events_flag(p)}) for n, p in ports.items()]
+    with engines(*specs) as urls:
+        backends = [
+            {
+                "name": "a",
+                "url": urls["a"],
+                "kind": "vllm",
+                "kv_events": {
+                    "endpoint": f"tcp://127.0.0.1:{ports['a']}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{ports['a'] + 1}",
+                },
+            }
+        ]
+        with run_gateway(gateway_cfg(backends)) as gw:
+            wait_until(lambda: fleet(gw)["a"]["prefix_source"] == "events", what="events live")
+            body = {"model": "sim-model", "prompt": document(7), "max_tokens": 1}
+            rendered = httpx.post(urls["a"] + "/v1/completions/render", json=body, timeout=10)
+            assert rendered.status_code == 200
+            ids = rendered.json()[0]["token_ids"]
+            assert len(ids) > 1_000 and all(isinstance(t, int) for t in ids)
+            assert (
+                httpx.post(urls["a"] + "/v1/completions", json=body, timeout=30).status_code == 200
+            )
+            wait_until(lambda: blocks_on(gw, "a") == len(ids) // 16, what="the stored blocks")
+            started = fleet(gw)["a"]["report"]["started_at"]
+            assert httpx.post(urls["a"] + "/reset_prefix_cache", timeout=10).status_code == 200
+            wait_until(lambda: blocks_on(gw, "a") == 0, what="AllBlocksCleared applied")
+            a = fleet(gw)["a"]
+            assert a["prefix_source"] == "events"
+            assert a["report"]["started_at"] == started

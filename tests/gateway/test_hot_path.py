@@ -228,12 +228,16 @@ def test_route_request_keeps_every_field_it_does_not_set() -> None:
         "cached",
         "session_node",
         "indexed",
+        "ttft",
+        "ttft_slack_s",
     }, "a new RouteRequest field: add it to Affinity.route_request"
     affinity = Affinity(_cfg("a", "b"))
     base = RouteRequest(700, "long", frozenset({"b"}))
     view = FleetSnapshot((NodeView("a", report=MemoryReport(1000, 900, 900)),))
     made = affinity.route_request(AffinityKey((), "s"), base, view, 1.0)
-    assert made == replace(base, cached={}, session_node=None, indexed=None)
+    assert made == replace(
+        base, cached={}, session_node=None, indexed=None, ttft=None, ttft_slack_s=0.0
+    )
 
 
 def test_header_reads_as_starlette_get() -> None:

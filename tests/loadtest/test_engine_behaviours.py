@@ -345,3 +345,34 @@ async def test_default_kvroute_mode_metrics_parse_to_its_own_state(
         fig["largest_free_block_tokens"],
     )
     assert r.free_tokens < r.capacity_tokens and not r.queueing
+
+
+async def test_vllm_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(
+    serve: list[BehaviourServer],
+) -> None:
+    # As vLLM's prompt_tokens_details.cached_tokens: nothing the first time, the prompt's full
+    # blocks the second.
+    cfg = BehaviourConfig(model="m", block_size=BS, capacity_tokens=256 * BS, speedup=100.0)
+    srv = BehaviourServer(cfg)
+    await srv.start()
+    serve.append(srv)
+    body = {
+        "model": "m",
+        "prompt": "alpha beta gamma delta " * 50,
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    seen = []
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as client:
+        for _ in range(2):
+            r = await client.post("/v1/completions", json=body)
+            usage = [
+                orjson.loads(line[6:])["usage"]
+                for line in r.text.splitlines()
+                if line.startswith("data: {") and '"usage":{' in line
+            ]
+            seen.append(usage[-1])
+    assert seen[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    prompt = seen[1]["prompt_tokens"]
+    assert seen[1]["prompt_tokens_details"]["cached_tokens"] == prompt // BS * BS

@@ -104,3 +104,46 @@ def test_long_prompts_wait_for_the_prefill_before_them_and_it_is_counted() -> No
     # b waited for a's prefill (0.8 s); the short chat is not counted among long prompts.
     assert c.stats.long_waits == 2
     assert c.stats.long_wait_s == pytest.approx(LONG_PROMPT / 10_000.0)
+
+
+class Heard:
+    """What the cache told its listener."""
+
+    def __init__(self) -> None:
+        self.said: list[str] = []
+
+    def stored(self, hashes: object, parent: object, token_ids: object, block_size: int) -> None:
+        self.said.append("stored")
+
+    def removed(self, hashes: object) -> None:
+        self.said.append("removed")
+
+    def cleared(self) -> None:
+        self.said.append("cleared")
+
+
+def test_a_cache_reset_forgets_every_block_and_running_ones_are_freed_uncached() -> None:
+    heard = Heard()
+    c = PagedCore(100, BS, 64, 1.0, 1_000.0, prefix_caching=True)
+    assert c.prefix is not None
+    c.prefix.listener = heard
+    done, running = doc_req(1, 10, 0, max_tokens=1), doc_req(2, 10, 0, max_tokens=50)
+    c.submit(done, 0.0)
+    c.submit(running, 0.0)
+    c.step(100.0, 1)
+    assert done.done and not running.done
+    assert c.prefix.lookup(done.hashes)[0] == 10
+    assert c.prefix.lookup(running.hashes) == (10, 10)
+    free = c.free_blocks
+    assert c.prefix.reset() == 10
+    assert heard.said[-1] == "cleared"
+    # Nothing is found by hash any more: neither the free cached blocks nor the running ones.
+    assert c.prefix.lookup(done.hashes)[0] == 0
+    assert c.prefix.lookup(running.hashes)[0] == 0
+    # The running request keeps its memory; at its end its blocks are freed, not cached.
+    assert c.free_blocks == free
+    c.step(200.0, 60)
+    assert running.done
+    assert c.free_blocks == 100
+    assert c.prefix.lookup(running.hashes)[0] == 0
+    assert not c.prefix.evictable and not c.prefix.orphans

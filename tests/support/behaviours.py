@@ -16,7 +16,8 @@ def start(behaviour: str, name: str, **flags: Any) -> tuple[subprocess.Popen[str
     argv = [sys.executable, "-m", "proxy.cli", "engine", "--behaviour", behaviour]
     argv += ["--port", "0", "--name", name]
     for key, value in flags.items():
-        argv += ["--" + key.replace("_", "-"), str(value)]
+        # True: a switch without a value (``serial_prefill=True``).
+        argv += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()

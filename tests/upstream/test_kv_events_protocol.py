@@ -23,7 +23,7 @@ from tests.support.kv_events import free_ports, options, publish_until, running_
 BS = 16
 DOC_A = list(range(5_000, 5_000 + 4 * BS))
 DOC_B = list(range(9_000, 9_000 + 4 * BS))
-ENCODINGS = ["map", "array"]
+ENCODINGS = ["map", "array", "batch_array"]
 
 
 def keys(tag: str, n: int = 4) -> list[ks.ExternalBlockHash]:

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from loadtest.engine.behaviours import disaggregation
+from loadtest.engine.behaviours import disaggregation, vllm_cache_routes
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
 from loadtest.engine.behaviours.eos import output_tokens
 from loadtest.engine.behaviours.faults import (
@@ -311,7 +311,10 @@ class Front:
                 record.text.append(text)
             if p.include_usage:
                 written = dataclasses.replace(p, max_tokens=req.max_tokens)
-                await resp.write(usage_chunk(completion_id, created, written, req.prompt_tokens))
+                cached = req.prompt_tokens - req.computed if req.scheduled_at is not None else 0
+                await resp.write(
+                    usage_chunk(completion_id, created, written, req.prompt_tokens, cached)
+                )
             await resp.write(SSE_DONE)
             await resp.write_eof()
             record.end = "done"
@@ -427,6 +430,7 @@ def build_app(config: BehaviourConfig) -> web.Application:
     if config.behaviour == "vllm":
         r.add_post("/sleep", front.sleep)
         r.add_post("/wake_up", front.wake_up)
+        vllm_cache_routes.add_routes(app, front)
     if config.behaviour == "tgi":
         r.add_get("/info", front.info)
     return app

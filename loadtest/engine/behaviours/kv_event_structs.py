@@ -3,7 +3,7 @@
 Mirrors the shapes of ``vllm/distributed/kv_events.py`` (written here, not copied): older
 releases declare every struct ``array_like=True`` (a batch is ``[ts, events, rank]``, an
 event a tagged array ``["BlockStored", ...]``); newer ones drop ``array_like`` (maps, the tag
-under ``type``). Fields keep vLLM's order, since the array encoding is positional. The
+under ``type``); vLLM 0.28 has the batch an array and its events maps. Fields keep vLLM's order, since the array encoding is positional. The
 simulated engine publishes with these, and the protocol tests build their bytes with them.
 """
 
@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 import msgspec
 
-Encoding = Literal["map", "array"]
+#: ``array``: every struct an array (older vLLM); ``batch_array``: the batch an array, each
+#: event a tagged map (vLLM 0.28, what vllm-router 0.1.17 decodes); ``map``: all maps (newer).
+Encoding = Literal["map", "array", "batch_array"]
 ExternalBlockHash = int | bytes
 
 
@@ -110,5 +112,5 @@ def batch_bytes(
     encoding: Encoding, events: list[msgspec.Struct], rank: int | None = None, ts: float = 0.0
 ) -> bytes:
     """One batch's payload, as vLLM's publisher encodes it."""
-    cls = ArrayBatch if encoding == "array" else MapBatch
+    cls = MapBatch if encoding == "map" else ArrayBatch
     return _encoder.encode(cls(ts, list(events), rank))

@@ -11,7 +11,8 @@ As ``ZmqEventPublisher`` in ``vllm/distributed/kv_events.py`` behaves (our own c
 
 ``KvEventsOptions.parse`` reads vLLM's ``--kv-events-config`` JSON (``enable_kv_cache_events``,
 ``publisher``, ``endpoint``, ``replay_endpoint``, ``topic``, ``buffer_steps``), plus our own
-``encoding`` (``map``, newer vLLM, or ``array``, older) to exercise both decoders.
+``encoding`` (``map``, newer vLLM; ``batch_array``, vLLM 0.28; ``array``, older) to
+exercise every layout vLLM shipped.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ class KvEventsOptions:
         if raw.get("publisher", "zmq") != "zmq":
             raise ValueError("only the zmq publisher is simulated")
         encoding = raw.get("encoding", "map")
-        if encoding not in ("map", "array"):
-            raise ValueError("encoding must be map or array")
+        if encoding not in ("map", "array", "batch_array"):
+            raise ValueError("encoding must be map, array or batch_array")
         return cls(
             endpoint=str(raw.get("endpoint", cls.endpoint)),
             replay_endpoint=raw.get("replay_endpoint"),
@@ -129,6 +130,12 @@ class KvPublisher:
         self._sync_ctx.destroy(linger=0)
 
 
+def wire_key(block_hash: int) -> bytes:
+    """A block's hash as vLLM puts it on the wire: bytes (a sha256 digest there, 32 bytes; here
+    the 64-bit hash's 8 bytes). Consumers take bytes (vllm-router refuses negative ints)."""
+    return (block_hash & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "big")
+
+
 class PublishingListener:
     """A core's prefix cache -> its rank's publisher (``prefix_cache.CacheListener``)."""
 
@@ -139,11 +146,16 @@ class PublishingListener:
         self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int
     ) -> None:
         enc = self.publisher.encoding
-        event = ks.stored(enc, list(hashes), parent, list(token_ids), block_size)
-        self.publisher.publish([event])
+        keys: list[ks.ExternalBlockHash] = [wire_key(h) for h in hashes]
+        up = wire_key(parent) if parent is not None else None
+        self.publisher.publish([ks.stored(enc, keys, up, list(token_ids), block_size)])
 
     def removed(self, hashes: Sequence[int]) -> None:
-        self.publisher.publish([ks.removed(self.publisher.encoding, list(hashes))])
+        keys: list[ks.ExternalBlockHash] = [wire_key(h) for h in hashes]
+        self.publisher.publish([ks.removed(self.publisher.encoding, keys)])
+
+    def cleared(self) -> None:
+        self.publisher.publish([ks.cleared(self.publisher.encoding)])
 
 
 def attach_publishers(config_json: str | None, cores: Sequence[Any]) -> list[KvPublisher]:

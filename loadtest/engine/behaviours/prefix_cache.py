@@ -56,13 +56,17 @@ def prompt_block_hashes(body: dict[str, Any], block_size: int) -> tuple[int, ...
     return prompt_blocks(body, block_size)[0]
 
 
-def prompt_blocks(body: dict[str, Any], block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(chained hashes of the rendered prompt's full blocks, those blocks' token ids)."""
+def prompt_ids(body: dict[str, Any]) -> Sequence[int]:
+    """The token ids this engine prefills for ``body``: its rendering, tokenized per piece."""
     p = body.get("prompt")
     if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-        ids: Sequence[int] = p
-    else:
-        ids = [t for part in render(body) for t in _ids(part)]
+        return p
+    return [t for part in render(body) for t in _ids(part)]
+
+
+def prompt_blocks(body: dict[str, Any], block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(chained hashes of the rendered prompt's full blocks, those blocks' token ids)."""
+    ids = prompt_ids(body)
     out: list[int] = []
     parent = _ROOT
     n = len(ids) // block_size
@@ -81,6 +85,8 @@ class CacheListener(Protocol):
 
     def removed(self, hashes: Sequence[int]) -> None: ...
 
+    def cleared(self) -> None: ...
+
 
 class PrefixCache:
     """Which block hashes are in the cache: pinned by running requests, or cached in free blocks."""
@@ -91,6 +97,8 @@ class PrefixCache:
         self.pinned: dict[int, int] = {}
         # Free blocks still holding content; the first is the next one the allocator reuses.
         self.evictable: OrderedDict[int, None] = OrderedDict()
+        # Blocks running requests held when the cache was reset: freed uncached at their end.
+        self.orphans: dict[int, int] = {}
 
     def lookup(self, hashes: Sequence[int]) -> tuple[int, int]:
         """(leading blocks present, how many of them are pinned: shared at no cost)."""
@@ -119,6 +127,12 @@ class PrefixCache:
         """A request let go of these blocks; returns how many became free (cached, evictable)."""
         freed = 0
         for h in reversed(hashes):
+            if h not in self.pinned and h in self.orphans:
+                left = self.orphans.pop(h) - 1
+                if left > 0:
+                    self.orphans[h] = left
+                freed += left <= 0
+                continue
             n = self.pinned.get(h, 0) - 1
             if n > 0:
                 self.pinned[h] = n
@@ -128,6 +142,23 @@ class PrefixCache:
             self.evictable.move_to_end(h)
             freed += 1
         return freed
+
+    def reset(self) -> int:
+        """vLLM's ``/reset_prefix_cache``: no block is found by its hash any more.
+
+        Cached free blocks are plain free blocks; blocks running requests hold stay theirs but
+        are not shared with newcomers nor cached when freed. (vLLM resets only once no running
+        request holds blocks, or preempts them first; here they run on, uncached.) Tells the
+        listener ``AllBlocksCleared``. Returns how many cached free blocks were dropped.
+        """
+        dropped = len(self.evictable)
+        self.evictable.clear()
+        for h, n in self.pinned.items():
+            self.orphans[h] = self.orphans.get(h, 0) + n
+        self.pinned.clear()
+        if self.listener is not None:
+            self.listener.cleared()
+        return dropped
 
     def trim(self, free_blocks: int) -> None:
         """Free blocks handed out for new content lose what they cached (LRU first)."""
