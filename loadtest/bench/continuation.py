@@ -41,8 +41,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.bench.engine_fleet import start_gateway
 from loadtest.bench.overhead_targets import find_vllm_router
-from loadtest.bench.queueing import start_gateway
 from loadtest.children import stop_processes
 from loadtest.local_fleet import free_port
 from loadtest.workload import Request, bimodal, chat_overhead_tokens, make_prompt

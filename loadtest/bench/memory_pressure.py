@@ -30,7 +30,6 @@ import copy
 import json
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -39,14 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from loadtest.bench import queueing as q
+from loadtest.bench.engine_fleet import counter, start_gateway, start_vllm_router
 from loadtest.bench.memory_pressure_report import plot, table, targets
 from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.children import stop_processes
 from loadtest.engine.behaviours.eos import marker
-from loadtest.local_fleet import free_port
 from loadtest.workload import Kind, Request, bimodal, chat_overhead_tokens, load_trace, make_prompt
 
 POLICIES = ("kvroute", "round_robin", "least_loaded")
@@ -207,80 +205,19 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
         with tempfile.TemporaryDirectory() as tmp:
             peer = policy.partition("vllm-router:")[2]
             if peer:
-                gw, gw_url = start_vllm_router(
-                    args.vllm_router_exe, peer, list(urls.values()), Path(tmp)
-                )
+                workers = ["--worker-urls", *urls.values()]
+                gw, gw_url = start_vllm_router(args.vllm_router_exe, peer, workers, Path(tmp))
             else:
                 gw, gw_url = start_gateway(q.gateway_config(policy, urls, engine_args), Path(tmp))
             procs.append(gw)
             samples, timeline, wall = asyncio.run(
                 drive(gw_url, list(urls.values()), w, bodies(w, seed))
             )
-            total = int(sum(q.counter(u, "vllm:num_preemptions") for u in urls.values()))
+            total = int(sum(counter(u, "vllm:num_preemptions") for u in urls.values()))
         outputs = [r.output_tokens for r in w.requests]
         return Outcome(policy, samples, outputs, wall, total, timeline)
     finally:
         stop_processes(procs)
-
-
-def start_vllm_router(
-    exe: str, policy: str, urls: list[str], workdir: Path
-) -> tuple[subprocess.Popen[str], str]:
-    """vllm-router on free ports, its Prometheus exporter included.
-
-    Its exporter binds 127.0.0.1:29000 by default: a second vllm-router on the machine (other
-    sessions benchmark it too) made it panic at start ("Address already in use").
-    """
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    log_path = workdir / f"vllm-router-{policy}.log"
-    for _attempt in range(3):
-        port = free_port()
-        argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-        argv += ["--prometheus-port", str(free_port()), "--log-level", "warning"]
-        argv += ["--worker-urls", *urls]
-        with log_path.open("w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                r = httpx.post(url + "/v1/chat/completions", json=body, timeout=2)
-                if r.status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        proc.kill()
-        proc.wait(10)
-    raise RuntimeError(
-        f"vllm-router --policy {policy} did not serve: {log_path.read_text()[-300:]!r}"
-    )
-
-
-def start_gateway(cfg: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[str], str]:
-    """``kvroute serve`` as deployed; ready once every backend has reported.
-
-    Two minutes, not the queueing benchmark's 30 s: on the shared, loaded box a start took
-    longer than that (the row was lost).
-    """
-    path = workdir / "gateway.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)]
-    with (workdir / "gateway.log").open("w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{cfg['listen']['port']}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            fleet = httpx.get(url + "/fleet", timeout=2).json()["backends"]
-            if all(b["report"] for b in fleet):
-                return proc, url
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    tail = (workdir / "gateway.log").read_text()[-400:]
-    raise RuntimeError(f"gateway did not start: {tail!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,23 +26,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
+from loadtest.bench.engine_fleet import (
+    MODEL,
+    counter,
+    engine_flags,
+    start_gateway,
+    start_vllm_engine,
+    start_vllm_router,
+)
 from loadtest.bench.overhead_targets import find_vllm_router
-from loadtest.bench.queueing import Sample, counter, drive, start_gateway
+from loadtest.bench.pd_report import breakdown, breakdown_table, plot, ratios, table
+from loadtest.bench.queueing import Sample, drive
 from loadtest.children import stop_processes
+from loadtest.engine.behaviours.eos import marker
 from loadtest.local_fleet import free_port
-from loadtest.workload import Request, bimodal
+from loadtest.workload import Request, bimodal, chat_overhead_tokens, make_prompt
 
 ROUTERS = ("kvroute", "vllm-router:round_robin", "vllm-router:cache_aware")
 PREFILL = ("p0", "p1")
@@ -76,29 +86,39 @@ class Outcome:
             "ttft_p50": self.ttft(0.5),
             "ttft_p99": self.ttft(0.99),
             "long_ttft_p99": self.ttft(0.99, "long"),
+            # What TTFT does not show: a preempted request stalls mid-stream, then recomputes.
+            "max_gap_p99": pct([s.max_gap_s for s in self.samples if s.ttft_s is not None], 0.99),
+            "latency_p99": pct([s.total_s for s in self.samples if s.total_s is not None], 0.99),
             "decode_kv_mean": means,
             "decode_kv_gap_pp": 100 * (max(means.values()) - min(means.values())) if means else 0.0,
             "prefill_held_at_end": self.held_at_end,
+            "slowest": breakdown(self.samples),
+            "worst": [
+                {"ttft": s.ttft_s, "kind": s.kind, "sent": s.sent_s, "timing": s.timing}
+                for s in sorted(self.samples, key=lambda s: -(s.ttft_s or 0.0))[:5]
+            ],
         }
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
 
 
 def start_engine(
     name: str, role: str, args: argparse.Namespace
 ) -> tuple[subprocess.Popen[str], str]:
     capacity = args.decode_capacity if role == "decode" else args.prefill_capacity
-    argv = [sys.executable, "-m", "proxy.cli", "engine", "--behaviour", "vllm", "--port", "0"]
-    argv += ["--name", name, "--model", "sim-model", "--pd-role", role]
-    argv += ["--capacity-tokens", str(capacity), "--block-size", "16"]
-    argv += ["--prefill-tokens-per-s", str(args.prefill), "--decode-tokens-per-s", "30"]
-    argv += ["--speedup", str(args.speedup), "--max-num-seqs", str(args.max_num_seqs)]
-    argv += ["--serial-prefill"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise RuntimeError(f"engine {name} did not start: {line!r}")
-    return proc, line.split("listening on ", 1)[1].strip()
+    flags = engine_flags(
+        capacity,
+        args.prefill,
+        args.speedup,
+        args.max_num_seqs,
+        "--pd-role",
+        role,
+        "--serial-prefill",
+    )
+    return start_vllm_engine(name, flags)
 
 
 def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
@@ -113,7 +133,7 @@ def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, 
         }
         for name in (*PREFILL, *DECODE)
     ]
-    return {
+    cfg = {
         "listen": {"host": "127.0.0.1", "port": free_port()},
         "backends": backends,
         "routing": {"policy": "kvroute", "long_threshold_tokens": args.long_min // 2},
@@ -122,39 +142,35 @@ def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, 
         "queue": {"max_wait_s": 30.0},
         "disaggregation": {"min_uncached_prompt_tokens": args.min_uncached},
     }
+    return with_overrides(cfg, args.set)
 
 
-def start_vllm_router(
-    exe: str, policy: str, urls: dict[str, str], workdir: Path
-) -> tuple[subprocess.Popen[str], str]:
-    """vllm-router in PD mode (NIXL); ready once a real request gets a 200 through it."""
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    port = free_port()
-    argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-    argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl", "--log-level", "warning"]
+def with_overrides(cfg: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``cfg`` with each ``a.b.c=value`` set (the value read as YAML)."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        *path, last = key.split(".")
+        node = cfg
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    return cfg
+
+
+def pd_workers(urls: dict[str, str]) -> list[str]:
+    """vllm-router's PD mode (NIXL) over the prefill and decode servers.
+
+    Its queue and timeout defaults (100 queued, 60 s) would fail requests a saturated fleet
+    can still serve.
+    """
+    flags = ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
     for name in PREFILL:
-        argv += ["--prefill", urls[name]]
+        flags += ["--prefill", urls[name]]
     for name in DECODE:
-        argv += ["--decode", urls[name]]
-    # Its defaults (100 queued, 60 s) would fail requests a saturated fleet can still serve.
-    argv += ["--queue-size", "10000", "--request-timeout-secs", "600"]
-    log_path = workdir / f"vllm-router-{policy}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.post(url + "/v1/chat/completions", json=body, timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    proc.wait(10)
-    raise RuntimeError(
-        f"vllm-router --policy {policy} did not serve: {log_path.read_text()[-400:]!r}"
-    )
+        flags += ["--decode", urls[name]]
+    return [*flags, "--queue-size", "10000", "--request-timeout-secs", "600"]
 
 
 class UsageSampler:
@@ -187,6 +203,27 @@ class UsageSampler:
                     self.usage[name].append(used / sum(e["capacity_tokens"] for e in engines))
 
 
+def bodies(requests: list[Request], args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """With ``--ask``: each class asks for more output than it writes, as real clients do."""
+    if args.ask is None:
+        return None
+    rng = random.Random(args.seed)
+    overhead = chat_overhead_tokens()
+    asks = {"short": args.ask[0], "long": args.ask[1]}
+    out = []
+    for r in requests:
+        text = make_prompt(max(1, r.prompt_tokens - overhead - 4), rng) + marker(r.output_tokens)
+        out.append(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": max(asks[r.kind], r.output_tokens),
+                "stream": True,
+            }
+        )
+    return out
+
+
 def run_router(router: str, requests: list[Request], args: argparse.Namespace) -> Outcome:
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -197,13 +234,15 @@ def run_router(router: str, requests: list[Request], args: argparse.Namespace) -
         with tempfile.TemporaryDirectory() as tmp:
             peer = router.partition("vllm-router:")[2]
             if peer:
-                gw, gw_url = start_vllm_router(args.vllm_router_exe, peer, urls, Path(tmp))
+                gw, gw_url = start_vllm_router(
+                    args.vllm_router_exe, peer, pd_workers(urls), Path(tmp)
+                )
             else:
                 gw, gw_url = start_gateway(gateway_config(urls, args), Path(tmp))
             procs.append(gw)
             decode_urls = {n: urls[n] for n in DECODE}
             with UsageSampler(decode_urls) as sampler:
-                samples = asyncio.run(drive(gw_url, requests, args.seed))
+                samples = asyncio.run(drive(gw_url, requests, args.seed, bodies(requests, args)))
             out = Outcome(router, samples, usage=sampler.usage)
             out.decode_preemptions = int(
                 sum(counter(u, "vllm:num_preemptions") for u in decode_urls.values())
@@ -214,50 +253,6 @@ def run_router(router: str, requests: list[Request], args: argparse.Namespace) -
         return out
     finally:
         stop_processes(procs)
-
-
-def fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def table(rows: Sequence[dict[str, Any]]) -> str:
-    head = (
-        "| router | failed | decode preemptions | TTFT p50 / p99 (s) | long TTFT p99 (s) "
-        "| decode KV use, mean per server | gap (pp) | prefill holds left |\n"
-        "|---|---|---|---|---|---|---|---|"
-    )
-    lines = [
-        f"| {r['router']} | {r['failed']}/{r['requests']} | {r['decode_preemptions']} "
-        f"| {fmt(r['ttft_p50'])} / {fmt(r['ttft_p99'])} | {fmt(r['long_ttft_p99'])} "
-        f"| {' / '.join(f'{100 * v:.0f}%' for v in r['decode_kv_mean'].values())} "
-        f"| {r['decode_kv_gap_pp']:.1f} | {r['prefill_held_at_end']} |"
-        for r in rows
-    ]
-    return "\n".join([head, *lines])
-
-
-def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["router"].replace("vllm-router:", "vllm-router\n") for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
-    xs = range(len(rows))
-    axes[0].bar(xs, [r["ttft_p99"] or 0.0 for r in rows], color="tab:blue")
-    axes[0].set_title("TTFT p99 (s)")
-    axes[1].bar(xs, [r["decode_preemptions"] for r in rows], color="tab:red")
-    axes[1].set_title("decode preemptions")
-    for i, r in enumerate(rows):
-        for j, v in enumerate(r["decode_kv_mean"].values()):
-            axes[2].bar(i + 0.35 * j - 0.17, 100 * v, width=0.33, color=f"C{j + 2}")
-    axes[2].set_title("decode KV use, mean per server (%)")
-    for ax in axes:
-        ax.set_xticks(list(xs), names, fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,6 +273,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-min", type=int, default=2_000, help="long prompts: min tokens")
     p.add_argument("--long-max", type=int, default=4_000, help="long prompts: max tokens")
     p.add_argument("--min-uncached", type=int, default=512, help="kvroute: conditional threshold")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="kvroute config override, dotted key and YAML value (a lever to measure), e.g. "
+        "memory_pressure.max_overtakes=0; repeatable",
+    )
+    p.add_argument("--runs", type=int, default=1, help="repetitions (same requests, fresh engines)")
+    p.add_argument(
+        "--ask",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("SHORT", "LONG"),
+        help="max_tokens chats and documents ask for; the model stops at its own length "
+        "([eos:N]). Default: each asks exactly what it writes",
+    )
     p.add_argument("--routers", default=",".join(ROUTERS))
     p.add_argument("--vllm-router", default=None, help="path of vllm-router (default: PATH, venv)")
     p.add_argument("--json", type=Path, default=None)
@@ -304,17 +317,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         long_output=(512, 1_500),
     )
     rows: list[dict[str, Any]] = []
-    for router in routers:
-        try:
-            res = run_router(router, requests, args).summary()
-        except RuntimeError as exc:
-            if not router.startswith("vllm-router:"):
-                raise
-            print(f"| {router} | skipped: {exc} |", flush=True)
-            continue
-        rows.append(res)
-        print(table([res]).splitlines()[-1], flush=True)
+    for run in range(1, args.runs + 1):
+        for router in routers:
+            try:
+                res = run_router(router, requests, args).summary()
+            except RuntimeError as exc:
+                if not router.startswith("vllm-router:"):
+                    raise
+                print(f"| {run} | {router} | skipped: {exc} |", flush=True)
+                continue
+            res["run"] = run
+            rows.append(res)
+            print(table([res]).splitlines()[-1], flush=True)
     print(table(rows))
+    print(breakdown_table(rows))
+    print(ratios(rows))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))

@@ -33,7 +33,6 @@ import dataclasses
 import json
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -42,9 +41,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.bench.engine_fleet import (
+    counter,
+    engine_flags,
+    start_gateway,
+    start_vllm_engine,
+    start_vllm_router,
+)
 from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.children import stop_processes
 from loadtest.local_fleet import free_port
@@ -64,6 +68,11 @@ class Sample:
     tokens: int
     backend: str = ""
     sent_s: float = 0.0  # since the first arrival (for per-request diagnosis: --raw)
+    # The gateway's ``Server-Timing`` header (where a two-step request's time went), if any.
+    timing: str = ""
+    # Until the last token; the longest wait between two tokens (a preemption's stall shows here).
+    total_s: float | None = None
+    max_gap_s: float = 0.0
 
 
 @dataclass
@@ -95,19 +104,14 @@ class PolicyRun:
 
 
 def start_engine(name: str, dp: int, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    argv = [sys.executable, "-m", "proxy.cli", "engine", "--behaviour", "vllm", "--port", "0"]
-    argv += ["--name", name, "--model", "sim-model", "--data-parallel", str(dp)]
-    argv += ["--capacity-tokens", str(args.capacity * dp), "--block-size", "16"]
-    argv += ["--prefill-tokens-per-s", str(args.prefill), "--decode-tokens-per-s", "30"]
-    argv += ["--speedup", str(args.speedup), "--chunk-interval-s", "0.1"]
-    argv += ["--max-num-seqs", str(args.max_num_seqs)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise RuntimeError(f"engine {name} did not start: {line!r}")
-    return proc, line.split("listening on ", 1)[1].strip()
+    flags = engine_flags(
+        args.capacity * dp,
+        args.prefill,
+        args.speedup,
+        args.max_num_seqs,
+        *("--data-parallel", str(dp), "--chunk-interval-s", "0.1"),
+    )
+    return start_vllm_engine(name, flags)
 
 
 def gateway_config(policy: str, urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
@@ -133,69 +137,6 @@ def gateway_config(policy: str, urls: dict[str, str], args: argparse.Namespace) 
     }
 
 
-def start_gateway(cfg: dict[str, Any], workdir: Path) -> tuple[subprocess.Popen[str], str]:
-    path = workdir / "gateway.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-    url = f"http://127.0.0.1:{cfg['listen']['port']}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            fleet = httpx.get(url + "/fleet", timeout=1).json()["backends"]
-            if all(b["report"] for b in fleet):
-                return proc, url
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("gateway did not start")
-
-
-def start_vllm_router(
-    exe: str, policy: str, urls: list[str], workdir: Path
-) -> tuple[subprocess.Popen[str], str]:
-    """vllm-router in front of the engines; ready once a real request gets a 200 through it.
-
-    Tried twice on fresh ports (a port taken between ``free_port`` and its bind, or a slow
-    start on a loaded machine); its log is kept in ``workdir`` and quoted on failure.
-    """
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    log_path = workdir / f"vllm-router-{policy}.log"
-    for _attempt in range(2):
-        port = free_port()
-        argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-        argv += ["--log-level", "warning", "--worker-urls", *urls]
-        with log_path.open("w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if (
-                    httpx.post(url + "/v1/chat/completions", json=body, timeout=2).status_code
-                    == 200
-                ):
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        proc.kill()
-        proc.wait(10)
-    tail = log_path.read_text()[-400:] if log_path.exists() else ""
-    raise RuntimeError(f"vllm-router --policy {policy} did not serve: {tail!r}")
-
-
-def counter(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name in (name, name + "_total")
-    )
-
-
 async def one(
     client: httpx.AsyncClient, url: str, req: Request, body: dict[str, Any], t0: float
 ) -> Sample:
@@ -209,6 +150,7 @@ async def _one(
 ) -> Sample:
     ttft: float | None = None
     tokens = 0
+    last = gap = 0.0
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
@@ -216,28 +158,44 @@ async def _one(
                 return Sample(req.kind, resp.status_code, None, 0)
             async for line in resp.aiter_lines():
                 if line.startswith("data:") and '"content"' in line:
+                    now = time.monotonic()
                     if ttft is None:
-                        ttft = time.monotonic() - t0
+                        ttft = now - t0
+                    else:
+                        gap = max(gap, now - last)
+                    last = now
                     tokens += 1
-            return Sample(req.kind, 200, ttft, tokens, resp.headers.get("x-kvroute-backend", ""))
+            backend = resp.headers.get("x-kvroute-backend", "")
+            timing = resp.headers.get("server-timing", "")
+            total = time.monotonic() - t0
+            return Sample(
+                req.kind, 200, ttft, tokens, backend, timing=timing, total_s=total, max_gap_s=gap
+            )
     except httpx.HTTPError:
         return Sample(req.kind, 0, None, tokens)
 
 
-async def drive(url: str, requests: list[Request], seed: int) -> list[Sample]:
-    rng = random.Random(seed)
-    overhead = chat_overhead_tokens()
-    bodies = [
-        {
-            "model": "sim-model",
-            "messages": [
-                {"role": "user", "content": make_prompt(max(1, r.prompt_tokens - overhead), rng)}
-            ],
-            "max_tokens": max(1, r.output_tokens),
-            "stream": True,
-        }
-        for r in requests
-    ]
+async def drive(
+    url: str, requests: list[Request], seed: int, bodies: list[dict[str, Any]] | None = None
+) -> list[Sample]:
+    """Send ``requests`` open loop at their arrival times (``bodies``: made from them if None)."""
+    if bodies is None:
+        rng = random.Random(seed)
+        overhead = chat_overhead_tokens()
+        bodies = [
+            {
+                "model": "sim-model",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": make_prompt(max(1, r.prompt_tokens - overhead), rng),
+                    }
+                ],
+                "max_tokens": max(1, r.output_tokens),
+                "stream": True,
+            }
+            for r in requests
+        ]
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         start = time.monotonic()
@@ -265,9 +223,8 @@ def run_policy(policy: str, requests: list[Request], args: argparse.Namespace) -
             peer = policy.partition("vllm-router:")[2]
             if peer:
                 assert args.vllm_router_exe is not None
-                gw, gw_url = start_vllm_router(
-                    args.vllm_router_exe, peer, list(urls.values()), Path(tmp)
-                )
+                workers = ["--worker-urls", *urls.values()]
+                gw, gw_url = start_vllm_router(args.vllm_router_exe, peer, workers, Path(tmp))
             else:
                 gw, gw_url = start_gateway(gateway_config(policy, urls, args), Path(tmp))
             procs.append(gw)

@@ -130,6 +130,12 @@ class TwoStep:
     prefill_exclude: set[str] = field(default_factory=set)
     # Set once: the request went straight to a decode server (conditional disaggregation).
     skipped: bool = False
+    # Seconds since arrival (``Server-Timing``): where the time before step 2 went.
+    # ``hold_s``: until the decode reservation; ``prefill_s``: step 1 itself (None: no step 1);
+    # ``decode_sent_s``: until step 2 was sent (the later of the two when they overlap).
+    hold_s: float | None = None
+    prefill_s: float | None = None
+    decode_sent_s: float | None = None
 
     @property
     def step(self) -> Step:
@@ -137,10 +143,25 @@ class TwoStep:
         return "decode" if self.params is not None or self.skipped else "prefill"
 
     def headers(self) -> dict[str, str]:
-        """What the answer tells the client about step 1 (empty when it was skipped)."""
-        if not self.prefill_backend:
-            return {}
-        return {
-            "x-kvroute-prefill-backend": self.prefill_backend,
-            "x-kvroute-prefill-attempts": str(self.prefill_attempts),
-        }
+        """What the answer tells the client about step 1, and where the time went."""
+        out: dict[str, str] = {}
+        timing = self.server_timing()
+        if timing:
+            out["server-timing"] = timing
+        if self.prefill_backend:
+            out["x-kvroute-prefill-backend"] = self.prefill_backend
+            out["x-kvroute-prefill-attempts"] = str(self.prefill_attempts)
+        return out
+
+    def server_timing(self) -> str:
+        """The W3C ``Server-Timing`` value (milliseconds): the hold, step 1, step 2's send.
+
+        A benchmark or a browser's devtools reads what part of the time to first token was
+        the wait for a decode server, the prefill, or the decode server's own (the rest).
+        """
+        parts = (
+            ("hold", self.hold_s),
+            ("prefill", self.prefill_s),
+            ("decode_sent", self.decode_sent_s),
+        )
+        return ", ".join(f"{name};dur={1000 * s:.1f}" for name, s in parts if s is not None)

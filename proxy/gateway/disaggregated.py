@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -51,7 +52,10 @@ from proxy.core.two_step import (
 from proxy.gateway import attempt, placement
 from proxy.gateway.attempt import AttemptPorts
 from proxy.gateway.context import RequestContext
+from proxy.gateway.early_prefills import EarlyPrefillBook
+from proxy.gateway.models import CatalogCache, ModelsLookup
 from proxy.gateway.placement import PlacementPorts
+from proxy.routing.decode_fit import DecodeFitPolicy
 from proxy.routing.policy import RouteRequest
 from proxy.routing.prefill_wait import PrefillWaitPolicy
 
@@ -60,6 +64,12 @@ log = logging.getLogger("kvroute.gateway")
 
 class TwoStepPorts(AttemptPorts, PlacementPorts, Protocol):
     """A two-step request places and attempts each step like any request."""
+
+    # Prefills run during a decode hold, capped per prefill server.
+    early_prefills: EarlyPrefillBook
+    # The model catalog: step 1 needs a context for the prompt only.
+    catalogs: CatalogCache
+    models_info: ModelsLookup
 
 
 # The answer a client that left gets (nobody reads it), as ``attempt`` answers it.
@@ -78,15 +88,30 @@ def begin(gw: TwoStepPorts, ctx: RequestContext) -> None:
     if "kv_transfer_params" in body:
         # The client drives the transfer itself (a proxy in front of us): one step.
         return
+    if ctx.cfg.disaggregation.decode_order == "best_fit":
+        ctx.policy = DecodeFitPolicy(ctx.policy)
     ctx.two_step = TwoStep(
         body=body,
         raw=ctx.parsed.raw,
-        ruled_out=ruled_out,
+        ruled_out=ruled_out - _long_enough_for_step_1(gw, ctx),
         prefill_only=only,
         decode_only=not_prefill(backends),
         # Read before the decode placement records the prompt as cached where it goes.
         cached=_cached(gw, ctx),
     )
+
+
+def _long_enough_for_step_1(gw: TwoStepPorts, ctx: RequestContext) -> frozenset[str]:
+    """Backends too short for the whole request (prompt + max_tokens) but not for step 1.
+
+    Step 1 asks for one token: a prefill server with a shorter context (less KV, as prefill
+    servers often have) computes the prompt all the same.
+    """
+    catalog = gw.catalogs.get(ctx.cfg, gw.models_info)
+    model = ctx.parsed.model
+    asked = ctx.parsed.max_tokens if ctx.parsed.max_tokens is not None else 1
+    whole = catalog.too_small(model, ctx.prompt_tokens + asked)
+    return whole - catalog.too_small(model, ctx.prompt_tokens + 1)
 
 
 async def prefill_while_holding(gw: TwoStepPorts, ctx: RequestContext) -> Response | None:
@@ -101,7 +126,10 @@ async def prefill_while_holding(gw: TwoStepPorts, ctx: RequestContext) -> Respon
         return None
     avoid = gw.health.avoid() | ctx.ruled_out | ctx.exclude
     request = RouteRequest(ctx.demand, ctx.cls, avoid)
-    if ctx.policy.rank(gw.local.apply(ctx.snap), request, gw.clock()):
+    now = gw.clock()
+    # The view placement ranks on: projected peaks where the memory-pressure projection is on.
+    view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
+    if gw.pressure.order.may_place(ctx.reservation_id) and ctx.policy.rank(view, request, now):
         # A decode server fits now: reserve it first, then prefill for it.
         return None
     cached = max((v for n, v in two.cached.items() if n not in two.prefill_only), default=0)
@@ -109,14 +137,38 @@ async def prefill_while_holding(gw: TwoStepPorts, ctx: RequestContext) -> Respon
         ctx.prompt_tokens, cached, ctx.cfg.disaggregation.min_uncached_prompt_tokens
     ):
         return None
+    servers = frozenset(b.name for b in ctx.cfg.backends) - two.decode_only - two.ruled_out
+    fraction = ctx.cfg.disaggregation.early_prefill_fraction
+    full = gw.early_prefills.full(servers, ctx.snap, ctx.prompt_tokens, fraction)
+    if servers <= full | two.prefill_exclude:
+        # Every prefill server holds its share for waiting requests: prefill after the hold.
+        gw.metrics.two_step.labels("prefill", "after_holding").inc()
+        return None
     gw.metrics.two_step.labels("prefill", "while_holding").inc()
-    return await _prefill(gw, ctx, two)
+    answer = await _prefill(gw, ctx, two, full)
+    if two.params is not None:
+        # Its blocks stay on that server until step 2 is sent (``end`` / ``prefill_if_wanted``).
+        gw.early_prefills.add(two.prefill_backend, ctx.reservation_id, ctx.prompt_tokens)
+    return answer
 
 
 async def prefill_if_wanted(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> Response | None:
     """Step 1 for a request placed on ``decode``; a Response ends the request (reservation freed)."""
     two = ctx.two_step
-    if two is None or two.step == "decode":
+    if two is None:
+        return None
+    two.hold_s = time.perf_counter() - ctx.started
+    # Step 2 goes now: the decode server pulls what a prefill during the hold computed.
+    gw.early_prefills.release(ctx.reservation_id)
+    answer = await _prefill_for(gw, ctx, two, decode)
+    two.decode_sent_s = time.perf_counter() - ctx.started
+    return answer
+
+
+async def _prefill_for(
+    gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, decode: str
+) -> Response | None:
+    if two.step == "decode":
         return None
     threshold = ctx.cfg.disaggregation.min_uncached_prompt_tokens
     if not worth_two_steps(ctx.prompt_tokens, two.cached.get(decode, 0), threshold):
@@ -133,8 +185,13 @@ async def prefill_if_wanted(gw: TwoStepPorts, ctx: RequestContext, decode: str) 
     return answer
 
 
-async def _prefill(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep) -> Response | None:
+async def _prefill(
+    gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, full: frozenset[str] = frozenset()
+) -> Response | None:
+    """Step 1 on the prefill server with the shortest expected wait (``full``: left out)."""
     sub = _prefill_context(gw, ctx, two)
+    sub.exclude |= full
+    started = time.perf_counter()
     try:
         while True:
             placed = await placement.place(gw, sub)
@@ -149,6 +206,7 @@ async def _prefill(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep) -> Respo
     finally:
         gw.budget.release(sub.retries)
         two.prefill_attempts += sub.attempts
+        two.prefill_s = time.perf_counter() - started
 
 
 def _prefill_context(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep) -> RequestContext:
@@ -272,3 +330,14 @@ def _cached(gw: TwoStepPorts, ctx: RequestContext) -> Mapping[str, int]:
     request = RouteRequest(ctx.demand, ctx.cls)
     view = gw.local.apply(ctx.snap)
     return gw.affinity.route_request(ctx.affinity, request, view, gw.clock()).cached
+
+
+def end(gw: TwoStepPorts, ctx: RequestContext) -> None:
+    """The request's walk ended (any way): a prefill held for it during its hold is no longer counted.
+
+    Blocks a decode server never pulled stay on the prefill server until its own timeout
+    (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``); the gateway's bound stops counting them here, when
+    it can no longer know (a client gone between the steps is rare; the timeout frees them).
+    """
+    if ctx.two_step is not None:
+        gw.early_prefills.release(ctx.reservation_id)

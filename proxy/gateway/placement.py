@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Coroutine
 from typing import Any, Literal, Protocol
@@ -25,6 +26,7 @@ from proxy.errors import ApiError, upstream_answer
 from proxy.gateway import queueing
 from proxy.gateway.admission import Admission
 from proxy.gateway.affinity import Affinity
+from proxy.gateway.client_watch import ClientWatch
 from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import DivertPorts, record_allocation_failure, verdict_for
 from proxy.gateway.ledger import ReservationLedger
@@ -35,6 +37,10 @@ from proxy.routing.nothing_fits import NothingFits
 from proxy.routing.policy import RouteRequest
 from proxy.state.base import StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
+
+log = logging.getLogger("kvroute.gateway")
+# The status of an answer to a client that left (nobody reads it), as ``attempt`` answers it.
+CLIENT_LEFT = 499
 
 
 class PlacementPorts(DivertPorts, QueueingPorts, Protocol):
@@ -102,6 +108,25 @@ async def _place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
     return nothing_fits(gw, ctx, _verdict_now(gw, ctx), exhausted=True)
 
 
+async def watched_hold(
+    gw: PlacementPorts, ctx: RequestContext, avoid: frozenset[str], deadline: float
+) -> FleetSnapshot | Literal["hand_over"] | Response | None:
+    """``wait_for_fit``, the client watched: one that leaves ends its hold (and its place in
+    line) at once, not when the hold runs out."""
+    with ClientWatch(ctx.request.receive):
+        return await wait_for_fit(gw, ctx, avoid, deadline)
+    # Reached only when the watch suppressed its own cancellation: the client went away.
+    return client_left_while_held(gw, ctx)
+
+
+def client_left_while_held(gw: PlacementPorts, ctx: RequestContext) -> Response:
+    """The client went away during the hold: nothing was reserved; nobody reads the answer."""
+    log.info("request %s: the client went away while it was held", ctx.request_id)
+    if ctx.counts_request:
+        gw.metrics.requests.labels(ctx.cls, "none", "client_disconnect").inc()
+    return Response(status_code=CLIENT_LEFT)
+
+
 def hold_limit_s(gw: PlacementPorts, ctx: RequestContext, view: FleetSnapshot) -> float:
     """The longest hold: ``queue.max_wait_s``, or longer where a lazily allocating node waits.
 
@@ -165,7 +190,10 @@ async def _hold(
             return queued
     if ctx.queue_deadline is None:
         ctx.queue_deadline = time.monotonic() + hold_limit_s(gw, ctx, view)
-    waited = await wait_for_fit(gw, ctx, avoid, ctx.queue_deadline)
+    waited = await watched_hold(gw, ctx, avoid, ctx.queue_deadline)
+    if isinstance(waited, Response):
+        # The client went away while held.
+        return waited
     if waited == "hand_over":
         # None: the room went to a request that joined first, hold again.
         return await join_queue(gw, ctx, avoid, recheck=True)

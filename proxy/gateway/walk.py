@@ -35,6 +35,7 @@ from proxy.gateway.background import Background
 from proxy.gateway.context import RequestContext
 from proxy.gateway.continuation_metrics import ContinuationMetrics
 from proxy.gateway.divert import AllocationFailureHook
+from proxy.gateway.early_prefills import EarlyPrefillBook
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.live_streams import LiveStreams
 from proxy.gateway.local_view import LocalReservations
@@ -150,6 +151,8 @@ class Gateway:
         self.queues = BackendQueues(cfg, metrics.registry)
         # Expected TTFT per node (routing.prefix.ttft_aware) at the learned prefill rates.
         self.affinity.rates = lambda snap: self.queues.current(snap).rates
+        # Prefills run while their request waits for a decode server (bounded per server).
+        self.early_prefills = EarlyPrefillBook(metrics.registry)
         # Projected KV peaks, learned output lengths, held-request fairness (paged engines).
         self.pressure = MemoryPressure(cfg, metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.
@@ -220,6 +223,7 @@ class Gateway:
                 disaggregated.after_divert(self, ctx, placed)
         finally:
             self.budget.release(ctx.retries)
+            disaggregated.end(self, ctx)
 
     def _store_lost(self, degraded: bool) -> None:
         """A store outage (a failover) may have lost reservations it acknowledged."""

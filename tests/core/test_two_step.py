@@ -93,6 +93,17 @@ def test_the_step_under_way_and_the_headers_it_gives() -> None:
     assert two.headers() == {"x-kvroute-prefill-backend": "p", "x-kvroute-prefill-attempts": "2"}
 
 
+def test_server_timing_says_where_the_time_before_step_2_went() -> None:
+    two = TwoStep({}, b"{}", frozenset(), frozenset({"p"}), frozenset())
+    two.hold_s, two.decode_sent_s = 0.25, 0.2504
+    # Skipped step 1 (a short prompt): no prefill entry.
+    assert two.headers() == {"server-timing": "hold;dur=250.0, decode_sent;dur=250.4"}
+    two.prefill_s, two.prefill_backend = 1.5, "p"
+    assert two.headers()["server-timing"] == (
+        "hold;dur=250.0, prefill;dur=1500.0, decode_sent;dur=250.4"
+    )
+
+
 def node(name: str, waiting: int = 0, inflight: int = 0, reserved: int = 0) -> NodeView:
     report = MemoryReport(
         100_000, 100_000, 100_000, "paged", 16, waiting=waiting, queueing=True, reported_at=0.0

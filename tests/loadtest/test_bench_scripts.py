@@ -258,12 +258,17 @@ def test_bench_pd_smoke(tmp_path: Path) -> None:
     run_module(
         "loadtest.bench.pd",
         "--duration", "2", "--rate", "3", "--speedup", "20", "--routers", "kvroute",
-        "--json", str(out_json),
+        "--ask", "300", "5000", "--set", "memory_pressure.max_overtakes=0",
+        "--min-uncached", "0", "--json", str(out_json),
     )  # fmt: skip
     (row,) = json.loads(out_json.read_text())
     assert row["router"] == "kvroute" and row["requests"] > 0 and row["failed"] == 0, row
     assert row["decode_preemptions"] >= 0 and row["ttft_p99"] is not None
     assert set(row["decode_kv_mean"]) == {"d0", "d1"} and row["prefill_held_at_end"] == 0
+    # Every request took two steps: the slowest ones' time, part by part (Server-Timing).
+    parts = row["slowest"]
+    assert parts is not None and parts["prefill"] > 0, parts
+    assert parts["decode_sent"] >= parts["hold"] and parts["ttft"] >= parts["decode_sent"]
 
 
 def test_bench_continuation_smoke(tmp_path: Path) -> None:

@@ -478,6 +478,37 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"idx = np\.flatnonzero\(mask\) \+ w$",
         "idx = np.flatnonzero(mask) + w + 1",
     ),
+    # ---- prefill during a decode hold: capped per prefill server, released on every path
+    Mutation(
+        "early-prefill-uncapped",
+        "a prefill server takes prefills for held requests whatever it already holds",
+        (
+            "tests/core/test_early_prefill.py",
+            "tests/e2e/test_disaggregation_hold_e2e.py::test_prefills_during_a_hold_are_capped_per_prefill_server_and_released",
+        ),
+        "EarlyPrefills.full",
+        r"if self\.tokens\(name\) \+ prompt_tokens > fraction \* capacity\.get\(name, 0\)$",
+        "if False",
+    ),
+    Mutation(
+        "early-prefill-leak",
+        "a held request that ends without step 2 (its client left) stays counted on the prefill server",
+        (
+            "tests/e2e/test_disaggregation_hold_e2e.py::test_prefills_during_a_hold_are_capped_per_prefill_server_and_released",
+        ),
+        "disaggregated:end",
+        r"^(\s*)gw\.early_prefills\.release\(ctx\.reservation_id\)$",
+        r"\1pass  # MUTATION",
+    ),
+    Mutation(
+        "decode-spread",
+        "a long request's decode step spreads instead of taking the tightest decode server",
+        ("tests/routing/test_decode_fit.py",),
+        "DecodeFitPolicy.rank",
+        r"return sorted\(ranked, key=room\)$",
+        "return ranked",
+        fast=True,
+    ),
 )
 
 

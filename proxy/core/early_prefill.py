@@ -1,0 +1,66 @@
+"""Prefills run while their request waits for a decode server: bounded per prefill server.
+
+A two-step request that no decode server fits yet holds at the gateway; its step 1 runs
+meanwhile, so the hold costs ``max(prefill, wait)`` instead of their sum. The prefill
+server then keeps the computed blocks until the decode server pulls them, which is later
+than usual: for the rest of the hold. Unbounded, a long hold of many requests could fill a
+prefill server with blocks nobody pulls yet, and its next prefills would queue behind
+them. So the blocks held for waiting requests are counted per prefill server and capped at
+a fraction of its KV (``disaggregation.early_prefill_fraction``); a server at its cap takes
+no early prefill (the request prefills after its decode placement, as without the overlap).
+
+Pure: the gateway says when blocks start to be held (step 1 answered during a hold) and
+when the hold ends (step 2 sent, or the request ended any other way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EarlyPrefills:
+    """Prompt tokens each prefill server holds for requests still waiting for a decode server."""
+
+    # backend -> request key -> prompt tokens held there for it
+    held: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, backend: str, key: str, tokens: int) -> None:
+        """Step 1 of ``key`` answered on ``backend`` during its hold: its blocks stay there."""
+        self.held.setdefault(backend, {})[key] = tokens
+
+    def release(self, key: str) -> list[str]:
+        """``key``'s hold ended (step 2 sent, or the request ended); the backends it freed."""
+        freed = []
+        for backend in list(self.held):
+            mine = self.held[backend]
+            if mine.pop(key, None) is not None:
+                freed.append(backend)
+                if not mine:
+                    del self.held[backend]
+        return freed
+
+    def tokens(self, backend: str) -> int:
+        return sum(self.held.get(backend, {}).values())
+
+    def full(
+        self,
+        servers: Iterable[str],
+        capacity: Mapping[str, int],
+        prompt_tokens: int,
+        fraction: float,
+    ) -> frozenset[str]:
+        """Prefill servers that may not hold ``prompt_tokens`` more for a waiting request.
+
+        A server without a known capacity (no report yet) counts as full: the bound cannot
+        be checked there.
+        """
+        return frozenset(
+            name
+            for name in servers
+            if self.tokens(name) + prompt_tokens > fraction * capacity.get(name, 0)
+        )
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self.held.values())

@@ -1,0 +1,32 @@
+"""The cap on prompt tokens prefill servers hold for requests still waiting for a decode server."""
+
+from __future__ import annotations
+
+from proxy.core.early_prefill import EarlyPrefills
+
+
+def test_a_server_is_full_once_its_share_would_be_exceeded() -> None:
+    holds = EarlyPrefills()
+    capacity = {"p1": 2_000, "p2": 2_000}
+    assert holds.full(["p1", "p2"], capacity, 1_000, 0.5) == frozenset()
+    holds.add("p1", "a", 1_000)
+    # p1 holds its whole share: one more token is too many there, p2 still takes it.
+    assert holds.full(["p1", "p2"], capacity, 1, 0.5) == {"p1"}
+    assert holds.full(["p1", "p2"], capacity, 1_001, 0.5) == {"p1", "p2"}
+    # No overlap at all (fraction 0), and a server without a known capacity: full.
+    assert holds.full(["p2"], capacity, 1, 0.0) == {"p2"}
+    assert holds.full(["p3"], capacity, 1, 0.5) == {"p3"}
+
+
+def test_release_frees_the_request_everywhere_once() -> None:
+    holds = EarlyPrefills()
+    holds.add("p1", "a", 300)
+    holds.add("p1", "b", 200)
+    holds.add("p2", "a", 100)
+    assert (holds.tokens("p1"), holds.tokens("p2"), len(holds)) == (500, 100, 3)
+    assert sorted(holds.release("a")) == ["p1", "p2"]
+    assert (holds.tokens("p1"), holds.tokens("p2"), len(holds)) == (200, 0, 1)
+    # Released twice (step 2 sent, then the walk's end): nothing more to free.
+    assert holds.release("a") == []
+    assert holds.release("b") == ["p1"]
+    assert len(holds) == 0 and holds.held == {}

@@ -1,0 +1,163 @@
+"""Two-step requests held at the gateway until a decode server fits: their arrival order,
+the prefill run during the hold (bounded per prefill server) and where the time went.
+
+Real processes: simulated vLLM prefill and decode servers, ``kvroute serve``, and clients on
+raw sockets where the test decides when a client leaves. One long request (``L1``) occupies
+the only decode server for as long as its client stays: while it does, nothing that needs
+that room can be placed, by design, so every "still waiting" below is a fact, not a race.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+import pytest
+
+from tests.e2e.test_disaggregation_e2e import (
+    SHORT_PROMPT,
+    all_reported,
+    long_prompt,
+    nothing_held,
+    pd_backends,
+    state,
+)
+from tests.support.behaviours import engines
+from tests.support.gateway import gateway_cfg, run_gateway, wait_until
+
+# d1 holds one long request's whole KV (~400 prompt + 2,600 out) at a time, not two.
+DECODE = {"pd_role": "decode", "capacity_tokens": 4096, "block_size": 16, "speedup": 1}
+# L1 decodes for minutes unless its client leaves; the others stop after 4 tokens.
+SLOW_DECODE = {**DECODE, "decode_tokens_per_s": 5}
+BIG = 2_600
+
+
+def metric(gw: str, line_start: str) -> float:
+    """The value of the first metrics line starting with ``line_start`` (0 if none)."""
+    for line in httpx.get(gw + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def two_step(gw: str, result: str) -> float:
+    return metric(gw, f'kvroute_two_step_total{{result="{result}",step="prefill"}}')
+
+
+@contextmanager
+def raw_client(gw: str, prompt: str, stream: bool = False) -> Iterator[socket.socket]:
+    """A completion request on a socket of its own; leaving the block closes it (the client
+    leaves, unless it read its whole answer first)."""
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": BIG, "stream": stream}
+    raw = orjson.dumps(body)
+    parts = urlsplit(gw)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(raw)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(head + raw)
+        yield sock
+
+
+def send(gw: str, prompt: str, max_tokens: int) -> httpx.Response:
+    """A completion whose client waits as long as the test runs (it may be held a while)."""
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens}
+    return httpx.post(gw + "/v1/completions", json=body, timeout=300)
+
+
+def timing(header: str) -> dict[str, float]:
+    return {m[0]: float(m[1]) for m in re.findall(r"(\w+);dur=([0-9.]+)", header)}
+
+
+def decode_running(url: str) -> int:
+    return sum(e["running"] for e in state(url)["engines"])
+
+
+def cfg(urls: dict[str, str], **memory_pressure: Any) -> Any:
+    return gateway_cfg(
+        pd_backends(urls),
+        disaggregation={"min_uncached_prompt_tokens": 64, "early_prefill_fraction": 0.5},
+        queue={"max_wait_s": 120},
+        memory_pressure=memory_pressure,
+    )
+
+
+@pytest.mark.parametrize("max_overtakes", [0, 8])
+def test_held_requests_keep_their_arrival_order_within_the_overtake_limit(
+    max_overtakes: int,
+) -> None:
+    # p1 keeps what it computed for a held request (vLLM's 480 s) until d1 pulls it.
+    prefill = {"pd_role": "prefill", "speedup": 20, "kv_hold_timeout_s": 480 * 20}
+    specs = [("vllm", "p1", prefill), ("vllm", "d1", SLOW_DECODE)]
+    with engines(*specs) as urls:
+        with run_gateway(cfg(urls, max_overtakes=max_overtakes)) as gw:
+            wait_until(lambda: all_reported(gw, 2), what="reports")
+            pool = concurrent.futures.ThreadPoolExecutor(2)
+            with pool, raw_client(gw, long_prompt(1), stream=True):
+                wait_until(lambda: decode_running(urls["d1"]) == 1, 30, "L1 decoding")
+                # L2 needs L1's room: it holds (its prompt computed meanwhile).
+                held = pool.submit(send, gw, long_prompt(2) + "[eos:4]", BIG)
+                wait_until(lambda: two_step(gw, "while_holding") == 1, 30, "L2 prefilled")
+                wait_until(lambda: metric(gw, "kvroute_queue_depth ") == 1, 30, "L2 held")
+                # A short one-step request that fits beside L1 now.
+                short = pool.submit(send, gw, SHORT_PROMPT, 8)
+                if max_overtakes == 0:
+                    # First come, first served: it waits behind L2, which waits for L1.
+                    wait_until(lambda: metric(gw, "kvroute_queue_depth ") == 2, 30, "both held")
+                    assert not short.done() and not held.done()
+                else:
+                    # It may overtake the held request (8 times at most).
+                    assert short.result().status_code == 200
+                    assert not held.done()
+            # L1's client left: its room goes to L2, then to the short one.
+            assert held.result().status_code == 200, held.result().text
+            assert short.result().status_code == 200
+            answer = held.result()
+            assert answer.headers["x-kvroute-prefill-backend"] == "p1"
+            # Step 1 ran, and ended, during the hold; step 2 went once the hold was over.
+            parts = timing(answer.headers["server-timing"])
+            assert set(parts) == {"hold", "prefill", "decode_sent"}
+            assert parts["prefill"] <= parts["hold"] <= parts["decode_sent"]
+            wait_until(lambda: nothing_held(gw, urls), 30, "nothing held")
+
+
+def test_prefills_during_a_hold_are_capped_per_prefill_server_and_released() -> None:
+    # p1: 2,048 tokens, half of it for held requests' prompts: two of ~400 tokens, not three.
+    # Its context (2,048) is shorter than a whole request (~3,000): step 1 needs only the prompt.
+    prefill = {"pd_role": "prefill", "speedup": 20, "capacity_tokens": 2048}
+    # Blocks nobody pulls (a client gone between the steps) expire after 15 s here.
+    prefill["kv_hold_timeout_s"] = 300
+    with engines(("vllm", "p1", prefill), ("vllm", "d1", SLOW_DECODE)) as urls:
+        with run_gateway(cfg(urls)) as gw:
+            wait_until(lambda: all_reported(gw, 2), what="reports")
+            held_gauge = 'kvroute_prefill_held_for_waiting_tokens{backend="p1"}'
+            with raw_client(gw, long_prompt(1), stream=True):
+                wait_until(lambda: decode_running(urls["d1"]) == 1, 30, "L1 decoding")
+                with raw_client(gw, long_prompt(2) + "[eos:4]"):
+                    with raw_client(gw, long_prompt(3) + "[eos:4]"):
+                        wait_until(lambda: two_step(gw, "while_holding") == 2, 30, "2 prefilled")
+                        both = metric(gw, held_gauge)
+                        assert both > 0
+                        with raw_client(gw, long_prompt(4) + "[eos:4]"):
+                            # p1 holds its share: the fourth waits for a decode server first.
+                            wait_until(lambda: two_step(gw, "after_holding") == 1, 30, "capped")
+                            assert two_step(gw, "while_holding") == 2
+                            assert metric(gw, held_gauge) == both
+                    # L3's client left (L4's too): its prompt is no longer counted against p1.
+                    wait_until(lambda: 0 < metric(gw, held_gauge) < both, 30, "L3 released")
+                # L2's client left as well: nothing is counted for waiting requests any more.
+                wait_until(lambda: metric(gw, held_gauge) == 0, 30, "all released")
+                # Their holds ended with their clients, while d1 is still full.
+                assert metric(gw, "kvroute_queue_depth ") == 0
+                assert decode_running(urls["d1"]) == 1
+            # ... and p1's own hold timeout frees the blocks that nobody pulled.
+            wait_until(lambda: nothing_held(gw, urls), 60, "nothing held")
