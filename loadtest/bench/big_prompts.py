@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     # What Bench (loadtest.bench.overhead_targets) reads.
     p.add_argument("--stream-chunks", type=int, default=8, help=argparse.SUPPRESS)
     p.add_argument("--policy", default="kvroute", help="kvroute routing.policy")
+    p.add_argument(
+        "--route-on-bound",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kvroute's sizing.route_on_bound (default on here: the case it is for)",
+    )
     return p
 
 

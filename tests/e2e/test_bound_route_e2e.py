@@ -23,6 +23,8 @@ from proxy.api.app import create_app
 from proxy.gateway import bound_route, encode_once, sizing_pool
 from tests.support.gateway import fleet_state, gateway_cfg, serve_app, wait_until
 
+ON = {"route_on_bound": True}  # off by default (docs/big-prompts.md)
+
 _seeds = itertools.count(900_000)
 
 
@@ -51,7 +53,7 @@ def _ready(url: str) -> None:
 def test_a_new_big_prompt_goes_on_its_bound_and_is_then_counted_and_indexed(
     engine_factory: Callable[..., Any],
 ) -> None:
-    cfg = gateway_cfg(_engines(engine_factory, 1_000_000))
+    cfg = gateway_cfg(_engines(engine_factory, 1_000_000), sizing=ON)
     app = create_app(cfg)
     with serve_app(app, cfg) as url, httpx.Client(base_url=url, timeout=30) as client:
         _ready(url)
@@ -78,7 +80,7 @@ def test_where_the_bound_could_change_the_route_the_exact_count_is_awaited(
     engine_factory: Callable[..., Any],
 ) -> None:
     # Each engine holds the exact demand (~9k tokens) but not the bound (~40k bytes).
-    cfg = gateway_cfg(_engines(engine_factory, 20_000))
+    cfg = gateway_cfg(_engines(engine_factory, 20_000), sizing=ON)
     with serve_app(create_app(cfg), cfg) as url, httpx.Client(base_url=url, timeout=30) as client:
         _ready(url)
         before = sized_where(url, "bound")
@@ -106,7 +108,7 @@ def test_route_on_bound_off_waits_for_the_exact_count(engine_factory: Callable[.
 def test_counts_behind_routed_requests_are_bounded_then_requests_wait_for_their_own(
     engine_factory: Callable[..., Any],
 ) -> None:
-    cfg = gateway_cfg(_engines(engine_factory, 1_000_000))
+    cfg = gateway_cfg(_engines(engine_factory, 1_000_000), sizing=ON)
     limit = bound_route.PENDING_PER_THREAD * cfg.sizing.threads
     with serve_app(create_app(cfg), cfg) as url, httpx.Client(base_url=url, timeout=60) as client:
         _ready(url)
