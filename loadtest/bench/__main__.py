@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pd": ("pd", "disaggregated prefill and decode: kvroute vs vllm-router's PD mode"),
     "continuation": ("continuation", "one engine of four killed under streaming load"),
     "big-prompts": ("big_prompts", "big prompts at high concurrency: sizing, the chunk cache"),
+    "encode-pools": ("encode_pools", "new documents encoded serially, in threads, in processes"),
     "soak": ("soak", "a long run under the problem's mix: the gateway's memory, files, tasks"),
     "locust": ("locustfile", "locust users against a local fleet (arguments after --)"),
     "ab": ("tree_ab", "two checkouts of kvroute, alternating rounds: paired ratios"),

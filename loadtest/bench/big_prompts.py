@@ -34,6 +34,7 @@ from loadtest.bench.big_prompts_load import (
     chat_body,
     lone_latency,
     run_wrk_bodies,
+    send_each,
     shared_document_bodies,
     unique_document_bodies,
     write_bodies,
@@ -72,10 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
         "kvroute-baseline: the before/after ratio measured in the same run",
     )
     p.add_argument("--quick", action="store_true", help="3 s per point, 10 lone prompts")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="send every body once to each target before its timed point (the steady state "
+        "of clients cycling the same bodies, not their first pass)",
+    )
     p.add_argument("--json", type=Path, default=None)
     # What Bench (loadtest.bench.overhead_targets) reads.
     p.add_argument("--stream-chunks", type=int, default=8, help=argparse.SUPPRESS)
     p.add_argument("--policy", default="kvroute", help="kvroute routing.policy")
+    p.add_argument(
+        "--route-on-bound",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kvroute's sizing.route_on_bound (default on here: the case it is for)",
+    )
     return p
 
 
@@ -134,14 +147,20 @@ def load_cases(args: argparse.Namespace, bench: Bench, targets: list[Target]) ->
     for case, make in makers.items():
         if case not in cases:
             continue
-        script = write_bodies(make(args.bodies, args.doc_chars), bench.workdir, case)
-        runs[case] = [
-            point(
-                t,
-                lambda url, s=script: run_wrk_bodies(wrk, url, s, args.concurrency, args.duration),
+        bodies = make(args.bodies, args.doc_chars)
+        script = write_bodies(bodies, bench.workdir, case)
+        runs[case] = []
+        for t in targets:
+            if args.warm:
+                send_each(t.url, bodies)
+            runs[case].append(
+                point(
+                    t,
+                    lambda url, s=script: run_wrk_bodies(
+                        wrk, url, s, args.concurrency, args.duration
+                    ),
+                )
             )
-            for t in targets
-        ]
         print_rows(case, f"c={args.concurrency}", runs[case])
     if "tiny" in cases:
         for conc in (args.tiny_concurrency, 1):

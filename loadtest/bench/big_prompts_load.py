@@ -119,6 +119,14 @@ class Lone:
     requests: int
 
 
+def send_each(url: str, bodies: list[bytes]) -> None:
+    """Every body once, one after another (``--warm``: what a first pass of the clients leaves)."""
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=url, timeout=60.0) as client:
+        for body in bodies:
+            client.post(CHAT_PATH, content=body, headers=headers).raise_for_status()
+
+
 def lone_latency(urls: dict[str, str], bodies: list[bytes], rounds: int = 1) -> Lone:
     """Each body sent alone to every target in turn (interleaved, so drift hits all alike).
 

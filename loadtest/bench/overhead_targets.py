@@ -153,6 +153,8 @@ class Bench:
         }
         if client is not None:
             overrides["upstream"] = {"client": client}
+        if getattr(self.args, "route_on_bound", False):
+            overrides["sizing"] = {"route_on_bound": True}
         if redis:
             overrides["store"] = {"redis_url": self.ensure_redis()}
         path = self.workdir / f"{name}.yaml"

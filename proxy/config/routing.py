@@ -151,6 +151,13 @@ class SizingConfig(_Strict):
         description="memory for token ids of long texts' chunks, reused wherever a chunk recurs "
         "(docs/big-prompts.md); 0: off",
     )
+    route_on_bound: bool = Field(
+        default=False,
+        description="route a big new prompt on a proven upper bound of its tokens while the "
+        "exact count finishes, where the bound cannot change the route; its reservation holds "
+        "the bound (4-5x the prompt) until it ends, so off unless the fleet has headroom to "
+        "spare (docs/big-prompts.md)",
+    )
     threads: int = Field(
         default=1,
         ge=1,

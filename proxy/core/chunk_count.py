@@ -55,6 +55,8 @@ EncodeChunk = Callable[[str], Ids]
 
 #: Texts shorter than this are encoded whole (a chunk lookup would cost more than it saves).
 CHUNK_ABOVE_CHARS = 8192
+#: ``first_chunk_new`` looks for the first cut within this many characters.
+FIRST_CUT_WITHIN_CHARS = 32_768
 #: What an entry costs beyond its ids: key tuple, array header, LRU links (measured ~180 B).
 ENTRY_OVERHEAD_BYTES = 200
 
@@ -150,6 +152,22 @@ class ChunkCache:
             [bounds[r[0] : r[-1] + 2] for r in runs],
             [[keys[i] for i in r] for r in runs],
         )
+
+    def first_chunk_new(self, tokenizer: str, text: str) -> bool:
+        """``text``'s first chunk is missing from the cache (only looked at: nothing counted or moved).
+
+        Its first cut depends on its first bytes only, so only those are cut (a text with
+        no cut there is one chunk so far: new unless the whole text is held).
+        """
+        head = text[:FIRST_CUT_WITHIN_CHARS].encode("utf-8", "surrogatepass")
+        cuts = cut_points(head, self.rule) if len(text) >= CHUNK_ABOVE_CHARS else []
+        if not cuts and len(text) > FIRST_CUT_WITHIN_CHARS:
+            # No cut early on (a cut there must leave a chunk's length behind it): all of it.
+            head = text.encode("utf-8", "surrogatepass")
+            cuts = cut_points(head, self.rule)
+        first = head[: cuts[0]] if cuts else head
+        with self._lock:
+            return chunk_key(tokenizer, first) not in self._lru
 
     def lengths(self, tokenizer: str) -> TokenBytes | None:
         """The byte-length table of ``tokenizer``'s tokens, if its counter gave one (``teach``)."""

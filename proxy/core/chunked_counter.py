@@ -59,6 +59,10 @@ class ChunkedCounter:
     def id(self) -> str:
         return self._id
 
+    @property
+    def cache(self) -> ChunkCache:
+        return self._cache
+
     def count(self, text: str) -> int:
         if len(text) < CHUNK_ABOVE_CHARS or self._cache.max_bytes <= 0:
             spend(len(text))

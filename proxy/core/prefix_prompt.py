@@ -110,7 +110,9 @@ def prompt_ids(
         if not text:
             return len(out) < max_tokens
         got = cache.ids(encoder_id, encode, text) if cache is not None else _as_array(encode(text))
-        out.extend(got[: max_tokens - len(out)])
+        room = max_tokens - len(out)
+        # Sliced only when cut: a slice copies (400 KB for a 50k-token text) before extend does.
+        out.extend(got if len(got) <= room else got[:room])
         return len(out) < max_tokens
 
     msgs = body.get("messages")

@@ -46,6 +46,8 @@ from proxy.upstream.client import header
 
 #: Above this many characters of prompt, ids and hashes are computed in a worker thread.
 _THREAD_ABOVE_CHARS = 16_384
+#: From this many blocks (8k tokens) a placement is written to the index on the loop's next turn.
+_RECORD_LATER_BLOCKS = 512
 #: A node this full (for new work) is evicting: the index forgets it sooner.
 _EVICTING_UTILISATION = 0.95
 
@@ -73,12 +75,21 @@ class ExactSource(Protocol):
     def placed(self, backend: str, hashes: Sequence[int], now: float) -> None: ...
 
 
+@dataclass(slots=True)
+class Placement:
+    """Where a request whose block hashes come later went (``proxy.gateway.bound_route``)."""
+
+    backend: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class AffinityKey:
     """What a request brings to affinity: its prompt's block hashes and its session."""
 
     hashes: tuple[int, ...] = ()
     session: str | None = None
+    # Set for a request routed before its hashes were known: ``placed`` notes the backend.
+    later: Placement | None = None
     # Filled at placement: each node's expected-TTFT terms, so that the node chosen learns
     # the prefill this request adds to its backlog (``Affinity.placed``).
     costs: dict[str, NodeCost] = field(default_factory=dict, compare=False)
@@ -144,6 +155,12 @@ class Affinity:
             else:
                 hashes = self.hashes_of(parsed)
         return AffinityKey(hashes, session)
+
+    def session_key(self, request: Request, parsed: ParsedRequest) -> AffinityKey | None:
+        """The session alone (hashes come later: ``proxy.gateway.bound_route``); None when off."""
+        if not self.cfg.enabled:
+            return None
+        return AffinityKey((), self._session_of(request, parsed), Placement())
 
     def hashes_of(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The prompt's block hashes, from the sizer's ids cache where sizing filled it."""
@@ -264,7 +281,15 @@ class Affinity:
         """The request went to ``backend``: it holds the prompt's blocks, the session follows."""
         if key is None:
             return
-        self.learn(backend, key.hashes, key.session, now)
+        if key.later is not None:
+            key.later.backend = backend
+        if len(key.hashes) >= _RECORD_LATER_BLOCKS and _loop() is not None:
+            # A long prompt's blocks (~2 ms for 50k tokens) are written once the request has
+            # gone upstream (the loop's next turn, while the backend works), not before.
+            self.learn(backend, (), key.session, now)
+            asyncio.get_running_loop().call_soon(self.index.record, backend, key.hashes, now)
+        else:
+            self.learn(backend, key.hashes, key.session, now)
         cost = key.costs.get(backend)
         if cost is not None:
             self.backlog.add(backend, cost.uncached_tokens, cost.tokens_per_s, now)
@@ -312,6 +337,13 @@ class Affinity:
 
     def _settings(self) -> AffinitySettings:
         return affinity_settings(self.cfg)
+
+
+def _loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _evicting(n: NodeView) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from starlette.requests import Request
@@ -21,9 +22,9 @@ from proxy.errors import ApiError
 from proxy.gateway import retry_memory
 from proxy.gateway.affinity import Affinity
 from proxy.gateway.background import Background
+from proxy.gateway.bound_route import Bound, attach, size_or_bound
 from proxy.gateway.context import RequestContext
 from proxy.gateway.models import ModelsPorts, check_length, route_model
-from proxy.gateway.sizing import size_request
 from proxy.gateway.token_counts import TokenCounts
 from proxy.routing.policy import Policy, classify
 from proxy.state.base import StateStore, StoreUnavailable
@@ -34,13 +35,15 @@ from proxy.upstream.client_auth import strips_client_authorization
 
 class IntakePorts(ModelsPorts, Protocol):
     """What opening a request uses: the fleet view, the token-count corrections, affinity,
-    and the store (the client's earlier failures by retry key) through the task helper."""
+    the clock (a request routed on its bound records its blocks later), and the store (the
+    client's earlier failures by retry key) through the task helper."""
 
     fleet: FleetCache
     token_counts: TokenCounts
     affinity: Affinity
     store: StateStore
     tasks: Background
+    clock: Callable[[], float]
 
 
 # Where the request guard (proxy.api.limits) leaves the body it read, within the same limit.
@@ -126,7 +129,7 @@ async def open_request(
     ``handle``).
     """
     deadline = asyncio.get_running_loop().time() + cfg.upstream.total_timeout_s
-    sized = await _size(gw, parsed, cfg)
+    sized = await _size(gw, parsed, cfg, policy)
     demand, prompt_tokens = sized.demand, sized.prompt_tokens
     snap = await gw.fleet.snapshot()
     if not sized.limit_known:
@@ -151,7 +154,12 @@ async def open_request(
         policy=policy,
         ruled_out=sized.ruled_out,
     )
-    ctx.affinity = await gw.affinity.key_of(request, parsed)
+    if sized.bound is None:
+        ctx.affinity = await gw.affinity.key_of(request, parsed)
+    else:
+        # Its block hashes come with its exact count (proxy.gateway.bound_route).
+        ctx.affinity = gw.affinity.session_key(request, parsed)
+        attach(gw, ctx, sized.bound)
     if key is not None:
         await _recall_failures(gw, ctx, key)
     return ctx
@@ -167,18 +175,25 @@ class Sizing(NamedTuple):
     ruled_out: frozenset[str]
     # The model's max_model_len is known (the servers' own limit was checked).
     limit_known: bool
+    # Routed on a proven upper bound while its exact count finishes (counted: 0 until then).
+    bound: Bound | None = None
 
 
-async def _size(gw: IntakePorts, parsed: ParsedRequest, cfg: Config) -> Sizing:
+async def _size(gw: IntakePorts, parsed: ParsedRequest, cfg: Config, policy: Policy) -> Sizing:
     served, catalog = route_model(gw, parsed, cfg)
-    sized = await size_request(parsed, cfg, served.limit)
-    # As the servers count them, where answers taught the gateway its tokenizer is off.
-    counted = sized.prompt_tokens
-    prompt_tokens = gw.token_counts.correct(parsed.model, counted)
-    demand = sized.total - counted + prompt_tokens
+    sized = await size_or_bound(gw, parsed, cfg, policy, served, catalog)
+    bound = sized if isinstance(sized, Bound) else None
+    if isinstance(sized, Bound):
+        # The bound is corrected already; the exact count is compared with usage later.
+        counted, prompt_tokens, sized = 0, sized.upper.prompt_tokens, sized.upper
+    else:
+        # As the servers count them, where answers taught the gateway its tokenizer is off.
+        counted = sized.prompt_tokens
+        prompt_tokens = gw.token_counts.correct(parsed.model, counted)
+    demand = sized.total - sized.prompt_tokens + prompt_tokens
     too_small = check_length(catalog, served, parsed, prompt_tokens)
     ruled_out = served.ruled_out | too_small
-    return Sizing(counted, prompt_tokens, demand, ruled_out, served.limit is not None)
+    return Sizing(counted, prompt_tokens, demand, ruled_out, served.limit is not None, bound)
 
 
 def refuse_beyond_every_backend(

@@ -27,13 +27,14 @@ from typing import Any
 
 from proxy.config import Config, PrefixConfig
 from proxy.core import chunk_count, digest
+from proxy.core.chunk_count import EncodeJob
 from proxy.core.chunked_counter import ChunkedCounter
 from proxy.core.demand import Demand, Sizer
 from proxy.core.prefix_prompt import IdsCache, prompt_hashes
 from proxy.core.tokenizer import TiktokenCounter, TokenCache
 from proxy.core.tokens import PromptCounter, SizingRules, work_chars
 from proxy.core.validation import ParsedRequest
-from proxy.gateway import sizing_pool
+from proxy.gateway import encode_once, sizing_pool
 from proxy.gateway.sizing_pool import WORKER_NICE as WORKER_NICE
 
 _lock = threading.Lock()
@@ -80,23 +81,33 @@ def _touch_encoders(sizer: Sizer) -> None:
         m.counter.count("warm up")
 
 
-def _loaded(cfg: Config) -> Sizer | None:
+def loaded(cfg: Config) -> Sizer | None:
+    """The config's Sizer if it is built already (never builds it: that is slow)."""
     with _lock:
         hit = _sizers.get(id(cfg))
         return hit[1] if hit is not None and hit[0] is cfg else None
 
 
+_loaded = loaded
+
+
 async def size_request(
-    parsed: ParsedRequest, cfg: Config, max_model_len: int | None = None
+    parsed: ParsedRequest,
+    cfg: Config,
+    max_model_len: int | None = None,
+    job: EncodeJob | None = None,
 ) -> Demand:
-    """The request's KV demand, counted inline when small and in a sizing thread otherwise."""
+    """The request's KV demand, counted inline when small and in a sizing thread otherwise.
+
+    ``job``: the new chunks ``size_from_caches`` found, encoded first (not looked up again).
+    """
     sizer = _loaded(cfg) or await load_sizer(cfg)
     prefix = cfg.routing.prefix
     inline = cfg.routing.tokenize_in_thread_chars
     if sizer.work_chars(parsed) <= inline:
         demand, hashes = _size(sizer, parsed, prefix, max_model_len)
     else:
-        demand, hashes = await _size_big(sizer, parsed, prefix, max_model_len, inline)
+        demand, hashes = await _size_big(sizer, parsed, prefix, max_model_len, inline, job)
     if hashes is not None:
         _keep(parsed, *hashes)
     return demand
@@ -147,6 +158,7 @@ async def _size_big(
     prefix: PrefixConfig,
     max_model_len: int | None,
     inline_bytes: int,
+    job: EncodeJob | None = None,
 ) -> Sized:
     """A big request: on the loop from the caches, a thread encoding only what is new.
 
@@ -159,22 +171,51 @@ async def _size_big(
     the thread, as before.
     """
     if isinstance(sizer.model(parsed.model).counter, ChunkedCounter):
-        for round_ in range(_ENCODE_ROUNDS):
+        encoded = False
+        for _ in range(_ENCODE_ROUNDS):
+            if job is not None:
+                if not await encode_once.encode(job):
+                    break
+                encoded = True
             try:
                 with chunk_count.inline_budget(inline_bytes):
                     got = _size(sizer, parsed, prefix, max_model_len)
-                SIZED_WHERE["cache" if round_ == 0 else "encoded"] += 1
+                SIZED_WHERE["encoded" if encoded else "cache"] += 1
                 return got
             except chunk_count.TooMuchToEncode as more:
                 job = more.job
-            if job is None or not job.store(await sizing_pool.run(job.run)):
+            if job is None:
                 break
     SIZED_WHERE["thread"] += 1
     return await sizing_pool.run(_size, sizer, parsed, prefix, max_model_len)
 
 
-#: Big requests: sized from the caches alone, after encoding new chunks, or whole in a thread.
-SIZED_WHERE = {"cache": 0, "encoded": 0, "thread": 0}
+def size_from_caches(
+    parsed: ParsedRequest, cfg: Config, max_model_len: int | None
+) -> Demand | EncodeJob | None:
+    """A big request sized on the loop from the caches alone, else the job of what is new.
+
+    The first step of ``_size_big``, for ``proxy.gateway.bound_route``, which decides what
+    to do with a request that has much new text before its exact count is in (and hands
+    the job back to ``size_request``). None: not a request the chunk cache sizes.
+    """
+    sizer = _loaded(cfg)
+    if sizer is None or not isinstance(sizer.model(parsed.model).counter, ChunkedCounter):
+        return None
+    try:
+        with chunk_count.inline_budget(cfg.routing.tokenize_in_thread_chars):
+            demand, hashes = _size(sizer, parsed, cfg.routing.prefix, max_model_len)
+    except chunk_count.TooMuchToEncode as more:
+        return more.job
+    SIZED_WHERE["cache"] += 1
+    if hashes is not None:
+        _keep(parsed, *hashes)
+    return demand
+
+
+#: Big requests: sized from the caches alone, after encoding new chunks, whole in a thread, or
+#: routed on an upper bound while counted (``proxy.gateway.bound_route``).
+SIZED_WHERE = {"cache": 0, "encoded": 0, "thread": 0, "bound": 0}
 
 
 # id(parsed) -> (weak reference to it, spec, hashes), until affinity takes them or it dies.

@@ -50,8 +50,8 @@ class SizingCollector(Collector):
         where = CounterMetricFamily(
             "kvroute_sizing_big_requests",
             "Requests above routing.tokenize_in_thread_chars: sized on the loop from the "
-            "caches (cache), after a sizing thread encoded their new chunks (encoded), or whole "
-            "in a sizing thread (thread)",
+            "caches (cache), after a sizing thread encoded their new chunks (encoded), whole "
+            "in a sizing thread (thread), or routed on an upper bound while counted (bound)",
             labels=["where"],
         )
         for key, n in sizing.SIZED_WHERE.items():

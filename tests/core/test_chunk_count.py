@@ -250,3 +250,20 @@ def test_the_inline_budget_stops_big_encodes_and_lets_cached_texts_through() -> 
     assert n == len(ENC.encode("Another question, longer than the first?\n" + doc))
     # Outside the scope there is no budget.
     counter.count(words_text(9, 50_000))
+
+
+def test_first_chunk_new_agrees_with_the_chunks_the_cache_holds() -> None:
+    cache, counter = fresh(CL, DEFAULT_RULE)
+    from loadtest.bench.big_prompts_load import document
+
+    doc = document(3, 60_000)
+    assert cache.first_chunk_new(counter.id, doc)
+    counter.count(doc)
+    assert not cache.first_chunk_new(counter.id, doc)
+    # A new first line: a new first chunk, though the rest is held.
+    assert cache.first_chunk_new(counter.id, "Another question?\n" + doc)
+    # A text with no cut anywhere (no space between ASCII letters) is not chunk-cached at
+    # all (the whole-text caches keep it): it stays new here.
+    solid = "x" * 40_000
+    counter.count(solid)
+    assert cache.first_chunk_new(counter.id, solid)

@@ -35,12 +35,18 @@ def _where(url: str, where: str) -> float:
     return _metric(url, f'kvroute_sizing_big_requests_total{{where="{where}"}}')
 
 
+def _exact_cfg(backend: dict[str, Any]) -> Any:
+    """Every request waits for its exact count: these tests are about the chunk cache's path
+    (a new document may otherwise go on its bound first: tests/e2e/test_bound_route_e2e.py)."""
+    return gateway_cfg([backend], sizing={"route_on_bound": False})
+
+
 def test_a_document_behind_new_questions_is_sized_exactly_from_the_cache(
     engine_factory: Callable[..., Any],
 ) -> None:
     engine = engine_factory(name="e1")
     backend = {"name": engine.name, "url": engine.url, "kind": "contiguous"}
-    with run_gateway(gateway_cfg([backend])) as url:
+    with run_gateway(_exact_cfg(backend)) as url:
         wait_until(lambda: any(b["report"] for b in fleet_state(url)["backends"]), what="report")
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         # A document no other test sizes (the chunk cache is process-wide), fixed so that its
@@ -71,7 +77,7 @@ def test_a_client_that_leaves_while_its_new_document_is_encoded_leaves_nothing_b
 ) -> None:
     engine = engine_factory(name="e1")
     backend = {"name": engine.name, "url": engine.url, "kind": "contiguous"}
-    with run_gateway(gateway_cfg([backend])) as url:
+    with run_gateway(_exact_cfg(backend)) as url:
         wait_until(lambda: any(b["report"] for b in fleet_state(url)["backends"]), what="report")
         doc = make_prompt(15_000, random.Random(2930))
         raw = orjson.dumps(

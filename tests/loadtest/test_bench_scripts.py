@@ -173,7 +173,7 @@ def test_bench_big_prompts_smoke(tmp_path: Path) -> None:
     out = run_module(
         "loadtest.bench.big_prompts",
         "--duration", "1", "--concurrency", "4", "--tiny-concurrency", "2", "--bodies", "4",
-        "--doc-chars", "20000", "--lone", "2", "--workers", "1", "--no-vllm-router",
+        "--doc-chars", "20000", "--lone", "2", "--workers", "1", "--no-vllm-router", "--warm",
         "--json", str(out_json),
     )  # fmt: skip
     res = load(out_json)
@@ -187,6 +187,11 @@ def test_bench_big_prompts_smoke(tmp_path: Path) -> None:
         lone = res["lone"][case]
         assert lone["added_p50_ms"]["direct"] == 0 and "kvroute" in lone["added_p50_ms"]
         assert lone["requests"] == 2
+
+
+def test_bench_encode_pools_smoke() -> None:
+    out = run_bench("encode-pools", "--docs", "2", "--rounds", "1").stdout
+    assert "serial" in out and "2 threads" in out and "2 processes" in out, out
 
 
 def test_bench_sizing_smoke() -> None:
