@@ -36,7 +36,15 @@ def test_model_routing_404_and_the_fleets_model_list() -> None:
     with engines(*specs) as urls:
         cfg = gateway_cfg(backends(urls), routing={"unknown_model": "reject"})
         with run_gateway(cfg) as gw:
-            wait_until(lambda: set(listed(gw)) == {"alpha", "beta"}, what="models discovered")
+            # From the gateway's catalog (with "backends"), not the live answer it relays while
+            # no backend's models are known yet (that one passed the wait and then failed here).
+            wait_until(
+                lambda: (
+                    {m: "backends" in v for m, v in listed(gw).items()}
+                    == {"alpha": True, "beta": True}
+                ),
+                what="models discovered",
+            )
             models = listed(gw)
             assert models["alpha"]["max_model_len"] == 4000 and models["alpha"]["backends"] == ["a"]
             assert models["beta"]["max_model_len"] == 1000 and models["beta"]["backends"] == ["b"]
