@@ -58,6 +58,7 @@ try:
     import gevent
     from locust import HttpUser, events, task
     from locust.env import Environment
+    from locust.stats import CSV_STATS_INTERVAL_SEC
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subprocess test
     if not (exc.name or "").startswith("locust"):
         raise
@@ -266,8 +267,20 @@ def _on_request(request_type: str, **_: Any) -> None:
         KV_STATS.finished += 1
         reached = KV_STATS.finished == limit
     if reached and env.runner is not None:
-        # Not from inside the event: quitting stops the greenlet that fired it.
-        gevent.spawn(env.runner.quit)
+        # Not from inside the event: stopping kills the greenlet that fired it.
+        gevent.spawn(_stop_then_quit, env.runner)
+
+
+def _stop_then_quit(runner: Any) -> None:
+    """Stop the users, let Locust's CSV writer write the final rows, then quit.
+
+    Locust writes ``--csv`` files from a greenlet every ``CSV_STATS_INTERVAL_SEC`` and only
+    closes them at exit: quitting at once left the files as they were up to a second before,
+    so a short run (120 requests in under a second) wrote a stats file with no requests.
+    """
+    runner.stop()
+    gevent.sleep(CSV_STATS_INTERVAL_SEC + 0.5)
+    runner.quit()
 
 
 @events.quitting.add_listener

@@ -66,6 +66,12 @@ def test_headless_run_records_requests_and_causes(fleet: LocalFleet, tmp_path: P
     assert custom.get("diverted: 2 attempts", 0) > 0, custom
     assert (tmp_path / "kv.html").stat().st_size > 0
 
+    # The CSV is written by a periodic greenlet: it must hold every request the run made,
+    # not the state of up to a second before the run stopped.
+    total = json.loads(summary.read_text())["total_requests"]
+    aggregated = next(r for r in rows if r["Name"] == "Aggregated")
+    assert int(aggregated["Request Count"]) == total
+
     counts = json.loads(summary.read_text())["counts"]
     assert counts.get("class short", 0) > 0
     assert counts.get("attempts 2", 0) > 0
