@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--route-on-bound",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="kvroute's sizing.route_on_bound (default on here: the case it is for)",
+        help="kvroute's sizing.route_on_bound (on by default)",
     )
     return p
 

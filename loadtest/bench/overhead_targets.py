@@ -153,8 +153,9 @@ class Bench:
         }
         if client is not None:
             overrides["upstream"] = {"client": client}
-        if getattr(self.args, "route_on_bound", False):
-            overrides["sizing"] = {"route_on_bound": True}
+        on_bound = getattr(self.args, "route_on_bound", None)  # else the config's default
+        if on_bound is not None:
+            overrides["sizing"] = {"route_on_bound": bool(on_bound)}
         if redis:
             overrides["store"] = {"redis_url": self.ensure_redis()}
         path = self.workdir / f"{name}.yaml"

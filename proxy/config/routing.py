@@ -152,11 +152,11 @@ class SizingConfig(_Strict):
         "(docs/big-prompts.md); 0: off",
     )
     route_on_bound: bool = Field(
-        default=False,
+        default=True,
         description="route a big new prompt on a proven upper bound of its tokens while the "
         "exact count finishes, where the bound cannot change the route; its reservation holds "
-        "the bound (4-5x the prompt) until it ends, so off unless the fleet has headroom to "
-        "spare (docs/big-prompts.md)",
+        "the bound (4-5x the prompt) until the count arrives, then shrinks to the exact "
+        "demand (docs/big-prompts.md)",
     )
     threads: int = Field(
         default=1,

@@ -23,10 +23,13 @@ routed; past that a request waits for its own count, as before. Without that cap
 documents arriving faster than the sizing threads encode them (64 unique 220 KB prompts at
 150 connections) would queue counts without end, each holding its body.
 
-What the bound changes: the reservation holds the upper bound for the request's life (never
-less than it needs); ``x-kvroute-demand-tokens`` shows it. When the exact count arrives it
-becomes the count compared with the server's usage (``proxy.gateway.token_counts``), and the
-prompt's block hashes are recorded for the backend chosen (later requests find the prefix).
+What the bound changes: the reservation holds the upper bound (never less than it needs)
+until the exact count arrives, a sizing thread's encode later (~15-25 ms for 220 KB). Then
+the request's demand and its reservation shrink to the exact size (``StateStore.shrink``;
+a shrink after the release changes nothing), the count is the one compared with the
+server's usage (``proxy.gateway.token_counts``), and the prompt's block hashes are recorded
+for the backend chosen (later requests find the prefix). ``x-kvroute-demand-tokens`` shows
+the demand when the answer's headers were written: the bound if the count was still running.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ from proxy.core.validation import ParsedRequest
 from proxy.errors import ApiError
 from proxy.gateway import sizing
 from proxy.gateway.affinity import Affinity, AffinityKey
+from proxy.gateway.ledger import ReservationLedger
+from proxy.gateway.local_view import LocalReservations
+from proxy.gateway.memory_pressure import MemoryPressure
 from proxy.gateway.models import check_length
 from proxy.gateway.token_counts import TokenCounts
 from proxy.routing.policy import Policy, classify
@@ -60,12 +66,17 @@ if TYPE_CHECKING:
 
 class BoundPorts(Protocol):
     """What routing on a bound uses: the fleet view, the token-count corrections, affinity
-    (where the blocks go once counted) and the clock placements are recorded by."""
+    (where the blocks go once counted), the clock placements are recorded by, and the
+    reservation's three keepers (the store's ledger, this replica's view, the projection)
+    that the exact count shrinks."""
 
     fleet: FleetCache
     token_counts: TokenCounts
     affinity: Affinity
     clock: Callable[[], float]
+    ledger: ReservationLedger
+    local: LocalReservations
+    pressure: MemoryPressure
 
 
 log = logging.getLogger("kvroute.gateway")
@@ -198,10 +209,29 @@ def attach(gw: BoundPorts, ctx: RequestContext, bound: Bound) -> None:
         if err is not None:
             log.warning("exact count of a request routed on its bound failed: %r", err)
             return
-        ctx.counted_prompt_tokens = task.result().prompt_tokens
+        exact = task.result()
+        ctx.counted_prompt_tokens = exact.prompt_tokens
+        _shrink_to(gw, ctx, exact)
         _record_blocks(gw, ctx)
 
     bound.exact.add_done_callback(done)
+
+
+def _shrink_to(gw: BoundPorts, ctx: RequestContext, exact: Demand) -> None:
+    """The request is the exact size from now on: its demand, and its reservation if held.
+
+    Placed already, the reservation held the upper bound (4-5x a prompt of prose); it is
+    lowered by the difference wherever it is counted, so the room is usable at once. Not
+    placed yet, placement and any later attempt reserve the exact demand.
+    """
+    corrected = _corrected(gw, ctx.parsed, exact)
+    over = ctx.demand - corrected.total
+    if over <= 0:
+        return
+    ctx.prompt_tokens, ctx.demand = corrected.prompt_tokens, corrected.total
+    for backend, tokens in gw.ledger.shrink(ctx.reservation_id, over):
+        gw.local.shrink(backend, ctx.reservation_id, tokens)
+        gw.pressure.recounted(ctx, backend)
 
 
 def _record_blocks(gw: BoundPorts, ctx: RequestContext) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from starlette.requests import Request
@@ -20,30 +19,24 @@ from proxy.core.fleet import FleetSnapshot
 from proxy.core.validation import Endpoint, ParsedRequest, parse_request
 from proxy.errors import ApiError
 from proxy.gateway import retry_memory
-from proxy.gateway.affinity import Affinity
 from proxy.gateway.background import Background
-from proxy.gateway.bound_route import Bound, attach, size_or_bound
+from proxy.gateway.bound_route import Bound, BoundPorts, attach, size_or_bound
 from proxy.gateway.context import RequestContext
 from proxy.gateway.models import ModelsPorts, check_length, route_model
-from proxy.gateway.token_counts import TokenCounts
 from proxy.routing.policy import Policy, classify
 from proxy.state.base import StateStore, StoreUnavailable
-from proxy.state.fleet_cache import FleetCache
 from proxy.upstream.client import forward_headers, header
 from proxy.upstream.client_auth import strips_client_authorization
 
 
-class IntakePorts(ModelsPorts, Protocol):
-    """What opening a request uses: the fleet view, the token-count corrections, affinity,
-    the clock (a request routed on its bound records its blocks later), and the store (the
-    client's earlier failures by retry key) through the task helper."""
+class IntakePorts(ModelsPorts, BoundPorts, Protocol):
+    """What opening a request uses: what sizing on a bound uses (the fleet view, the
+    token-count corrections, affinity, the clock, the reservation's keepers: a request
+    routed on its bound records its blocks and shrinks later), and the store (the client's
+    earlier failures by retry key) through the task helper."""
 
-    fleet: FleetCache
-    token_counts: TokenCounts
-    affinity: Affinity
     store: StateStore
     tasks: Background
-    clock: Callable[[], float]
 
 
 # Where the request guard (proxy.api.limits) leaves the body it read, within the same limit.

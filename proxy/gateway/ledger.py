@@ -32,29 +32,17 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 from proxy.state.base import StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker, CircuitOpen
-from proxy.state.memory import InProcessStore
+from proxy.state.memory import InProcessStore, result_now
 from proxy.tasks import PeriodicTask
 
 log = logging.getLogger("kvroute.reservations")
 
 
 Key = tuple[str, str]  # (reservation id, backend)
-T = TypeVar("T")
-
-
-def _result_now(coro: Coroutine[Any, Any, T]) -> T:
-    """The value of a coroutine that never suspends (the embedded store's calls), run here."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        result: T = done.value
-        return result
-    coro.close()
-    raise RuntimeError("an embedded store call suspended")
 
 
 class ReservationLedger:
@@ -241,11 +229,37 @@ class ReservationLedger:
             or self.breaker.state != "closed"
         ):
             return None
-        ok = _result_now(call())
+        ok = result_now(call())
         self.breaker.success()
         if ok:
             self.hold(backend, reservation_id, tokens=tokens, created_at=created_at)
         return ok
+
+    def shrink(self, reservation_id: str, by: int) -> list[tuple[str, int]]:
+        """Lower every reservation held under this id by ``by`` tokens: (backend, new size).
+
+        Its exact count came after it was placed on a bound (``proxy.gateway.bound_route``,
+        the only caller: a scan is fine). A re-assert writes the lowered size; a store call
+        that fails leaves the store's copy larger (over-counted, never over-committed)."""
+        lowered = []
+        for key, (tokens, created_at) in list(self.claims.items()):
+            if key[0] == reservation_id and key in self.held and by > 0:
+                lowered.append((key[1], max(0, tokens - by)))
+                self.claims[key] = (lowered[-1][1], created_at)
+        for backend, tokens in lowered:
+            if self._calls_never_suspend:
+                assert isinstance(self.store, InProcessStore)
+                self.store.shrink_now(backend, reservation_id, tokens)
+            else:
+                call = functools.partial(self.store.shrink, backend, reservation_id, tokens)
+                self._spawn(self._quietly(call, "shrink"))
+        return lowered
+
+    async def _quietly(self, call: Callable[[], Awaitable[object]], op: str) -> None:
+        try:
+            await self.breaker.call(call, op)
+        except StoreUnavailable:
+            self.on_error(op)
 
     def _spawn(self, coro: Awaitable[object]) -> None:
         t = asyncio.ensure_future(coro)

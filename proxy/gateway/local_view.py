@@ -38,6 +38,12 @@ class LocalReservations:
         if entry is not None:
             entry.confirmed_at = at
 
+    def shrink(self, backend: str, reservation_id: str, tokens: int) -> None:
+        """Count a reservation at its lowered size (``ReservationLedger.shrink``)."""
+        entry = self._by_backend.get(backend, {}).get(reservation_id)
+        if entry is not None:
+            entry.tokens = min(entry.tokens, tokens)
+
     def remove(self, backend: str, reservation_id: str) -> None:
         held = self._by_backend.get(backend)
         if held is not None:

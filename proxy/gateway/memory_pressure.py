@@ -216,6 +216,12 @@ class MemoryPressure:
         for key in self.keys(ctx):
             self.ratios.observe(key, flight.generated, flight.max_tokens)
 
+    def recounted(self, ctx: RequestContext, backend: str) -> None:
+        """Its exact count arrived after it was placed on a bound: project its real prompt."""
+        flight = self.flights.get(backend, {}).get(ctx.reservation_id)
+        if flight is not None:
+            flight.prompt_tokens = min(flight.prompt_tokens, ctx.prompt_tokens)
+
     def ended(self, ctx: RequestContext, backend: str) -> None:
         self.counts.pop(ctx.reservation_id, None)
         held = self.flights.get(backend)

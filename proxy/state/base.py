@@ -282,6 +282,18 @@ class StateStore(abc.ABC):
         for name, reservation_id in items:
             await self.release(name, reservation_id)
 
+    async def shrink(self, name: str, reservation_id: str, tokens: int) -> bool:
+        """Lower a live reservation to ``tokens``, keeping its times; True when it was lowered.
+
+        For a request placed on an upper bound of its size whose exact count arrived later
+        (``proxy.gateway.bound_route``). Never raises one, never re-creates a reservation
+        that was released (a shrink that arrives after its release changes nothing). This
+        default changes nothing: the reservation keeps its size until released, which over-
+        counts but never over-commits.
+        """
+        check_tokens(tokens)
+        return False
+
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
         """Release, and refuse this id until ``until`` (store clock); idempotent.
 

@@ -224,6 +224,22 @@ class DegradedStore(StateStore):
         """Never raises, like ``release``; the plain releases reach Redis in one call."""
         await self._replay.drop_many(items)
 
+    async def shrink(self, name: str, reservation_id: str, tokens: int) -> bool:
+        """Lowered in the local mirror at once and in Redis when it answers; never raises.
+
+        A shrink Redis misses leaves its copy larger until released: over-counted, never
+        over-committed. A reservation made here while Redis was away is re-registered there
+        from the local copy, so with its lowered size.
+        """
+        mine = self.local.shrink_now(name, reservation_id, tokens)
+        try:
+            theirs = await self._shared(
+                "shrink", lambda: self.shared.shrink(name, reservation_id, tokens)
+            )
+        except StoreUnavailable:
+            return mine
+        return theirs or mine
+
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
         await self._replay.drop(name, reservation_id, until)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -35,6 +35,19 @@ from proxy.state.base import (
 )
 
 Clock = Callable[[], float]
+T = TypeVar("T")
+
+
+def result_now(coro: Coroutine[Any, Any, T]) -> T:
+    """The value of a coroutine that never suspends (this store's calls), run here: the
+    ledger's per-request path on the embedded store, without a task or an await."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    coro.close()
+    raise RuntimeError("an embedded store call suspended")
 
 
 @dataclass(slots=True)
@@ -208,6 +221,18 @@ class InProcessStore(StateStore):
             res.pop(reservation_id, None)
             if not res:
                 del self._res[name]
+
+    async def shrink(self, name: str, reservation_id: str, tokens: int) -> bool:
+        return self.shrink_now(name, reservation_id, tokens)
+
+    def shrink_now(self, name: str, reservation_id: str, tokens: int) -> bool:
+        """``shrink`` without a coroutine (the ledger's path on the embedded store)."""
+        check_tokens(tokens)
+        held = self._res.get(name, {}).get(reservation_id)
+        if held is None or held.tokens <= tokens:
+            return False
+        self._res[name][reservation_id] = replace(held, tokens=tokens)
+        return True
 
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
         self.forget_now(name, reservation_id, until)

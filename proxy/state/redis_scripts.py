@@ -148,6 +148,21 @@ return 1
 """
 )
 
+# KEYS: res.  ARGV: id, tokens.  Lower a reservation that is still there, keeping its times
+# (proxy.state.base.StateStore.shrink); a shrink after the release finds nothing to change.
+LUA_SHRINK = (
+    _LUA_PRELUDE
+    + r"""
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if not v then return 0 end
+local t, times = string.match(v, '^(%S+) (%S+ %S+)$')
+t = count(t, 0)
+if t == nil or t <= tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. times)
+return 1
+"""
+)
+
 # KEYS: res.  ARGV: id, until, key_ttl_ms.  Release, and leave "~id" = "~ <until>" so that
 # a reserve of that id arriving later is refused (proxy.state.base.StateStore.forget).
 LUA_FORGET = r"""

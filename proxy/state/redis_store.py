@@ -58,6 +58,7 @@ from proxy.state.redis_scripts import (
     LUA_READ,
     LUA_RESERVE,
     LUA_SET_CEILING,
+    LUA_SHRINK,
     LUA_TRY_LOCK,
     LUA_UNLOCK,
 )
@@ -84,6 +85,7 @@ class RedisStore(StateStore):
         self._unlock = self._r.register_script(LUA_UNLOCK)
         self._read = self._r.register_script(LUA_READ)
         self._forget = self._r.register_script(LUA_FORGET)
+        self._shrink = self._r.register_script(LUA_SHRINK)
         # The per-request reserve and release skip redis-py's command machinery (see
         # redis_lane.py); a Cluster keeps redis-py's slot routing.
         self._lane = None if self._cluster else RedisLane(self._r.connection_pool, max_connections)
@@ -252,6 +254,11 @@ class RedisStore(StateStore):
             return
         commands = [("HDEL", self._keys.res(name), rid) for name, rid in items]
         await self._call("release", lambda: lane.pipeline(commands))
+
+    async def shrink(self, name: str, reservation_id: str, tokens: int) -> bool:
+        check_tokens(tokens)
+        keys, args = [self._keys.res(name)], [reservation_id, str(tokens)]
+        return int(await self._call("shrink", lambda: self._shrink(keys=keys, args=args))) == 1
 
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
         check_finite(until=until)

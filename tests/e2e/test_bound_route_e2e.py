@@ -2,9 +2,10 @@
 
 ``proxy.gateway.bound_route`` routes a prompt with much new text on a proven upper bound of
 its tokens when the exact count could not change the route, and counts it exactly in a
-sizing thread meanwhile. Seen from outside: its demand header is the bound (above the exact
-demand the same body gets once its chunks are cached), the sizing metric says ``bound``, and
-once the count is in, the prompt's blocks are in the prefix index of the backend chosen.
+sizing thread meanwhile. Seen from outside: its reservation holds the bound (above the exact
+demand the same body gets once its chunks are cached) until the count is in, then the exact
+demand; the sizing metric says ``bound``; and the prompt's blocks reach the prefix index of
+the backend chosen.
 Where the bound could change the route (a backend the exact count fits and the bound does
 not) or the option is off, the request waits for its exact count as before.
 """
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from loadtest.bench.big_prompts_load import document
 from proxy.api.app import create_app
@@ -68,12 +70,59 @@ def test_a_new_big_prompt_goes_on_its_bound_and_is_then_counted_and_indexed(
         wait_until(lambda: gateway.affinity.index.size(backend) > 0, what="blocks indexed")
         again = client.post("/v1/chat/completions", json=body)
         assert again.status_code == 200
-        bound, exact = (int(r.headers["x-kvroute-demand-tokens"]) for r in (first, again))
-        # The same body, now from the chunk cache: exact, below the bound it went on first.
-        assert exact < bound
-        assert bound >= len(body["messages"][0]["content"]) + 8
+        # The same body, now from the chunk cache: exact, no bound (the bound and its
+        # reservation: test_the_reservation_shrinks_to_the_exact_count_when_it_arrives).
         assert sized_where(url, "bound") == before + 1
         assert again.headers["x-kvroute-backend"] == backend  # its prefix is there
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["embedded", "redis"])
+def test_the_reservation_shrinks_to_the_exact_count_when_it_arrives(
+    engine_factory: Callable[..., Any], request: pytest.FixtureRequest, shared: bool
+) -> None:
+    # Placed on its bound while the sizing thread is busy, the request holds the bound on
+    # its backend; once the count is in, the same reservation holds the exact demand.
+    store = {"redis_url": request.getfixturevalue("redis_server")} if shared else {}
+    engines = [engine_factory(name=f"e{i}", capacity_tokens=1_000_000) for i in range(2)]
+    backends = [{"name": e.name, "url": e.url, "kind": "contiguous"} for e in engines]
+    cfg = gateway_cfg(backends, sizing=ON, store=store)
+    with serve_app(create_app(cfg), cfg) as url, httpx.Client(base_url=url, timeout=60) as client:
+        _ready(url)
+        wait_until(lambda: bound_route.pending() == 0, what="earlier counts done")
+        for e in engines:
+            e.fault("hang")  # the request stays in flight, its reservation held
+        body = big_body()
+        answers: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: answers.append(client.post("/v1/chat/completions", json=body))
+        )
+        release = threading.Event()
+        blocker = sizing_pool.executor().submit(release.wait, 60)
+        try:
+            sender.start()
+            wait_until(lambda: sum(reserved(url).values()) > 0, what="the bound reserved")
+            backend, bound = next((n, t) for n, t in reserved(url).items() if t > 0)
+        finally:
+            release.set()
+        blocker.result(timeout=5)
+        assert bound >= len(body["messages"][0]["content"]) + 8  # at most 1 token per byte
+        wait_until(lambda: 0 < reserved(url)[backend] < bound, what="the reservation shrunk")
+        exact = reserved(url)[backend]
+        for e in engines:
+            e.fault("none")  # the hung attempt's connection closes: it is diverted, then answered
+        sender.join(timeout=30)
+        assert [a.status_code for a in answers] == [200]
+        # The later attempt reserved the exact demand too; it is what the same body's exact
+        # count gives, from the chunk cache.
+        assert int(answers[0].headers["x-kvroute-demand-tokens"]) == exact
+        again = client.post("/v1/chat/completions", json=body)
+        assert int(again.headers["x-kvroute-demand-tokens"]) == exact < bound
+        wait_until(lambda: sum(reserved(url).values()) == 0, what="every reservation released")
+
+
+def reserved(url: str) -> dict[str, int]:
+    """Tokens reserved per backend, as ``GET /fleet`` shows them."""
+    return {b["name"]: int(b["overlay"]["reserved_tokens"]) for b in fleet_state(url)["backends"]}
 
 
 def test_where_the_bound_could_change_the_route_the_exact_count_is_awaited(

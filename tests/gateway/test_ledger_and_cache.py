@@ -7,8 +7,9 @@ go, to put a cancellation exactly while a store call is in flight.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -123,6 +124,43 @@ async def test_a_failed_attempts_release_leaves_the_retrys_reservation() -> None
     assert ("r1", "b") in ledger.held
     await ledger.close()  # shutdown releases what is still held: the retry's reservation too
     assert await store.reservations("b", now) == []
+
+
+@pytest.mark.parametrize("kind", [InProcessStore, Gated], ids=["at_once", "by_task"])
+async def test_a_shrink_is_what_a_reassert_writes_and_nothing_after_the_release(
+    kind: type[InProcessStore],
+) -> None:
+    """A request placed on its bound, then counted (``proxy.gateway.bound_route``); the
+    embedded store is lowered at once, any other store by a task."""
+    store = kind()
+    ledger = ReservationLedger(store, CircuitBreaker(3, 1.0), ttl_s=TTL)
+    now = time.time()
+    call = functools.partial(store.reserve, "a", "r1", 10_000, now, TTL, check_fit=False)
+    assert await ledger.reserve("a", "r1", call, tokens=10_000, created_at=now)
+    assert ledger.shrink("r1", 6_000) == [("a", 4_000)]
+    assert ledger.shrink("other", 6_000) == []
+
+    async def tokens() -> list[int]:
+        return [r.tokens for r in await store.reservations("a", now)]
+
+    await until_async(lambda: tokens(), [4_000], "the store's copy lowered")
+    # The store lost it (a Redis restart): the re-assert writes the lowered size.
+    await store.release("a", "r1")
+    ledger.mark_unsure()
+    await ledger.reassert()
+    assert await tokens() == [4_000]
+    await ledger.release("a", "r1")
+    assert ledger.shrink("r1", 1_000) == []  # released: nothing held to lower
+    assert await tokens() == []
+
+
+async def until_async(
+    read: Callable[[], Awaitable[list[int]]], want: list[int], what: str, timeout_s: float = 10.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await read() != want:
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
 async def test_no_release_is_queued_for_a_reserve_never_sent() -> None:

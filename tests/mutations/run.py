@@ -538,6 +538,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         "return ranked",
         fast=True,
     ),
+    # ---- a request routed on its bound: the reservation shrinks to the exact count
+    Mutation(
+        "bound-never-shrinks",
+        "a request placed on its upper bound keeps the bound reserved after its exact count",
+        (
+            "tests/e2e/test_bound_route_e2e.py::test_the_reservation_shrinks_to_the_exact_count_when_it_arrives",
+        ),
+        "bound_route:attach.done",
+        r"^(\s*)_shrink_to\(gw, ctx, exact\)$",
+        r"\1pass  # MUTATION",
+    ),
+    Mutation(
+        "shrink-revives",
+        "a shrink that reaches the store after the release re-creates the reservation",
+        (
+            "tests/state/test_state_contract.py::test_shrink_lowers_a_live_reservation_and_never_revives_one",
+        ),
+        "InProcessStore.shrink_now",
+        r"held = self\._res\.get\(name, \{\}\)\.get\(reservation_id\)$",
+        "held = self._res.setdefault(name, {}).get(reservation_id) "
+        "or Reservation(reservation_id, tokens + 1, 0.0, float('inf'))",
+    ),
 )
 
 

@@ -159,3 +159,33 @@ async def test_clock_offset_is_measured_against_redis_time(
     # Same host: the offset is the measuring error only (well under the 0.1 s deadline).
     assert abs(offset) < 0.1
     assert abs(store.now() - await peek.server_time()) < 0.1
+
+
+async def test_shrink_reaches_both_copies_and_never_raises(
+    instance: RedisInstance, stores: tuple[DegradedStore, RedisStore]
+) -> None:
+    store, peek = stores
+    now = store.now()
+    await peek.put_report("n1", report(30_000, now), TTL)
+    assert await store.reserve("n1", "shared-1", 20_000, now, TTL)
+    assert await store.shrink("n1", "shared-1", 8_000)
+    assert [r.tokens for r in await peek.reservations("n1", store.now())] == [8_000]
+    assert [r.tokens for r in await store.local.reservations("n1", store.now())] == [8_000]
+    await store.read(["n1"], now)  # mirrors the report
+    instance.pause()
+    t = store.now()
+    assert await store.reserve("n1", "local-1", 9_000, t, TTL)
+    # Redis away: lowered here at once, never raised to the caller.
+    assert await store.shrink("n1", "local-1", 4_000)
+    assert await store.shrink("n1", "shared-1", 6_000)
+    instance.resume()
+
+    async def back() -> bool:
+        await store.read(["n1"], store.now())
+        return not store.degraded and not store.local_only()
+
+    await wait_until(back, "Redis to hold the reservation made while it was away")
+    tokens = {r.id: r.tokens for r in await peek.reservations("n1", store.now())}
+    # Made here while Redis was away: registered there at its lowered size. The shrink
+    # Redis missed leaves its copy larger until released (over-counted, never over-committed).
+    assert tokens == {"local-1": 4_000, "shared-1": 8_000}

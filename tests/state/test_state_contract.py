@@ -233,6 +233,29 @@ async def test_reserve_and_release(store: StateStore) -> None:
     assert (ov.pending_tokens, ov.inflight) == (5_000, 1)
 
 
+async def test_shrink_lowers_a_live_reservation_and_never_revives_one(store: StateStore) -> None:
+    # A request placed on an upper bound of its size, its exact count arriving later
+    # (proxy.gateway.bound_route): the room freed is usable at once; its times are kept.
+    await store.put_report("n1", rep(30_000, T0), ttl_s=60)
+    assert await store.reserve("n1", "big", 25_000, T0 + 1, 60)
+    assert not await store.reserve("n1", "next", 10_000, T0 + 2, 60)
+    assert await store.shrink("n1", "big", 12_000)
+    assert not await store.shrink("n1", "big", 12_000)  # never raised, nor lowered again
+    assert not await store.shrink("n1", "big", 20_000)
+    live = await store.reservations("n1", T0 + 2)
+    assert [(r.id, r.tokens, r.created_at, r.expires_at) for r in live] == [
+        ("big", 12_000, T0 + 1, T0 + 61)
+    ]
+    assert await store.reserve("n1", "next", 10_000, T0 + 2, 60)  # 12k + 10k fit 30k now
+    await store.release("n1", "big")
+    # A shrink arriving after its release changes nothing and re-creates nothing.
+    assert not await store.shrink("n1", "big", 1_000)
+    assert not await store.shrink("ghost", "big", 1_000)
+    assert [r.id for r in await store.reservations("n1", T0 + 2)] == ["next"]
+    with pytest.raises(ValueError):
+        await store.shrink("n1", "next", -1)
+
+
 async def test_reserve_refused_when_it_would_not_fit(store: StateStore) -> None:
     await store.put_report("n1", rep(30_000, T0), ttl_s=60)
     assert await store.reserve("n1", "a", 20_000, T0 + 1, 60)
