@@ -27,6 +27,7 @@ from proxy.config.base import ServingRole as ServingRole
 from proxy.config.base import _Strict as _Strict
 from proxy.config.continuation import ContinuationConfig as ContinuationConfig
 from proxy.config.disaggregation import DisaggregationConfig as DisaggregationConfig
+from proxy.config.disaggregation import check_sglang_fleet
 from proxy.config.kv_events import KvEventsEndpoint as KvEventsEndpoint
 from proxy.config.kv_events import KvEventsSettings as KvEventsSettings
 from proxy.config.memory_pressure import MemoryPressureConfig as MemoryPressureConfig
@@ -97,6 +98,8 @@ class Config(_Strict):
                 raise ValueError(
                     f"backends.{i}.pool: {b.pool!r} is not a defined pool (defined: {sorted(self.pools)})"
                 )
+        if self.disaggregation.protocol == "sglang":
+            check_sglang_fleet(self.backends)
         return self
 
     def pool_role(self, pool: str) -> PoolRole:

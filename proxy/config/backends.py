@@ -16,6 +16,9 @@ from proxy.config.kv_events import KvEventsEndpoint
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
 
+# SGLang's ``--disaggregation-bootstrap-port`` default (``ServerArgs.disaggregation_bootstrap_port``).
+SGLANG_BOOTSTRAP_PORT = 8998
+
 
 class BackendConfig(_Strict):
     """One inference server behind the gateway."""
@@ -68,6 +71,13 @@ class BackendConfig(_Strict):
     )
     kv_events: KvEventsEndpoint | None = Field(
         default=None, description="where the server publishes KV-cache events (docs/kv-events.md)"
+    )
+    bootstrap_port: int = Field(
+        default=SGLANG_BOOTSTRAP_PORT,
+        ge=1,
+        le=65535,
+        description="SGLang prefill servers (disaggregation.protocol: sglang): the port of the "
+        "server's bootstrap endpoint (--disaggregation-bootstrap-port; SGLang's default 8998)",
     )
 
     @model_validator(mode="after")

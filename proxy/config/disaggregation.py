@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from proxy.config.base import _Strict
+
+if TYPE_CHECKING:
+    from proxy.config.backends import BackendConfig
 
 
 class DisaggregationConfig(_Strict):
@@ -15,10 +19,11 @@ class DisaggregationConfig(_Strict):
     Without any prefill backend nothing here applies: every request is one step, as before.
     """
 
-    protocol: Literal["nixl"] = Field(
+    protocol: Literal["nixl", "sglang"] = Field(
         default="nixl",
-        description="how the KV moves: vLLM's kv_transfer_params (NIXL and the connectors "
-        "that share its proxy protocol)",
+        description="how the KV moves: nixl, vLLM's kv_transfer_params in two steps one after "
+        "the other (NIXL and the connectors that share its proxy protocol); sglang, SGLang's "
+        "bootstrap host, port and room sent to the prefill and the decode server at once",
     )
     min_uncached_prompt_tokens: int = Field(
         default=512,
@@ -41,3 +46,32 @@ class DisaggregationConfig(_Strict):
         "holds its projected peak: the largest room stays whole for the next long document; "
         "measured: no steady TTFT gain, decode servers less balanced)",
     )
+
+
+def check_sglang_fleet(backends: Sequence[BackendConfig]) -> None:
+    """An SGLang fleet (``protocol: sglang``) as SGLang's servers need it; errors name the key.
+
+    A server started with ``--disaggregation-mode prefill`` or ``decode`` answers 400 to a
+    request without a bootstrap room, and one started without it takes no part in the
+    transfer: every backend is a prefill or a decode server, and both kinds are present
+    (checked only for a static list; discovery fills it later).
+    """
+    for i, b in enumerate(backends):
+        if b.role == "both":
+            raise ValueError(
+                f"backends.{i}.role: 'both' is not possible with disaggregation.protocol: sglang "
+                f"(backend {b.name!r}): an SGLang server runs in prefill or decode mode "
+                "(--disaggregation-mode); set role: prefill or role: decode"
+            )
+        if b.role != "prefill" and "bootstrap_port" in b.model_fields_set:
+            raise ValueError(
+                f"backends.{i}.bootstrap_port: only a prefill server has a bootstrap endpoint "
+                f"(backend {b.name!r} has role: {b.role})"
+            )
+    roles = {b.role for b in backends}
+    if backends and roles != {"prefill", "decode"}:
+        missing = "prefill" if "prefill" not in roles else "decode"
+        raise ValueError(
+            f"disaggregation.protocol: 'sglang' needs at least one backend with role: {missing} "
+            "(an SGLang prefill server answers nothing alone, nor a decode server)"
+        )

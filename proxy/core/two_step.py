@@ -119,7 +119,8 @@ class TwoStep:
     # Backends that never take step 2 (prefill only) and never step 1 (decode only).
     prefill_only: frozenset[str]
     decode_only: frozenset[str]
-    # Step 1's outcome: the transfer params (None: not done yet, or to be done again).
+    # Step 1's outcome: the transfer params (None: not done yet, or to be done again); with
+    # SGLang's protocol, the bootstrap fields of the pair under way.
     params: dict[str, Any] | None = None
     prefill_backend: str = ""
     # Every prefill attempt of this request (one per placement).
@@ -130,6 +131,8 @@ class TwoStep:
     prefill_exclude: set[str] = field(default_factory=set)
     # Set once: the request went straight to a decode server (conditional disaggregation).
     skipped: bool = False
+    # SGLang's protocol: the pair's prefill half failed first (its decode half was cancelled).
+    prefill_failed: bool = False
     # Seconds since arrival (``Server-Timing``): where the time before step 2 went.
     # ``hold_s``: until the decode reservation; ``prefill_s``: step 1 itself (None: no step 1);
     # ``decode_sent_s``: until step 2 was sent (the later of the two when they overlap).

@@ -49,7 +49,7 @@ from proxy.core.two_step import (
     transfer_params,
     worth_two_steps,
 )
-from proxy.gateway import attempt, placement
+from proxy.gateway import attempt, placement, sglang_pd
 from proxy.gateway.attempt import AttemptPorts
 from proxy.gateway.context import RequestContext
 from proxy.gateway.early_prefills import EarlyPrefillBook
@@ -122,7 +122,8 @@ async def prefill_while_holding(gw: TwoStepPorts, ctx: RequestContext) -> Respon
     within its pull timeout). A Response ends the request (nothing reserved yet).
     """
     two = ctx.two_step
-    if two is None or two.step == "decode":
+    if two is None or two.step == "decode" or _sglang(ctx):
+        # SGLang's prefill server computes only once the decode server joined the room.
         return None
     avoid = gw.health.avoid() | ctx.ruled_out | ctx.exclude
     request = RouteRequest(ctx.demand, ctx.cls, avoid)
@@ -158,6 +159,9 @@ async def prefill_if_wanted(gw: TwoStepPorts, ctx: RequestContext, decode: str) 
     if two is None:
         return None
     two.hold_s = time.perf_counter() - ctx.started
+    if _sglang(ctx):
+        # Both halves go at once (``forward``).
+        return None
     # Step 2 goes now: the decode server pulls what a prefill during the hold computed.
     gw.early_prefills.release(ctx.reservation_id)
     answer = await _prefill_for(gw, ctx, two, decode)
@@ -284,10 +288,32 @@ def _no_prefill(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, answer: Res
     two.skipped = True
 
 
+async def forward(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> Response | None:
+    """Step 6 on ``decode``: an ordinary attempt, or with SGLang's protocol both halves at once."""
+    two = ctx.two_step
+    if two is None or not _sglang(ctx):
+        return await attempt.forward(gw, ctx, decode)
+    sub = _prefill_context(gw, ctx, two)
+    try:
+        answer = await sglang_pd.forward_pair(gw, ctx, two, decode, sub)
+    finally:
+        gw.budget.release(sub.retries)
+        two.prefill_attempts += sub.attempts
+    two.decode_sent_s = time.perf_counter() - ctx.started
+    return answer
+
+
+def _sglang(ctx: RequestContext) -> bool:
+    return ctx.cfg.disaggregation.protocol == "sglang"
+
+
 def after_divert(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> None:
     """Step 2 on ``decode`` failed before answering: keep the prefilled KV or compute it again."""
     two = ctx.two_step
     if two is None or two.params is None:
+        return
+    if _sglang(ctx):
+        sglang_pd.after_divert(gw, ctx, two, decode)
         return
     if decode in ctx.no_room:
         # Refused for memory before any pull: the prefill server still holds the blocks.
@@ -310,6 +336,9 @@ def finish(gw: TwoStepPorts, ctx: RequestContext, answer: Response) -> Response:
         gw.metrics.two_step.labels("decode", "client_disconnect").inc()
     elif answer.status_code < 400:
         gw.metrics.two_step.labels("decode", "ok" if two.params is not None else "alone").inc()
+    elif answer.headers.get("x-kvroute-failed-step") == "prefill":
+        # SGLang's protocol: no prefill server took its half (counted there).
+        _name_failure(answer, "prefill", allocation=False)
     else:
         gw.metrics.two_step.labels("decode", "failed").inc()
         allocation = bool(ctx.failed_on) and ctx.failed_on[-1] in ctx.no_room

@@ -28,7 +28,7 @@ from proxy.config import Config
 from proxy.core.redact import safe_request_id
 from proxy.core.validation import Endpoint
 from proxy.errors import ApiError
-from proxy.gateway import attempt, continuation, disaggregated, intake, placement
+from proxy.gateway import continuation, disaggregated, intake, placement
 from proxy.gateway.admission import Admission
 from proxy.gateway.affinity import Affinity
 from proxy.gateway.background import Background
@@ -215,7 +215,7 @@ class Gateway:
                 if ended is not None:
                     return ended
                 # 6. forward + relay; 7. the reservation is released whatever the outcome
-                answer = await attempt.forward(self, ctx, placed)
+                answer = await disaggregated.forward(self, ctx, placed)
                 if answer is not None:
                     return disaggregated.finish(self, ctx, answer)
                 # diverted before the first byte: try the next candidate

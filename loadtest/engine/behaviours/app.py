@@ -145,6 +145,9 @@ class Front:
         if config.die_after_tokens is not None:
             self.fault = MidStreamFault("die", config.die_after_tokens)
         self.journal = StreamJournal()
+        # Where the server listens (``BehaviourServer`` sets it): an SGLang prefill server's
+        # bootstrap endpoint listens there too.
+        self.host = "127.0.0.1"
 
     @property
     def facts(self) -> ServerFacts:
@@ -155,6 +158,7 @@ class Front:
         return {"behaviour": self.config.behaviour, "engines": engines, **self.roles.state()}
 
     async def start(self) -> None:
+        await self.roles.start(self.host)
         for c in self.cores:
             c.start()
         for pub in self.publishers:
@@ -200,6 +204,24 @@ class Front:
         arrival = await self.roles.arrive(body)
         if arrival.answer is not None:
             return arrival.answer
+        if arrival.room is not None:
+            # An SGLang prefill server computes the prompt and its first token only.
+            p = dataclasses.replace(p, max_tokens=1)
+        try:
+            return await self._run(request, body, p, prompt, chat, arrival)
+        finally:
+            self.roles.ended(arrival)
+
+    async def _run(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        p: Parsed,
+        prompt: int,
+        chat: bool,
+        arrival: disaggregation.Arrival,
+    ) -> web.StreamResponse:
+        """Submit the request to the least loaded core; stream it or answer when it is done."""
         core = min(self.cores, key=lambda c: c.load())
         hashes, ids = (
             await self._prompt_hashes(body, prompt) if core.prefix is not None else ((), ())
@@ -208,6 +230,7 @@ class Front:
         # The simulated model's EOS (a prompt marker) may end it before max_tokens.
         output = output_tokens(body, p.max_tokens)
         req = SimRequest(prompt, output, now, hashes=hashes, block_ids=ids)
+        arrival.req = req
         req.keep_blocks = arrival.hold
         req.transfer_tokens_per_s = arrival.transfer_tokens_per_s
         core.submit(req, now)

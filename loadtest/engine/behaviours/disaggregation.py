@@ -34,11 +34,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from loadtest.engine.behaviours.bootstrap_rooms import BootstrapRooms, RoomTimeouts
 from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
 from loadtest.engine.protocol import error_body
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+Protocol = Literal["nixl", "sglang"]
+PROTOCOLS: tuple[Protocol, ...] = ("nixl", "sglang")
 JSON = "application/json"
 
 
@@ -51,10 +54,19 @@ class RoleConfig:
     hold_timeout_s: float = 480.0
     # Pulled prompt tokens per second at the decode server (the KV transfer).
     transfer_tokens_per_s: float = 200_000.0
+    # nixl: vLLM's kv_transfer_params; sglang: SGLang's bootstrap rooms (bootstrap_rooms.py).
+    protocol: Protocol = "nixl"
+    # sglang, prefill: the bootstrap endpoint's port (SGLang's default 8998; 0: any free one).
+    bootstrap_port: int = 8998
+    rooms: RoomTimeouts = dataclasses.field(default_factory=RoomTimeouts)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"pd_role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"pd_protocol must be one of {', '.join(PROTOCOLS)}")
+        if self.rooms.bootstrap_s <= 0 or self.rooms.waiting_s <= 0:
+            raise ValueError("bootstrap and waiting timeouts must be positive")
         if self.hold_timeout_s <= 0 or self.transfer_tokens_per_s <= 0:
             raise ValueError("kv hold timeout and transfer rate must be positive")
 
@@ -66,6 +78,8 @@ class Arrival:
     answer: web.Response | None = None  # answered here (a failed pull, a refusal)
     hold: bool = False  # prefill for a remote decode: keep the blocks after it ends
     transfer_tokens_per_s: float | None = None  # decode of pulled KV
+    room: int | None = None  # sglang prefill: the room this request computes for
+    req: SimRequest | None = None  # the request as submitted (the front sets it)
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,16 +101,25 @@ class Roles:
         self.pulled = 0
         self.expired = 0
         self._session: aiohttp.ClientSession | None = None
+        self.rooms = BootstrapRooms(config.rooms, speedup)
+
+    async def start(self, host: str) -> None:
+        """An SGLang prefill server serves its bootstrap endpoint."""
+        if self.config.protocol == "sglang" and self.config.role == "prefill":
+            await self.rooms.start(host, self.config.bootstrap_port)
 
     async def close(self) -> None:
         for key in list(self.holds):
             self._free(key)
         if self._session is not None:
             await self._session.close()
+        await self.rooms.close()
 
     # --- a request arrives ------------------------------------------------------------------
 
     async def arrive(self, body: dict[str, Any]) -> Arrival:
+        if self.config.protocol == "sglang" and self.config.role != "both":
+            return await self._arrive_sglang(body)
         params = body.get("kv_transfer_params")
         if not isinstance(params, dict):
             return Arrival()
@@ -107,11 +130,38 @@ class Roles:
             return await self._pull(params)
         return Arrival()
 
+    async def _arrive_sglang(self, body: dict[str, Any]) -> Arrival:
+        """SGLang's protocol: a prefill waits for its decode to join; a decode waits for the KV."""
+        if self.config.role == "prefill":
+            room, answer = await self.rooms.wait_for_decode(body)
+            return Arrival(answer=answer, room=room)
+        refused = self._refused()
+        if refused is not None:
+            return refused
+        joined = await self.rooms.join(body)
+        if joined.answer is not None:
+            return Arrival(answer=joined.answer)
+        return Arrival(transfer_tokens_per_s=self.config.transfer_tokens_per_s * self.speedup)
+
+    def ended(self, arrival: Arrival) -> None:
+        """An SGLang prefill request ended: its KV went out if it was computed, else the room aborts."""
+        if arrival.room is not None:
+            req = arrival.req
+            sent = req is not None and req.done and not req.aborted
+            self.rooms.end(arrival.room, sent)
+
+    def _refused(self) -> Arrival | None:
+        """The test fault: the next N decodes fail out of memory before any transfer."""
+        if self.refuse_decodes <= 0:
+            return None
+        self.refuse_decodes -= 1
+        message = "KV cache out of memory: cannot allocate blocks for the remote prefill"
+        return Arrival(answer=_error(503, message, "server_error"))
+
     async def _pull(self, params: dict[str, Any]) -> Arrival:
-        if self.refuse_decodes > 0:
-            self.refuse_decodes -= 1
-            message = "KV cache out of memory: cannot allocate blocks for the remote prefill"
-            return Arrival(answer=_error(503, message, "server_error"))
+        refused = self._refused()
+        if refused is not None:
+            return refused
         url = f"http://{params.get('remote_host')}:{params.get('remote_port')}/kv/pull"
         key = str(params.get("remote_request_id"))
         try:
@@ -187,6 +237,8 @@ class Roles:
     def state(self) -> dict[str, Any]:
         held = sum(h.req.blocks + len(h.req.hashes) for h in self.holds.values())
         return {
+            **self.rooms.state(),
+            "pd_protocol": self.config.protocol,
             "pd_role": self.config.role,
             "kv_holds": len(self.holds),
             "kv_held_blocks": held,
@@ -232,6 +284,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.transfer_tokens_per_s,
         help="decode: pulled prompt tokens per second",
     )
+    parser.add_argument(
+        "--pd-protocol",
+        choices=PROTOCOLS,
+        default=d.protocol,
+        help="disaggregation protocol: nixl (vLLM's kv_transfer_params) or sglang (bootstrap rooms)",
+    )
+    parser.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=d.bootstrap_port,
+        help="sglang prefill: the bootstrap endpoint's port (0: any free port, in /admin/state)",
+    )
+    parser.add_argument(
+        "--bootstrap-timeout-s",
+        type=float,
+        default=d.rooms.bootstrap_s,
+        help="sglang prefill: seconds a request waits for its decode server to join "
+        "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)",
+    )
+    parser.add_argument(
+        "--waiting-timeout-s",
+        type=float,
+        default=d.rooms.waiting_s,
+        help="sglang decode: seconds a request waits for its KV "
+        "(SGLANG_DISAGGREGATION_WAITING_TIMEOUT)",
+    )
 
 
 def role_config_from_args(args: argparse.Namespace) -> RoleConfig:
@@ -240,4 +318,10 @@ def role_config_from_args(args: argparse.Namespace) -> RoleConfig:
         role=getattr(args, "pd_role", d.role),
         hold_timeout_s=getattr(args, "kv_hold_timeout_s", d.hold_timeout_s),
         transfer_tokens_per_s=getattr(args, "kv_transfer_tokens_per_s", d.transfer_tokens_per_s),
+        protocol=getattr(args, "pd_protocol", d.protocol),
+        bootstrap_port=getattr(args, "disaggregation_bootstrap_port", d.bootstrap_port),
+        rooms=RoomTimeouts(
+            bootstrap_s=getattr(args, "bootstrap_timeout_s", d.rooms.bootstrap_s),
+            waiting_s=getattr(args, "waiting_timeout_s", d.rooms.waiting_s),
+        ),
     )

@@ -14,6 +14,7 @@ class BehaviourServer(AppServer):
     def __init__(self, config: BehaviourConfig, host: str = "127.0.0.1", port: int = 0) -> None:
         super().__init__(build_app(config), host, port)
         self.config = config
+        self.front.host = host
 
     @property
     def front(self) -> Front:
