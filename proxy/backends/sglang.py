@@ -25,6 +25,7 @@ import math
 from proxy.backends import samples as sm
 from proxy.backends.base import ErrorClass, ModelsInfo, parse_openai_models
 from proxy.backends.vllm import classify as _vllm_style_classify
+from proxy.core.bootstrap import transfer_lost
 from proxy.core.fleet import MemoryReport
 
 CAPACITY = "sglang:max_total_num_tokens"
@@ -98,4 +99,9 @@ class SglangAdapter:
         return parse_openai_models(body)
 
     def classify_error(self, status: int, body: bytes) -> ErrorClass:
+        if status >= 500 and transfer_lost(body):
+            # A decode server whose KV never came ("Decode transfer failed ...
+            # KVTransferError(bootstrap_room=...)"): a failure, never an out-of-memory, though
+            # "bootstrap_room" holds the word "oom" that the vLLM-style reading looks for.
+            return "server_error"
         return _vllm_style_classify(status, body)

@@ -74,3 +74,13 @@ def prefill_body(body: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str
     for key in _NOT_FOR_PREFILL:
         out.pop(key, None)
     return out
+
+
+def transfer_lost(decode_answer: bytes) -> bool:
+    """Whether a decode server's error says the KV never came (the prefill side or the link).
+
+    SGLang's decode server fails such a request with a 500 whose message reads "Decode
+    transfer failed for request ... with exception KVTransferError(bootstrap_room=...)": the
+    decode server itself is sound, and may take the next pair.
+    """
+    return b"KVTransferError" in decode_answer or b"Decode transfer failed" in decode_answer

@@ -298,8 +298,6 @@ async def forward(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> Respons
         answer = await sglang_pd.forward_pair(gw, ctx, two, decode, sub)
     finally:
         gw.budget.release(sub.retries)
-        two.prefill_attempts += sub.attempts
-    two.decode_sent_s = time.perf_counter() - ctx.started
     return answer
 
 

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
@@ -39,7 +40,13 @@ import orjson
 from starlette.responses import Response
 
 from proxy.config.backends import SGLANG_BOOTSTRAP_PORT
-from proxy.core.bootstrap import bootstrap_fields, decode_body, new_room, prefill_body
+from proxy.core.bootstrap import (
+    bootstrap_fields,
+    decode_body,
+    new_room,
+    prefill_body,
+    transfer_lost,
+)
 from proxy.core.two_step import TwoStep
 from proxy.gateway import attempt, placement
 from proxy.gateway.attempt import AttemptPorts
@@ -101,6 +108,8 @@ async def forward_pair(
     A Response ends the request; None: the pair failed before answering, place it again.
     """
     placed = await placement.place(gw, sub)
+    # Counted now: the decode half's answer headers are written before the pair ends.
+    two.prefill_attempts += sub.attempts
     if isinstance(placed, Response):
         # No prefill server can take it: an SGLang decode server cannot compute alone.
         gw.tasks.release_later(ctx, decode)
@@ -112,6 +121,8 @@ async def forward_pair(
     ctx.parsed = _with_body(ctx, decode_body(two.body, fields))
     two.prefill_backend = placed
     two.params = fields
+    # Both halves go now (``Server-Timing``: decode_sent).
+    two.decode_sent_s = time.perf_counter() - ctx.started
     prefill = _Half(gw, sub, placed, send_attempt(gw, sub, placed, start_stream))
     prefill.task.add_done_callback(lambda t: _count_prefill(gw, t))
     second = _Half(gw, ctx, decode, attempt.forward(gw, ctx, decode))
@@ -185,7 +196,8 @@ def after_divert(gw: PairPorts, ctx: RequestContext, two: TwoStep, decode: str) 
 
     A failed prefill leaves its server out and keeps ``decode`` eligible (the walk left it out
     as for any diverted attempt); a decode that failed other than for memory may have lost
-    the KV on its way, so that prefill server is left out too, as for vLLM's protocol.
+    the KV on its way, so that prefill server is left out too, as for vLLM's protocol, and
+    when the decode server says so itself (SGLang's ``KVTransferError``), it stays eligible.
     """
     if two.prefill_failed:
         ctx.exclude.discard(decode)
@@ -195,6 +207,9 @@ def after_divert(gw: PairPorts, ctx: RequestContext, two: TwoStep, decode: str) 
     else:
         gw.metrics.two_step.labels("decode", "failed").inc()
         two.prefill_exclude.add(two.prefill_backend)
+        if ctx.failure is not None and transfer_lost(bytes(ctx.failure.body)):
+            # The KV never came (the prefill server died, the link broke): not the decode's fault.
+            ctx.exclude.discard(decode)
     two.prefill_failed = False
     two.params = None
     ctx.parsed = dataclasses.replace(ctx.parsed, raw=two.raw)

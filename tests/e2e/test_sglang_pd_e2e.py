@@ -6,6 +6,7 @@ reservation."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import httpx
@@ -107,14 +108,14 @@ def test_a_request_without_a_room_is_refused_by_either_server() -> None:
             assert r.status_code == 400 and "without bootstrap room id" in r.text
 
 
-def test_a_killed_prefill_server_moves_the_pair_to_another_one() -> None:
+def test_a_prefill_server_down_from_the_start_is_never_given_a_half() -> None:
     dead, dead_url = start("sglang", "p0", **PREFILL)
     dead_port = state(dead_url)["bootstrap_port"]
     dead.terminate()
     dead.wait(10)
     with engines(("sglang", "p1", PREFILL), ("sglang", "d1", DECODE)) as urls:
         pd = backends(urls)
-        # p0 sorts first (no backlog anywhere): it is tried, fails, and is left out.
+        # p0 sorts first by name, but never reported: it is not placed on at all.
         pd.append({"name": "p0", "url": dead_url, "kind": "sglang", "role": "prefill"})
         pd[-1]["bootstrap_port"] = dead_port
         with run_gateway(sglang_cfg(pd, health={"active": {"enabled": False}})) as gw:
@@ -123,9 +124,42 @@ def test_a_killed_prefill_server_moves_the_pair_to_another_one() -> None:
                 r = ask(gw)
                 assert r.status_code == 200, r.text
                 assert r.headers["x-kvroute-prefill-backend"] == "p1"
-                # The one decode server serves it: a failed prefill does not rule it out.
+                assert r.headers["x-kvroute-prefill-attempts"] == "1"
                 assert r.headers["x-kvroute-backend"] == "d1"
+                # Both halves went at once after the decode reservation.
+                assert "decode_sent;dur=" in r.headers["server-timing"]
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
+
+
+def test_a_prefill_server_killed_while_it_computes_moves_the_pair_to_another_one() -> None:
+    # p0 computes slowly (seconds): it is killed with the pair's room open on it.
+    slow = {**PREFILL, "speedup": 1, "prefill_tokens_per_s": 50}
+    victim, victim_url = start("sglang", "p0", **slow)
+    try:
+        with engines(("sglang", "p1", PREFILL), ("sglang", "d1", DECODE)) as urls:
+            pd = backends({"p0": victim_url, **urls})
+            with run_gateway(sglang_cfg(pd, health={"active": {"enabled": False}})) as gw:
+                wait_until(lambda: all_reported(gw, 3), what="reports")
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    answer = pool.submit(ask, gw)
+                    # p0 (first by name, no backlog anywhere) computes: d1 joined its room.
+                    wait_until(lambda: _computing(victim_url), what="p0 computing")
+                    victim.kill()
+                    r = answer.result()
+                assert r.status_code == 200, r.text
+                assert r.headers["x-kvroute-prefill-backend"] == "p1"
+                assert r.headers["x-kvroute-prefill-attempts"] == "2"
+                # The only decode server serves the second pair: it lost a transfer, no more.
+                assert r.headers["x-kvroute-backend"] == "d1"
+                assert state(urls["p1"])["bootstrap_served"] == 1
+                wait_until(lambda: nothing_held(gw, urls), what="nothing held")
+    finally:
+        victim.kill()
+        victim.wait(10)
+
+
+def _computing(url: str) -> bool:
+    return sum(e["running"] for e in state(url)["engines"]) > 0
 
 
 def test_every_prefill_server_down_fails_at_the_prefill_step() -> None:
@@ -184,7 +218,9 @@ def test_a_client_that_leaves_while_the_pair_runs_leaves_nothing_behind(slow: st
                 body = {"model": "sim-model", "prompt": LONG_PROMPT, "max_tokens": 50}
                 httpx.post(gw + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
-            assert metric(gw, 'kvroute_two_step_total{result="client_disconnect",step="decode"} 1.0')
+            assert metric(
+                gw, 'kvroute_two_step_total{result="client_disconnect",step="decode"} 1.0'
+            )
             served = state(urls["p1"])["bootstrap_served"]
             # Left during the prefill: the room was aborted; during the decode: it was served.
             assert served == (0 if slow == "prefill" else 1)
