@@ -220,6 +220,19 @@ def body(obj: object) -> bytes:
             "allocation",
         ),
         (
+            # A decode server whose KV never came: "bootstrap_room" holds "oom", still no OOM.
+            "sglang",
+            500,
+            {
+                "object": "error",
+                "message": "Decode transfer failed for request rank=0 "
+                "decode_req.req.bootstrap_room=42 with exception "
+                "KVTransferError(bootstrap_room=42): Failed to get kvcache from prefill instance",
+                "type": "InternalServerError",
+            },
+            "server_error",
+        ),
+        (
             "vllm",
             400,
             {
