@@ -158,6 +158,27 @@ def test_a_prefill_server_killed_while_it_computes_moves_the_pair_to_another_one
         victim.wait(10)
 
 
+def test_a_prefill_that_fails_first_cancels_its_decode_at_once() -> None:
+    # p0 answers a 500 at once; d1, joined to p0's room, would wait there for its waiting timeout
+    # (15 s here) unless the gateway cancels it.
+    specs = [("sglang", "p0", PREFILL), ("sglang", "p1", PREFILL), ("sglang", "d1", DECODE)]
+    with engines(*specs) as urls:
+        with run_gateway(sglang_cfg(backends(urls))) as gw:
+            wait_until(lambda: all_reported(gw, 3), what="reports")
+            httpx.post(urls["p0"] + "/admin/disaggregation", json={"fail_prefills": 1})
+            r = ask(gw)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-prefill-backend"] == "p1"
+            assert r.headers["x-kvroute-prefill-attempts"] == "2"
+            assert r.headers["x-kvroute-backend"] == "d1"
+            metrics = httpx.get(gw + "/metrics", timeout=5).text
+            # d1's first half was cancelled, never failed: no failure of d1 is counted.
+            assert 'kvroute_attempts_total{backend="d1",result="ok"} 1.0' in metrics
+            assert 'backend="d1",result="server_error"' not in metrics
+            assert 'kvroute_two_step_total{result="failed",step="prefill"} 1.0' in metrics
+            wait_until(lambda: nothing_held(gw, urls), what="nothing held")
+
+
 def _computing(url: str) -> bool:
     return sum(e["running"] for e in state(url)["engines"]) > 0
 

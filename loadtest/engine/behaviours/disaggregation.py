@@ -18,8 +18,10 @@ What the roles do, as vLLM's NIXL connector does it (docs/disaggregation.md):
 The pull happens when the request arrives, not when the scheduler admits it (vLLM reads
 once the decode side allocated the blocks): held blocks are freed a little sooner here.
 
-A fault for tests: ``POST /admin/disaggregation {"refuse_decodes": N}`` makes the next N
-remote-prefill requests fail with an out-of-memory error before any pull.
+Faults for tests: ``POST /admin/disaggregation {"refuse_decodes": N}`` makes the next N
+remote-prefill requests fail with an out-of-memory error before any pull; with SGLang's
+protocol, ``{"fail_prefills": M}`` makes the next M prefill requests answer a 500 at once
+(their decode, left waiting in the room, would fail only at its waiting timeout).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class Roles:
         self.speedup = speedup
         self.holds: dict[str, _Hold] = {}
         self.refuse_decodes = 0
+        self.fail_prefills = 0
         self.pulled = 0
         self.expired = 0
         self._session: aiohttp.ClientSession | None = None
@@ -133,6 +136,10 @@ class Roles:
     async def _arrive_sglang(self, body: dict[str, Any]) -> Arrival:
         """SGLang's protocol: a prefill waits for its decode to join; a decode waits for the KV."""
         if self.config.role == "prefill":
+            if self.fail_prefills > 0:
+                self.fail_prefills -= 1
+                message = "the prefill failed (simulated fault) before its room was opened"
+                return Arrival(answer=_error(500, message, "InternalServerError"))
             room, answer = await self.rooms.wait_for_decode(body)
             return Arrival(answer=answer, room=room)
         refused = self._refused()
@@ -219,9 +226,11 @@ class Roles:
         return web.Response(status=200, body=b"{}", content_type=JSON)
 
     async def fault_handler(self, request: web.Request) -> web.Response:
-        """``POST /admin/disaggregation {"refuse_decodes": N}``: the next N decodes fail (OOM)."""
+        """``POST /admin/disaggregation {"refuse_decodes": N, "fail_prefills": M}``: the next N
+        decodes fail out of memory; (sglang) the next M prefills answer a 500 at once."""
         body = await request.json()
         self.refuse_decodes = int(body.get("refuse_decodes", 0))
+        self.fail_prefills = int(body.get("fail_prefills", 0))
         return web.Response(status=200, body=orjson.dumps(self.state()), content_type=JSON)
 
     def _expire(self, key: str) -> None:
