@@ -118,7 +118,9 @@ async def forward_pair(
         return placed
     fields = bootstrap_fields(gw.urls[placed], _bootstrap_port(ctx, placed), new_room())
     sub.parsed = _with_body(sub, prefill_body(two.body, fields))
-    ctx.parsed = _with_body(ctx, decode_body(two.body, fields))
+    # Only what is sent changes: a stream's continuation starts from the client's body (and
+    # a decode-mode server refuses it at once, with no room, rather than join a stale one).
+    ctx.parsed = dataclasses.replace(ctx.parsed, raw=orjson.dumps(decode_body(two.body, fields)))
     two.prefill_backend = placed
     two.params = fields
     # Both halves go now (``Server-Timing``: decode_sent).
