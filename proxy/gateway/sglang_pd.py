@@ -201,17 +201,16 @@ def after_divert(gw: PairPorts, ctx: RequestContext, two: TwoStep, decode: str) 
     the KV on its way, so that prefill server is left out too, as for vLLM's protocol, and
     when the decode server says so itself (SGLang's ``KVTransferError``), it stays eligible.
     """
-    if two.prefill_failed:
+    refused = decode in ctx.no_room
+    lost = ctx.failure is not None and transfer_lost(bytes(ctx.failure.body))
+    if not two.prefill_failed:
+        gw.metrics.two_step.labels("decode", "refused" if refused else "failed").inc()
+    if not refused:
+        two.prefill_exclude.add(two.prefill_backend)
+    if two.prefill_failed or lost:
+        # The KV never came (the prefill server failed or died, the link broke): the decode
+        # server did nothing wrong and may take the next pair.
         ctx.exclude.discard(decode)
-        two.prefill_exclude.add(two.prefill_backend)
-    elif decode in ctx.no_room:
-        gw.metrics.two_step.labels("decode", "refused").inc()
-    else:
-        gw.metrics.two_step.labels("decode", "failed").inc()
-        two.prefill_exclude.add(two.prefill_backend)
-        if ctx.failure is not None and transfer_lost(bytes(ctx.failure.body)):
-            # The KV never came (the prefill server died, the link broke): not the decode's fault.
-            ctx.exclude.discard(decode)
     two.prefill_failed = False
     two.params = None
     ctx.parsed = dataclasses.replace(ctx.parsed, raw=two.raw)

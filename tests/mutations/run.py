@@ -529,6 +529,37 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"^(\s*)gw\.early_prefills\.release\(ctx\.reservation_id\)$",
         r"\1pass  # MUTATION",
     ),
+    # ---- SGLang's protocol: both halves at once, neither outliving the other's failure
+    Mutation(
+        "sglang-prefill-outlives-decode",
+        "a pair whose decode half refused (or whose client left) keeps its prefill half running",
+        (
+            "tests/e2e/test_sglang_pd_e2e.py::test_a_decode_server_out_of_memory_moves_the_pair_and_aborts_its_room",
+        ),
+        "sglang_pd:_race",
+        r"^(\s*)await prefill\.stop\(\)$",
+        r"\1pass  # MUTATION",
+    ),
+    Mutation(
+        "sglang-decode-waits-out-failed-prefill",
+        "a pair whose prefill half failed first leaves its decode half waiting in the empty room",
+        (
+            "tests/e2e/test_sglang_pd_e2e.py::test_a_prefill_that_fails_first_cancels_its_decode_at_once",
+        ),
+        "sglang_pd:_race",
+        r"^(\s*)await second\.stop\(\)$",
+        r"\1await second.task  # MUTATION",
+    ),
+    Mutation(
+        "sglang-lost-transfer-blames-decode",
+        "a decode server whose KV never came (its prefill server killed) is left out of the retry",
+        (
+            "tests/e2e/test_sglang_pd_e2e.py::test_a_prefill_server_killed_while_it_computes_moves_the_pair_to_another_one",
+        ),
+        "sglang_pd:after_divert",
+        r"^(\s*)ctx\.exclude\.discard\(decode\)$",
+        r"\1pass  # MUTATION",
+    ),
     Mutation(
         "decode-spread",
         "a long request's decode step spreads instead of taking the tightest decode server",
