@@ -85,7 +85,7 @@ def begin(gw: TwoStepPorts, ctx: RequestContext) -> None:
     ruled_out = ctx.ruled_out
     ctx.ruled_out = ruled_out | only
     body = ctx.parsed.body
-    if "kv_transfer_params" in body:
+    if "kv_transfer_params" in body or "bootstrap_room" in body:
         # The client drives the transfer itself (a proxy in front of us): one step.
         return
     if ctx.cfg.disaggregation.decode_order == "best_fit":
@@ -294,6 +294,9 @@ async def forward(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> Respons
     if two is None or not _sglang(ctx):
         return await attempt.forward(gw, ctx, decode)
     sub = _prefill_context(gw, ctx, two)
+    # Only a server in prefill mode serves a room (one found by discovery without a role
+    # label is ``both``: it may take the decode half, never the prefill half).
+    sub.ruled_out |= frozenset(b.name for b in ctx.cfg.backends) - two.prefill_only
     try:
         answer = await sglang_pd.forward_pair(gw, ctx, two, decode, sub)
     finally:

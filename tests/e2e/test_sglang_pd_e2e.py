@@ -99,6 +99,28 @@ def test_both_halves_at_once_streaming_and_not() -> None:
             assert metric(gw, 'kvroute_two_step_total{result="ok",step="decode"} 2.0')
 
 
+def test_a_client_that_brings_its_own_room_is_routed_as_one_request_to_a_decode_server() -> None:
+    # A PD router in front of kvroute: it sends the prefill server the request itself and
+    # kvroute only the decode half, with its own fields.
+    with engines(("sglang", "p1", PREFILL), ("sglang", "d1", DECODE)) as urls:
+        with run_gateway(sglang_cfg(backends(urls))) as gw:
+            wait_until(lambda: all_reported(gw, 2), what="reports")
+            port = state(urls["p1"])["bootstrap_port"]
+            fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 5}
+            body = {"model": "sim-model", "prompt": LONG_PROMPT, "max_tokens": 4, **fields}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                prefill = pool.submit(
+                    httpx.post, urls["p1"] + "/v1/completions", json=body, timeout=30
+                )
+                r = httpx.post(gw + "/v1/completions", json=body, timeout=30)
+                assert prefill.result().status_code == 200
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-backend"] == "d1"
+            assert "x-kvroute-prefill-backend" not in r.headers
+            assert state(urls["p1"])["bootstrap_served"] == 1
+            wait_until(lambda: nothing_held(gw, urls), what="nothing held")
+
+
 def test_a_request_without_a_room_is_refused_by_either_server() -> None:
     # What makes the gateway's fields necessary: SGLang's PD servers refuse such a request.
     with engines(("sglang", "p1", PREFILL), ("sglang", "d1", DECODE)) as urls:
