@@ -56,6 +56,8 @@ from proxy.gateway.send import send_attempt
 from proxy.gateway.stream import start_stream
 
 log = logging.getLogger("kvroute.gateway")
+# What a client that left gets (nobody reads it), as ``attempt`` answers it.
+CLIENT_LEFT = 499
 
 
 class PairPorts(AttemptPorts, PlacementPorts, Protocol):
@@ -113,8 +115,9 @@ async def forward_pair(
     if isinstance(placed, Response):
         # No prefill server can take it: an SGLang decode server cannot compute alone.
         gw.tasks.release_later(ctx, decode)
-        gw.metrics.two_step.labels("prefill", "failed").inc()
-        placed.headers["x-kvroute-failed-step"] = "prefill"
+        if placed.status_code != CLIENT_LEFT:
+            gw.metrics.two_step.labels("prefill", "failed").inc()
+            placed.headers["x-kvroute-failed-step"] = "prefill"
         return placed
     fields = bootstrap_fields(gw.urls[placed], _bootstrap_port(ctx, placed), new_room())
     sub.parsed = _with_body(sub, prefill_body(two.body, fields))
@@ -148,7 +151,9 @@ async def _race(
     done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
     if second.task not in done and not _prefilled(prefill.task):
         await second.stop()
-        return _prefill_failed(gw, ctx, two, prefill.task.result())
+        task = prefill.task
+        failed = None if task.cancelled() or task.exception() is not None else task.result()
+        return _prefill_failed(gw, ctx, two, failed)
     answer = await second.task
     if answer is None or answer.status_code >= 400:
         await prefill.stop()
