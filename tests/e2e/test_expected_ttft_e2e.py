@@ -20,9 +20,13 @@ from tests.support.behaviours import engines
 from tests.support.gateway import gateway_cfg, run_gateway, wait_until
 from tests.support.kv_events import free_ports
 
-# 1,000 simulated tokens/s at speedup 10: 10,000 prompt tokens a second, one prompt at a time.
+# 1,000 simulated tokens/s at speedup 2: 2,000 prompt tokens a second, one prompt at a time.
+# Slow on purpose: each question's prefill (~1.8 s) must outlast the spread of the eight
+# "simultaneous" arrivals on a loaded box (at 10,000 tokens/s, ~0.36 s each, arrivals spread
+# wider than that once, so no queue built and all eight went to the owner).
+SPEEDUP = 2
 ENGINE = {
-    "speedup": 10,
+    "speedup": SPEEDUP,
     "block_size": 16,
     "capacity_tokens": 400_000,
     "prefill_tokens_per_s": 1_000,
@@ -72,7 +76,7 @@ def questions_land(ttft_aware: bool, seed: int) -> tuple[str, list[str]]:
                 "name": n,
                 "url": u,
                 "kind": "vllm",
-                "prefill_tokens_per_s": 10_000,
+                "prefill_tokens_per_s": 1_000 * SPEEDUP,
                 "kv_events": {
                     "endpoint": f"tcp://127.0.0.1:{ports[n]}",
                     "replay_endpoint": f"tcp://127.0.0.1:{ports[n] + 1}",
