@@ -175,6 +175,8 @@ async def _decision_and_lag(
         # Each prompt is new text: no cached count helps.
         await _send(url, [long_body(long_tokens, rng) for _ in range(n_long)], 1, workdir)
         alone = list(seen[-n_long:])
+        # Routed on their bound (sizing.route_on_bound), their exact counts may still run.
+        await _counts_done()
         alone_cpu = list(cpu)
         mix = [
             long_body(long_tokens, rng) if rng.random() < long_share else request_body(False)
@@ -207,6 +209,16 @@ async def _decision_and_lag(
         "loop_lag_ms_p50": round(statistics.median(busy) * 1e3, 2),
         "loop_lag_ms_p99": round(_pct(busy, 0.99) * 1e3, 2),
     }
+
+
+async def _counts_done(timeout_s: float = 60.0) -> None:
+    """Until no exact count runs behind a request routed on its bound (bounded)."""
+    from proxy.gateway import bound_route
+
+    deadline = time.perf_counter() + timeout_s
+    # A counter, not an event, says how many are running.
+    while bound_route.pending() and time.perf_counter() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
 
 
 def decision_and_lag(
