@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--route-on-bound",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="kvroute's sizing.route_on_bound (on by default)",
+        default=None,
+        help="kvroute's sizing.route_on_bound (default: the config's, on; unset, the "
+        "baseline's config also works for code from before the setting)",
     )
     return p
 

@@ -145,6 +145,7 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
     engine_args = copy.copy(args)
     engine_args.capacity = w.capacity
     engine_args.long_min = w.long_min
+    engine_args.long_threshold = w.long_threshold
     procs: list[subprocess.Popen[str]] = []
     try:
         urls = start_engines(engine_args, procs)

@@ -34,7 +34,19 @@ class Workload:
     # The max_tokens each client class sends (its answers are shorter: the [eos:N] marker).
     caps: dict[str, int]
     capacity: int  # KV tokens per engine
-    long_min: int  # smallest long prompt (the gateway's long threshold is half of it)
+    long_min: int  # smallest long prompt
+
+    @property
+    def long_threshold(self) -> int:
+        """The gateway's long threshold: the smallest long prompt plus the short class's
+        ``max_tokens``, so the gateway classes requests as this workload does.
+
+        The threshold counts demand (prompt + ``max_tokens``). Set at half the smallest long
+        prompt, as it was, every ``trace`` request (``max_tokens`` 2,048 against 2,000) was
+        long: the two long-pool engines took the whole trace first and short requests got
+        no protection.
+        """
+        return self.long_min + self.caps["short"]
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -114,6 +114,15 @@ def start_engine(name: str, dp: int, args: argparse.Namespace) -> tuple[subproce
     return start_vllm_engine(name, flags)
 
 
+def long_threshold(args: argparse.Namespace) -> int:
+    """The gateway's long threshold, in tokens of demand (prompt + ``max_tokens``).
+
+    ``args.long_threshold`` where a workload sets it, else half the smallest long prompt
+    (this benchmark's clients send a small ``max_tokens``).
+    """
+    return int(getattr(args, "long_threshold", None) or args.long_min // 2)
+
+
 def gateway_config(policy: str, urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     rate = args.prefill * args.speedup
     backends = [
@@ -131,7 +140,7 @@ def gateway_config(policy: str, urls: dict[str, str], args: argparse.Namespace) 
         "listen": {"host": "127.0.0.1", "port": free_port()},
         "backends": backends,
         "pools": {"general": {"role": "general"}, "long": {"role": "long"}},
-        "routing": {"policy": policy, "long_threshold_tokens": args.long_min // 2},
+        "routing": {"policy": policy, "long_threshold_tokens": long_threshold(args)},
         "collector": {"scrape_interval_s": 0.25, "stale_after_s": 5.0},
         "health": {"active": {"enabled": False}},
     }

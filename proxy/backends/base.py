@@ -17,6 +17,7 @@ The collector picks the adapter by the backend's configured ``kind``
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -118,7 +119,14 @@ def error_fields(body: bytes) -> tuple[str, str, str]:
     )
 
 
-OOM_WORDS = ("out of memory", "outofmemory", "oom", "kv cache", "no free blocks")
+# Each word on word boundaries, except "outofmemory" (``torch.OutOfMemoryError``): as a bare
+# substring "oom" is also in "room" (SGLang's "bootstrap_room") and "zoom".
+_OOM_TEXT = re.compile(r"outofmemory|\b(?:out of memory|oom|kv cache|no free blocks)\b")
+
+
+def says_out_of_memory(message: str) -> bool:
+    """A lower-cased error message that reports running out of (KV) memory."""
+    return _OOM_TEXT.search(message) is not None
 
 
 def generic_class(status: int) -> ErrorClass:

@@ -20,13 +20,13 @@ import orjson
 
 from proxy.backends import samples as sm
 from proxy.backends.base import (
-    OOM_WORDS,
     ErrorClass,
     ModelsInfo,
     ServedModel,
     error_fields,
     generic_class,
     parse_openai_models,
+    says_out_of_memory,
 )
 from proxy.core.fleet import MemoryReport
 
@@ -78,7 +78,7 @@ def classify(status: int, body: bytes) -> ErrorClass:
     if status == 429 or err_type == "overloaded":
         return "overload"
     if status == 424 or err_type == "generation":
-        return "allocation" if any(w in message for w in OOM_WORDS) else "server_error"
+        return "allocation" if says_out_of_memory(message) else "server_error"
     return generic_class(status)
 
 

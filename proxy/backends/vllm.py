@@ -43,12 +43,12 @@ import dataclasses
 from proxy.backends import kvroute
 from proxy.backends import samples as sm
 from proxy.backends.base import (
-    OOM_WORDS,
     ErrorClass,
     ModelsInfo,
     error_fields,
     generic_class,
     parse_openai_models,
+    says_out_of_memory,
 )
 from proxy.core.fleet import MemoryReport
 
@@ -218,7 +218,7 @@ def memory_report(samples: sm.Samples, now: float, capacity_override: int | None
 def classify(status: int, body: bytes) -> ErrorClass:
     """vLLM fails nothing for lack of KV (it queues or preempts); an OOM text is still one."""
     message, _type, _code = error_fields(body)
-    if status >= 500 and any(w in message for w in OOM_WORDS):
+    if status >= 500 and says_out_of_memory(message):
         return "allocation"
     return generic_class(status)
 

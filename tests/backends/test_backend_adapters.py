@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.backends.base import ModelsInfo, ServedModel
+from proxy.backends.base import ModelsInfo, ServedModel, says_out_of_memory
 from proxy.backends.registry import adapter_for
 from proxy.backends.samples import ScrapeError
 
@@ -293,3 +293,27 @@ def test_models_with_and_without_max_model_len() -> None:
     assert tgi_info.max_model_len("mistral") == 8192
     with pytest.raises(ValueError, match="data"):
         adapter_for("sglang").parse_models(b'{"detail": "Not Found"}')
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("cuda out of memory. tried to allocate 2.00 gib", True),
+        ("torch.outofmemoryerror: cuda error", True),
+        ("worker oom-killed", True),
+        ("oom", True),
+        ("no free blocks in the kv cache", True),
+        # "oom" inside a word is not a report of memory: SGLang's room ids, a zoom level.
+        ("kvtransfererror(bootstrap_room=7): failed to get kvcache", False),
+        ("unknown zoom level", False),
+        ("waiting room closed", False),
+        ("shard 1 died", False),
+    ],
+)
+def test_out_of_memory_is_read_on_word_boundaries(message: str, expected: bool) -> None:
+    assert says_out_of_memory(message) is expected
+
+
+def test_a_vllm_style_500_naming_a_room_is_a_server_error() -> None:
+    payload = {"error": {"message": "Request in bootstrap_room 9 was aborted", "type": "x"}}
+    assert adapter_for("vllm").classify_error(500, body(payload)) == "server_error"

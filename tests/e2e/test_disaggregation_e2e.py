@@ -11,8 +11,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.behaviours import engines, start
-from tests.support.gateway import gateway_cfg, run_gateway, wait_until
+from tests.support.behaviours import engines, server_state, start
+from tests.support.gateway import (
+    all_reported,
+    fleet_backends,
+    gateway_cfg,
+    run_gateway,
+    wait_until,
+)
 
 FAST = {"speedup": 20, "block_size": 16}
 # A prompt well over the conditional-disaggregation threshold set below (64 tokens).
@@ -42,28 +48,17 @@ def dead_backend(url: str) -> dict[str, Any]:
     return {"name": "p0", "url": url, "kind": "vllm", "role": "prefill"}
 
 
-def state(url: str) -> dict[str, Any]:
-    got: dict[str, Any] = httpx.get(url + "/admin/state", timeout=5).json()
-    return got
-
-
-def fleet(gw: str) -> list[dict[str, Any]]:
-    got: list[dict[str, Any]] = httpx.get(gw + "/fleet", timeout=5).json()["backends"]
-    return got
-
-
-def all_reported(gw: str, n: int) -> bool:
-    return sum(1 for b in fleet(gw) if b["report"]) == n
-
-
 def nothing_held(gw: str, urls: dict[str, str]) -> bool:
     """No prefill server holds blocks; the gateway holds no reservation; nothing runs."""
-    if any(state(u)["kv_holds"] for n, u in urls.items() if n.startswith("p")):
+    if any(server_state(u)["kv_holds"] for n, u in urls.items() if n.startswith("p")):
         return False
-    if any(sum(e["running"] + e["waiting"] for e in state(u)["engines"]) for u in urls.values()):
+    if any(
+        sum(e["running"] + e["waiting"] for e in server_state(u)["engines"]) for u in urls.values()
+    ):
         return False
     return all(
-        b["overlay"]["reserved_tokens"] == 0 and b["overlay"]["inflight"] == 0 for b in fleet(gw)
+        b["overlay"]["reserved_tokens"] == 0 and b["overlay"]["inflight"] == 0
+        for b in fleet_backends(gw)
     )
 
 
@@ -80,7 +75,7 @@ def test_both_steps_non_streaming_and_streaming_and_short_prompts_skip_prefill()
     with engines(*specs) as urls:
         with run_gateway(pd_cfg(urls)) as gw:
             wait_until(lambda: all_reported(gw, 2), what="reports")
-            roles = {b["name"]: b["serving_role"] for b in fleet(gw)}
+            roles = {b["name"]: b["serving_role"] for b in fleet_backends(gw)}
             assert roles == {"p1": "prefill", "d1": "decode"}
             r = ask(gw, LONG_PROMPT)
             assert r.status_code == 200, r.text
@@ -88,7 +83,7 @@ def test_both_steps_non_streaming_and_streaming_and_short_prompts_skip_prefill()
             assert r.headers["x-kvroute-prefill-backend"] == "p1"
             assert "kv_transfer_params" not in r.json()
             assert r.json()["usage"]["completion_tokens"] == 8
-            assert state(urls["p1"])["kv_pulled"] == 1
+            assert server_state(urls["p1"])["kv_pulled"] == 1
             # Another prompt: d1 caches the first now, so it would need no prefill server.
             other = LONG_PROMPT.replace("fox", "cat")
             body = {"model": "sim-model", "prompt": other, "max_tokens": 6, "stream": True}
@@ -97,13 +92,13 @@ def test_both_steps_non_streaming_and_streaming_and_short_prompts_skip_prefill()
                 assert s.headers["x-kvroute-prefill-backend"] == "p1"
                 text = "".join(s.iter_text())
             assert text.rstrip().endswith("data: [DONE]")
-            assert state(urls["p1"])["kv_pulled"] == 2
+            assert server_state(urls["p1"])["kv_pulled"] == 2
             # Short: straight to the decode server; never to the prefill-only server.
             for _ in range(3):
                 r = ask(gw, SHORT_PROMPT)
                 assert r.status_code == 200 and r.headers["x-kvroute-backend"] == "d1"
                 assert "x-kvroute-prefill-backend" not in r.headers
-            assert state(urls["p1"])["kv_pulled"] == 2
+            assert server_state(urls["p1"])["kv_pulled"] == 2
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
             metrics = httpx.get(gw + "/metrics").text
             assert 'kvroute_two_step_total{result="ok",step="prefill"} 2.0' in metrics
@@ -127,7 +122,7 @@ def test_a_dead_prefill_server_and_a_lost_transfer_move_step_1_elsewhere() -> No
                 assert r.headers["x-kvroute-prefill-backend"] == "p2"
                 # p1 first (no backlog anywhere: by name), its KV gone before the pull.
                 assert r.headers["x-kvroute-prefill-attempts"] == "2"
-            assert state(urls["p2"])["kv_pulled"] == 2
+            assert server_state(urls["p2"])["kv_pulled"] == 2
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
     # A prefill server that is not running at all: connection refused, the next one serves.
     dead, dead_url = start("vllm", "p0", pd_role="prefill", **FAST)
@@ -193,11 +188,11 @@ def test_decode_servers_refusing_out_of_memory_keep_the_prefill_and_it_times_out
             # Both decode servers were given the one prefill (refused before any pull).
             assert r.headers["x-kvroute-attempts"] == "2"
             assert r.headers["x-kvroute-prefill-attempts"] == "1"
-            assert state(urls["p1"])["kv_pulled"] == 0
-            assert state(urls["p1"])["kv_holds"] == 1
+            assert server_state(urls["p1"])["kv_pulled"] == 0
+            assert server_state(urls["p1"])["kv_holds"] == 1
             # Nobody pulls: the prefill server frees its blocks on its own timeout.
             wait_until(lambda: nothing_held(gw, urls), what="hold timed out")
-            assert state(urls["p1"])["kv_expired"] == 1
+            assert server_state(urls["p1"])["kv_expired"] == 1
             metrics = httpx.get(gw + "/metrics").text
             assert 'kvroute_two_step_total{result="refused",step="decode"} 1.0' in metrics
             assert 'kvroute_two_step_total{result="failed",step="decode"} 1.0' in metrics
@@ -257,7 +252,7 @@ def test_a_decode_step_that_fits_nowhere_holds_at_the_gateway_rather_than_preemp
             assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
             assert {a.headers["x-kvroute-backend"] for a in answers} == {"d1", "d2"}
             for name in ("d1", "d2"):
-                assert sum(e["preemptions"] for e in state(urls[name])["engines"]) == 0
+                assert sum(e["preemptions"] for e in server_state(urls[name])["engines"]) == 0
             # The third one was prefilled while it waited for a decode server.
             metrics = httpx.get(gw + "/metrics").text
             assert 'kvroute_two_step_total{result="while_holding",step="prefill"} 1.0' in metrics

@@ -12,18 +12,19 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.behaviours import engines, start
-from tests.support.gateway import gateway_cfg, run_gateway, wait_until
+from tests.support.behaviours import engines, server_state, start
+from tests.support.gateway import (
+    all_reported,
+    fleet_backends,
+    gateway_cfg,
+    run_gateway,
+    wait_until,
+)
 
 FAST = {"speedup": 20, "block_size": 16, "pd_protocol": "sglang"}
 PREFILL = {"pd_role": "prefill", "disaggregation_bootstrap_port": 0, **FAST}
 DECODE = {"pd_role": "decode", **FAST}
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 40
-
-
-def state(url: str) -> dict[str, Any]:
-    got: dict[str, Any] = httpx.get(url + "/admin/state", timeout=5).json()
-    return got
 
 
 def backends(urls: dict[str, str]) -> list[dict[str, Any]]:
@@ -32,7 +33,7 @@ def backends(urls: dict[str, str]) -> list[dict[str, Any]]:
     for name, url in urls.items():
         b: dict[str, Any] = {"name": name, "url": url, "kind": "sglang"}
         if name.startswith("p"):
-            b.update(role="prefill", bootstrap_port=state(url)["bootstrap_port"])
+            b.update(role="prefill", bootstrap_port=server_state(url)["bootstrap_port"])
         else:
             b["role"] = "decode"
         out.append(b)
@@ -43,23 +44,17 @@ def sglang_cfg(pd: list[dict[str, Any]], **sections: Any) -> Any:
     return gateway_cfg(pd, disaggregation={"protocol": "sglang"}, **sections)
 
 
-def fleet(gw: str) -> list[dict[str, Any]]:
-    got: list[dict[str, Any]] = httpx.get(gw + "/fleet", timeout=5).json()["backends"]
-    return got
-
-
-def all_reported(gw: str, n: int) -> bool:
-    return sum(1 for b in fleet(gw) if b["report"]) == n
-
-
 def nothing_held(gw: str, urls: dict[str, str]) -> bool:
     """No room open on a prefill server, nothing running anywhere, no gateway reservation."""
-    if any(state(u)["bootstrap_rooms"] for u in urls.values()):
+    if any(server_state(u)["bootstrap_rooms"] for u in urls.values()):
         return False
-    if any(sum(e["running"] + e["waiting"] for e in state(u)["engines"]) for u in urls.values()):
+    if any(
+        sum(e["running"] + e["waiting"] for e in server_state(u)["engines"]) for u in urls.values()
+    ):
         return False
     return all(
-        b["overlay"]["reserved_tokens"] == 0 and b["overlay"]["inflight"] == 0 for b in fleet(gw)
+        b["overlay"]["reserved_tokens"] == 0 and b["overlay"]["inflight"] == 0
+        for b in fleet_backends(gw)
     )
 
 
@@ -93,7 +88,9 @@ def test_both_halves_at_once_streaming_and_not() -> None:
             assert '"finish_reason":"length"' in text and text.rstrip().endswith("data: [DONE]")
             assert text.count('"finish_reason":"length"') == 1
             # Both transfers were served through p1's bootstrap endpoint.
-            wait_until(lambda: state(urls["p1"])["bootstrap_served"] == 2, what="rooms served")
+            wait_until(
+                lambda: server_state(urls["p1"])["bootstrap_served"] == 2, what="rooms served"
+            )
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
             assert metric(gw, 'kvroute_two_step_total{result="ok",step="prefill"} 2.0')
             assert metric(gw, 'kvroute_two_step_total{result="ok",step="decode"} 2.0')
@@ -105,7 +102,7 @@ def test_a_client_that_brings_its_own_room_is_routed_as_one_request_to_a_decode_
     with engines(("sglang", "p1", PREFILL), ("sglang", "d1", DECODE)) as urls:
         with run_gateway(sglang_cfg(backends(urls))) as gw:
             wait_until(lambda: all_reported(gw, 2), what="reports")
-            port = state(urls["p1"])["bootstrap_port"]
+            port = server_state(urls["p1"])["bootstrap_port"]
             fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 5}
             body = {"model": "sim-model", "prompt": LONG_PROMPT, "max_tokens": 4, **fields}
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -117,7 +114,7 @@ def test_a_client_that_brings_its_own_room_is_routed_as_one_request_to_a_decode_
             assert r.status_code == 200, r.text
             assert r.headers["x-kvroute-backend"] == "d1"
             assert "x-kvroute-prefill-backend" not in r.headers
-            assert state(urls["p1"])["bootstrap_served"] == 1
+            assert server_state(urls["p1"])["bootstrap_served"] == 1
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
 
 
@@ -132,7 +129,7 @@ def test_a_request_without_a_room_is_refused_by_either_server() -> None:
 
 def test_a_prefill_server_down_from_the_start_is_never_given_a_half() -> None:
     dead, dead_url = start("sglang", "p0", **PREFILL)
-    dead_port = state(dead_url)["bootstrap_port"]
+    dead_port = server_state(dead_url)["bootstrap_port"]
     dead.terminate()
     dead.wait(10)
     with engines(("sglang", "p1", PREFILL), ("sglang", "d1", DECODE)) as urls:
@@ -173,7 +170,7 @@ def test_a_prefill_server_killed_while_it_computes_moves_the_pair_to_another_one
                 assert r.headers["x-kvroute-prefill-attempts"] == "2"
                 # The only decode server serves the second pair: it lost a transfer, no more.
                 assert r.headers["x-kvroute-backend"] == "d1"
-                assert state(urls["p1"])["bootstrap_served"] == 1
+                assert server_state(urls["p1"])["bootstrap_served"] == 1
                 wait_until(lambda: nothing_held(gw, urls), what="nothing held")
     finally:
         victim.kill()
@@ -202,7 +199,7 @@ def test_a_prefill_that_fails_first_cancels_its_decode_at_once() -> None:
 
 
 def _computing(url: str) -> bool:
-    return sum(e["running"] for e in state(url)["engines"]) > 0
+    return bool(sum(e["running"] for e in server_state(url)["engines"]) > 0)
 
 
 def test_every_prefill_server_down_fails_at_the_prefill_step() -> None:
@@ -235,15 +232,15 @@ def test_a_decode_server_out_of_memory_moves_the_pair_and_aborts_its_room() -> N
             assert r.headers["x-kvroute-failure-cause"] == "allocation_failure"
             # Each refused pair's prefill half was cancelled: its room aborted, nothing served.
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
-            assert state(urls["p1"])["bootstrap_served"] == 0
-            assert state(urls["p1"])["bootstrap_aborted"] == 2
+            assert server_state(urls["p1"])["bootstrap_served"] == 0
+            assert server_state(urls["p1"])["bootstrap_aborted"] == 2
             # The first refusal moved the pair; the second ended the request.
             assert metric(gw, 'kvroute_two_step_total{result="refused",step="decode"} 1.0')
             assert metric(gw, 'kvroute_two_step_total{result="failed",step="decode"} 1.0')
             # The refusals are over: the next request is served, by a pair.
             r = ask(gw)
             assert r.status_code == 200 and r.headers["x-kvroute-prefill-backend"] == "p1"
-            wait_until(lambda: state(urls["p1"])["bootstrap_served"] == 1, what="served")
+            wait_until(lambda: server_state(urls["p1"])["bootstrap_served"] == 1, what="served")
 
 
 @pytest.mark.parametrize("slow", ["prefill", "decode"])
@@ -264,6 +261,6 @@ def test_a_client_that_leaves_while_the_pair_runs_leaves_nothing_behind(slow: st
             assert metric(
                 gw, 'kvroute_two_step_total{result="client_disconnect",step="decode"} 1.0'
             )
-            served = state(urls["p1"])["bootstrap_served"]
+            served = server_state(urls["p1"])["bootstrap_served"]
             # Left during the prefill: the room was aborted; during the decode: it was served.
             assert served == (0 if slow == "prefill" else 1)

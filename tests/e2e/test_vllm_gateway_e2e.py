@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from tests.support.behaviours import engine_state, engines
-from tests.support.gateway import gateway_cfg, run_gateway, wait_until
+from tests.support.gateway import all_reported, gateway_cfg, run_gateway, wait_until
 
 FAST = {"speedup": 20, "block_size": 16}
 
@@ -22,10 +22,6 @@ def backends(urls: dict[str, str], **extra: Any) -> list[dict[str, Any]]:
 
 def listed(gw: str) -> dict[str, dict[str, Any]]:
     return {m["id"]: m for m in httpx.get(gw + "/v1/models", timeout=5).json()["data"]}
-
-
-def reported(gw: str, n: int) -> bool:
-    return sum(1 for b in httpx.get(gw + "/fleet").json()["backends"] if b["report"]) == n
 
 
 def test_model_routing_404_and_the_fleets_model_list() -> None:
@@ -91,7 +87,7 @@ def test_a_saturated_node_ranks_as_full_and_shows_why() -> None:
     with engines(("vllm", "busy", slow), ("vllm", "idle", slow)) as urls:
         cfg = gateway_cfg(backends(urls))
         with run_gateway(cfg) as gw:
-            wait_until(lambda: reported(gw, 2), what="reports")
+            wait_until(lambda: all_reported(gw, 2), what="reports")
             # Fill "busy" behind the gateway's back: one running, one waiting.
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 body = {"model": "m", "prompt": "x", "max_tokens": 80}
@@ -136,7 +132,7 @@ def test_queueing_backends_are_never_a_503_and_a_burst_spreads() -> None:
             memory_pressure={"max_hold_s": 0.3},
         )
         with run_gateway(cfg) as gw:
-            wait_until(lambda: reported(gw, 2), what="reports")
+            wait_until(lambda: all_reported(gw, 2), what="reports")
             body = {"model": "m", "prompt": "one two three four " * 25, "max_tokens": 880}
             # A real burst: every client is built before a barrier, so the twelve requests
             # arrive together rather than one per thread start (slow on a loaded machine).
@@ -204,7 +200,7 @@ def test_tgi_out_of_memory_424_is_diverted_not_relayed() -> None:
                 health={"active": {"enabled": False}},
             )
             with run_gateway(cfg) as gw:
-                wait_until(lambda: reported(gw, 2), what="reports")
+                wait_until(lambda: all_reported(gw, 2), what="reports")
                 body = {"model": "m", "prompt": "hello", "max_tokens": 3}
                 answers = [
                     httpx.post(gw + "/v1/completions", json=body, timeout=30) for _ in range(4)
@@ -222,7 +218,7 @@ def test_the_prefill_rate_is_learned_from_the_engines_own_metrics() -> None:
     with engines(("vllm", "v0", flags)) as urls:
         cfg = gateway_cfg(backends(urls, prefill_tokens_per_s=50_000))
         with run_gateway(cfg) as gw:
-            wait_until(lambda: reported(gw, 1), what="reports")
+            wait_until(lambda: all_reported(gw, 1), what="reports")
 
             def in_use() -> float | None:
                 # The rate is learned where it is used: ranking by expected wait, pool advice.

@@ -48,7 +48,13 @@ def _stop(proc: subprocess.Popen[str]) -> None:
         proc.stdout.close()
 
 
+def server_state(url: str) -> dict[str, Any]:
+    """A simulated server's whole ``/admin/state``: its engines, held blocks, open rooms."""
+    got: dict[str, Any] = httpx.get(url + "/admin/state", timeout=5).json()
+    return got
+
+
 def engine_state(url: str) -> list[dict[str, Any]]:
     """The engine's own ground truth, one entry per data-parallel engine."""
-    engines_: list[dict[str, Any]] = httpx.get(url + "/admin/state", timeout=5).json()["engines"]
+    engines_: list[dict[str, Any]] = server_state(url)["engines"]
     return engines_

@@ -84,6 +84,17 @@ def fleet_state(url: str) -> dict[str, Any]:
     return data
 
 
+def fleet_backends(url: str) -> list[dict[str, Any]]:
+    """``/fleet``'s backends, in the gateway's order."""
+    got: list[dict[str, Any]] = fleet_state(url)["backends"]
+    return got
+
+
+def all_reported(url: str, n: int) -> bool:
+    """Exactly ``n`` backends have a memory report (the gateway has scraped them all)."""
+    return sum(1 for b in fleet_backends(url) if b["report"]) == n
+
+
 @pytest.fixture
 def gateway_runner() -> Callable[..., Any]:
     return run_gateway
