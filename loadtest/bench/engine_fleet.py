@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,12 @@ MODEL = "sim-model"
 _PROBE = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
 
-def start_vllm_engine(name: str, flags: Sequence[str]) -> tuple[subprocess.Popen[str], str]:
-    """``kvroute engine --behaviour vllm`` on a free port with ``flags``; its URL once it listens."""
-    argv = [sys.executable, "-m", "proxy.cli", "engine", "--behaviour", "vllm", "--port", "0"]
+def start_vllm_engine(
+    name: str, flags: Sequence[str], behaviour: str = "vllm"
+) -> tuple[subprocess.Popen[str], str]:
+    """``kvroute engine --behaviour vllm`` (or another dialect) on a free port with ``flags``;
+    its URL once it listens."""
+    argv = [sys.executable, "-m", "proxy.cli", "engine", "--behaviour", behaviour, "--port", "0"]
     argv += ["--name", name, "--model", MODEL, *flags]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
@@ -89,17 +92,43 @@ def start_vllm_router(
 ) -> tuple[subprocess.Popen[str], str]:
     """vllm-router with ``workers`` (``--worker-urls ...`` or its PD flags), on free ports.
 
-    Ready once a real request gets a 200 through it; tried three times on fresh ports. Its
-    Prometheus exporter binds 127.0.0.1:29000 by default: a second vllm-router on the
+    Its Prometheus exporter binds 127.0.0.1:29000 by default: a second vllm-router on the
     machine made it panic at start ("Address already in use"), so it gets a free port too.
     """
-    log_path = workdir / f"vllm-router-{policy}.log"
+
+    def argv(port: int) -> list[str]:
+        out = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+        return [*out, "--prometheus-port", str(free_port()), "--log-level", "warning", *workers]
+
+    return start_router(f"vllm-router --policy {policy}", argv, workdir)
+
+
+def start_sglang_router(
+    policy: str, workers: Sequence[str], workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """SGLang's own router (the ``sglang-router`` package) with ``workers`` (its PD flags).
+
+    Its Prometheus exporter gets a free port, as vllm-router's does (29000 by default too).
+    """
+
+    def argv(port: int) -> list[str]:
+        out = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
+        out += ["--port", str(port), "--policy", policy, "--prometheus-port", str(free_port())]
+        return [*out, "--log-level", "warn", *workers]
+
+    return start_router(f"sglang-router --policy {policy}", argv, workdir)
+
+
+def start_router(
+    label: str, argv: Callable[[int], list[str]], workdir: Path
+) -> tuple[subprocess.Popen[str], str]:
+    """A peer router from ``argv(port)``: ready once a real request gets a 200 through it;
+    tried three times on fresh ports."""
+    log_path = workdir / (label.replace(" ", "").replace("--policy", "-") + ".log")
     for _attempt in range(3):
         port = free_port()
-        argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-        argv += ["--prometheus-port", str(free_port()), "--log-level", "warning", *workers]
         with log_path.open("w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(argv(port), stdout=log, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None:
@@ -115,4 +144,4 @@ def start_vllm_router(
         proc.kill()
         proc.wait(10)
     tail = log_path.read_text()[-400:] if log_path.exists() else ""
-    raise RuntimeError(f"vllm-router --policy {policy} did not serve: {tail!r}")
+    raise RuntimeError(f"{label} did not serve: {tail!r}")

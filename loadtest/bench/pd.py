@@ -1,4 +1,5 @@
-"""Disaggregated prefill/decode: kvroute vs vllm-router ``--vllm-pd-disaggregation``.
+"""Disaggregated prefill/decode: kvroute vs vllm-router ``--vllm-pd-disaggregation``, or
+(``--protocol sglang``) vs SGLang's own router ``--pd-disaggregation``.
 
 Two prefill and two decode vLLM-mode engines (``kvroute engine --behaviour vllm --pd-role``:
 the prefill servers hold computed blocks until a decode server pulls them, the decode servers
@@ -11,7 +12,11 @@ client streaming. For each router the engines start fresh and get the same reque
 Routers: kvroute (decode by KV fit, prefill by expected wait, conditional disaggregation),
 and vllm-router 0.1.17 in PD mode with its ``round_robin`` and ``cache_aware`` policies
 (found on PATH or in /tmp/vllm-router-venv; skipped with the reason printed otherwise),
-both with ``--kv-connector nixl`` against the same simulated servers.
+both with ``--kv-connector nixl`` against the same simulated servers. With ``--protocol
+sglang`` the servers speak SGLang's protocol (``--behaviour sglang --pd-protocol sglang``:
+bootstrap host, port and room sent to both servers at once) and the peer is the
+``sglang-router`` package's router in PD mode with its ``round_robin`` and ``cache_aware``
+policies (skipped with the reason printed where it is not installed).
 
 Reported per router: failed requests, preemptions on the decode servers (their own
 ``vllm:num_preemptions_total``), time to first token p50/p99 (all, and long requests),
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import random
 import subprocess
@@ -40,9 +46,9 @@ import yaml
 
 from loadtest.bench.engine_fleet import (
     MODEL,
-    counter,
     engine_flags,
     start_gateway,
+    start_sglang_router,
     start_vllm_engine,
     start_vllm_router,
 )
@@ -55,6 +61,7 @@ from loadtest.local_fleet import free_port
 from loadtest.workload import Request, bimodal, chat_overhead_tokens, make_prompt
 
 ROUTERS = ("kvroute", "vllm-router:round_robin", "vllm-router:cache_aware")
+SGLANG_ROUTERS = ("kvroute", "sglang-router:round_robin", "sglang-router:cache_aware")
 PREFILL = ("p0", "p1")
 DECODE = ("d0", "d1")
 
@@ -118,21 +125,37 @@ def start_engine(
         role,
         "--serial-prefill",
     )
-    return start_vllm_engine(name, flags)
+    if args.protocol == "sglang":
+        flags += ["--pd-protocol", "sglang"]
+        if role == "prefill":
+            flags += ["--disaggregation-bootstrap-port", "0"]  # a free port, in /admin/state
+    return start_vllm_engine(name, flags, behaviour=args.protocol)
+
+
+def bootstrap_port(url: str) -> int:
+    """An SGLang-mode prefill server's bootstrap port, from its own state."""
+    return int(httpx.get(url + "/admin/state", timeout=5).json()["bootstrap_port"])
 
 
 def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
-    backends = [
+    backends: list[dict[str, Any]] = [
         {
             "name": name,
             "url": urls[name],
-            "kind": "vllm",
+            "kind": args.protocol,
             "role": "prefill" if name in PREFILL else "decode",
             "prefill_tokens_per_s": args.prefill * args.speedup,
             "decode_tokens_per_s": 30 * args.speedup,
         }
         for name in (*PREFILL, *DECODE)
     ]
+    disaggregation: dict[str, Any] = {"min_uncached_prompt_tokens": args.min_uncached}
+    if args.protocol == "sglang":
+        # No conditional disaggregation under SGLang's protocol (docs/disaggregation.md).
+        disaggregation = {"protocol": "sglang"}
+        for b in backends:
+            if b["role"] == "prefill":
+                b["bootstrap_port"] = bootstrap_port(b["url"])
     cfg = {
         "listen": {"host": "127.0.0.1", "port": free_port()},
         "backends": backends,
@@ -140,7 +163,7 @@ def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, 
         "collector": {"scrape_interval_s": 0.25, "stale_after_s": 5.0},
         "health": {"active": {"enabled": False}},
         "queue": {"max_wait_s": 30.0},
-        "disaggregation": {"min_uncached_prompt_tokens": args.min_uncached},
+        "disaggregation": disaggregation,
     }
     return with_overrides(cfg, args.set)
 
@@ -157,6 +180,31 @@ def with_overrides(cfg: dict[str, Any], overrides: Sequence[str]) -> dict[str, A
             node = node.setdefault(part, {})
         node[last] = yaml.safe_load(value)
     return cfg
+
+
+def sglang_pd_workers(urls: dict[str, str]) -> list[str]:
+    """SGLang's router in PD mode: each prefill server with its bootstrap port."""
+    flags = ["--pd-disaggregation"]
+    for name in PREFILL:
+        flags += ["--prefill", urls[name], str(bootstrap_port(urls[name]))]
+    for name in DECODE:
+        flags += ["--decode", urls[name]]
+    return flags
+
+
+def preemptions(urls: dict[str, str]) -> int:
+    """Preemptions on these servers, from their own state (both dialects keep the count)."""
+    return sum(
+        e["preemptions"]
+        for url in urls.values()
+        for e in httpx.get(url + "/admin/state", timeout=5).json()["engines"]
+    )
+
+
+def held(url: str, protocol: str) -> int:
+    """What a prefill server still holds for a decode: blocks (NIXL) or open rooms (SGLang)."""
+    st = httpx.get(url + "/admin/state", timeout=5).json()
+    return int(st["bootstrap_rooms"] if protocol == "sglang" else st["kv_holds"])
 
 
 def pd_workers(urls: dict[str, str]) -> list[str]:
@@ -233,10 +281,13 @@ def run_router(router: str, requests: list[Request], args: argparse.Namespace) -
             procs.append(proc)
         with tempfile.TemporaryDirectory() as tmp:
             peer = router.partition("vllm-router:")[2]
+            sglang_peer = router.partition("sglang-router:")[2]
             if peer:
                 gw, gw_url = start_vllm_router(
                     args.vllm_router_exe, peer, pd_workers(urls), Path(tmp)
                 )
+            elif sglang_peer:
+                gw, gw_url = start_sglang_router(sglang_peer, sglang_pd_workers(urls), Path(tmp))
             else:
                 gw, gw_url = start_gateway(gateway_config(urls, args), Path(tmp))
             procs.append(gw)
@@ -244,12 +295,8 @@ def run_router(router: str, requests: list[Request], args: argparse.Namespace) -
             with UsageSampler(decode_urls) as sampler:
                 samples = asyncio.run(drive(gw_url, requests, args.seed, bodies(requests, args)))
             out = Outcome(router, samples, usage=sampler.usage)
-            out.decode_preemptions = int(
-                sum(counter(u, "vllm:num_preemptions") for u in decode_urls.values())
-            )
-            out.held_at_end = sum(
-                httpx.get(urls[n] + "/admin/state", timeout=5).json()["kv_holds"] for n in PREFILL
-            )
+            out.decode_preemptions = preemptions(decode_urls)
+            out.held_at_end = sum(held(urls[n], args.protocol) for n in PREFILL)
         return out
     finally:
         stop_processes(procs)
@@ -291,7 +338,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="max_tokens chats and documents ask for; the model stops at its own length "
         "([eos:N]). Default: each asks exactly what it writes",
     )
-    p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument(
+        "--protocol",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="the servers' PD protocol: vllm (NIXL, two steps) or sglang (bootstrap rooms)",
+    )
+    p.add_argument(
+        "--routers",
+        default=None,
+        help="comma-separated (default: kvroute and the protocol's peer, two policies each)",
+    )
     p.add_argument("--vllm-router", default=None, help="path of vllm-router (default: PATH, venv)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
@@ -302,7 +359,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.duration = min(args.duration, 20.0)
-    routers = args.routers.split(",")
+    default = SGLANG_ROUTERS if args.protocol == "sglang" else ROUTERS
+    routers = (args.routers or ",".join(default)).split(",")
+    if not importlib.util.find_spec("sglang_router") and any(
+        r.startswith("sglang-router:") for r in routers
+    ):
+        print("sglang-router skipped: not installed (pip install sglang-router)", flush=True)
+        routers = [r for r in routers if not r.startswith("sglang-router:")]
     args.vllm_router_exe = find_vllm_router(args.vllm_router)
     if args.vllm_router_exe is None and any(r.startswith("vllm-router:") for r in routers):
         print("vllm-router skipped: not installed (PATH or /tmp/vllm-router-venv)", flush=True)
@@ -322,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 res = run_router(router, requests, args).summary()
             except RuntimeError as exc:
-                if not router.startswith("vllm-router:"):
+                if router == "kvroute":
                     raise
                 print(f"| {run} | {router} | skipped: {exc} |", flush=True)
                 continue

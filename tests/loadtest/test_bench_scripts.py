@@ -271,6 +271,22 @@ def test_bench_pd_smoke(tmp_path: Path) -> None:
     assert parts["decode_sent"] >= parts["hold"] and parts["ttft"] >= parts["decode_sent"]
 
 
+def test_bench_pd_sglang_smoke(tmp_path: Path) -> None:
+    # SGLang's protocol: SGLang-dialect servers with bootstrap rooms; the peer (sglang-router)
+    # is not installed here, so kvroute only.
+    out_json = tmp_path / "pd.json"
+    run_module(
+        "loadtest.bench.pd",
+        "--protocol", "sglang", "--duration", "2", "--rate", "3", "--speedup", "20",
+        "--routers", "kvroute", "--json", str(out_json),
+    )  # fmt: skip
+    (row,) = json.loads(out_json.read_text())
+    assert row["router"] == "kvroute" and row["requests"] > 0 and row["failed"] == 0, row
+    # No room left open on a prefill server; both decode servers sampled.
+    assert row["prefill_held_at_end"] == 0 and set(row["decode_kv_mean"]) == {"d0", "d1"}
+    assert row["slowest"] is not None and row["slowest"]["prefill"] > 0, row["slowest"]
+
+
 def test_bench_continuation_smoke(tmp_path: Path) -> None:
     out_json = tmp_path / "c.json"
     run_module(
