@@ -149,7 +149,9 @@ def table(rows: Sequence[Row]) -> str:
     lines = [
         f"| {r.scenario} | {r.target} | {r.hit_rate:.1%} | {r.routed_hit_rate:.1%} | "
         f"{r.doc_p50_ms:.0f} | {r.doc_p99_ms:.0f} | "
-        f"{r.failed}/{r.requests} |" + (f" {r.note}" if r.note and not r.requests else "")
+        f"{r.failed}/{r.requests} |"
+        # A skipped row's reason, or what the failures were (status and kind).
+        + (f" {r.note}" if r.note and (r.failed or not r.requests) else "")
         for r in rows
     ]
     return "\n".join([head, *lines])

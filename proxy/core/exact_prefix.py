@@ -114,12 +114,14 @@ class EngineIndex:
             self.orphans += len(ev.block_hashes)
             return
         chained = extend_blocks(start, ev.token_ids, ev.block_size, self.block_tokens)
-        for key, (own, state) in zip(ev.block_hashes, chained, strict=True):
-            slot = (ev.medium, key)
-            self._drop(slot)
-            self._held[slot] = (own, state)
-            tier = self._gpu if ev.medium == MEDIUM_GPU else self._offloaded
-            for h in own:
+        medium, held = ev.medium, self._held
+        tier = self._gpu if medium == MEDIUM_GPU else self._offloaded
+        for key, entry in zip(ev.block_hashes, chained, strict=True):
+            slot = (medium, key)
+            if slot in held:
+                self._drop(slot)
+            held[slot] = entry
+            for h in entry[0]:
                 tier[h] = tier.get(h, 0) + 1
         while len(self._held) > self.max_blocks:
             self._drop(next(iter(self._held)))

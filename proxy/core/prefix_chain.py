@@ -66,6 +66,10 @@ def extend_blocks(
     k0 = state.length
     own = _finish(v, k0, block_tokens)
     totals: list[int] = v[engine_block - 1 :: engine_block].tolist()
+    if engine_block == block_tokens and k0 % block_tokens == 0:
+        # Aligned blocks of one size (the usual case): one kvroute hash per engine block.
+        ends = range(k0 + engine_block, k0 + n + 1, engine_block)
+        return [((h,), ChainState(t, e)) for h, t, e in zip(own, totals, ends, strict=True)]
     first_end = k0 + (-(k0 + 1)) % block_tokens + 1
     out: list[tuple[tuple[int, ...], ChainState]] = []
     j = 0

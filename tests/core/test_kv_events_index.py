@@ -19,6 +19,7 @@ from proxy.core.kv_events import (
     MalformedEvent,
     decode_batch,
     sequence_number,
+    slices,
 )
 from proxy.core.prefix import block_hashes
 from proxy.core.prefix_chain import ROOT, extend, extend_blocks
@@ -225,3 +226,41 @@ def test_discovery_gives_every_backend_its_kv_event_ports_on_its_own_host() -> N
     b = backend(d, "pod-a", "10.1.2.3", 8000)
     assert b.kv_events is not None
     assert b.kv_events.resolve(b.url.host or "") == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5600")
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 64])
+def test_an_event_applied_in_pieces_leaves_the_index_as_the_whole_event(piece: int) -> None:
+    rng = random.Random(piece)
+    whole, sliced = EngineIndex(BS), EngineIndex(BS)
+    docs: list[list[int]] = []
+    for d in range(6):
+        n = rng.randrange(1, 40)
+        ids = [rng.randrange(50_000) for _ in range(n * BS)]
+        keys: list[int | bytes] = [d * 1_000 + i for i in range(n)]
+        docs.append(ids)
+        events: list[BlockStored | BlockRemoved] = [stored(keys, None, ids)]
+        if d % 2:
+            # Some of its tail evicted again, as an engine frees a request's blocks tail first.
+            events.append(BlockRemoved(tuple(keys[n // 2 :]), "GPU", 0))
+        for ev in events:
+            whole.apply(ev)
+            pieces = slices(ev, piece)
+            assert len(pieces) == -(-len(ev.block_hashes) // piece)
+            for p in pieces:
+                assert len(p.block_hashes) <= piece  # type: ignore[union-attr]
+                sliced.apply(p)
+    assert sliced.blocks() == whole.blocks() and sliced.hashes() == whole.hashes()
+    for ids in docs:
+        hashes = block_hashes(ids, BS)
+        assert sliced.match(hashes) == whole.match(hashes)
+
+
+def test_a_piece_continues_the_chain_from_the_previous_pieces_last_block() -> None:
+    ev = stored([1, 2, 3, 4, 5], 99, DOC[: 5 * BS])
+    a, b, c = slices(ev, 2)
+    assert isinstance(a, BlockStored) and isinstance(b, BlockStored) and isinstance(c, BlockStored)
+    assert (a.parent, b.parent, c.parent) == (99, 2, 4)
+    assert b.token_ids == tuple(DOC[2 * BS : 4 * BS]) and c.block_hashes == (5,)
+    assert slices(AllBlocksCleared(), 1) == [AllBlocksCleared()]
+    with pytest.raises(ValueError):
+        slices(ev, 0)

@@ -591,6 +591,29 @@ MUTATIONS: tuple[Mutation, ...] = (
         "held = self._res.setdefault(name, {}).get(reservation_id) "
         "or Reservation(reservation_id, tokens + 1, 0.0, float('inf'))",
     ),
+    # ---- KV events: applied in pieces, the event loop running between them
+    Mutation(
+        "kv-feed-holds-the-loop",
+        "a long store's pieces are applied without letting the event loop run between them",
+        (
+            "tests/upstream/test_kv_events_protocol.py::test_a_long_store_is_applied_in_pieces_with_the_loop_running_between_them",
+        ),
+        "RankFeed._apply_events",
+        r"^(\s*)await asyncio\.sleep\(0\)$",
+        r"\1pass  # MUTATION",
+        fast=True,
+    ),
+    Mutation(
+        "kv-slices-lose-the-chain",
+        "each piece of a long store starts a new chain instead of continuing the previous one",
+        (
+            "tests/core/test_kv_events_index.py::test_an_event_applied_in_pieces_leaves_the_index_as_the_whole_event",
+        ),
+        "slices",
+        r"^(\s*)parent = piece\[-1\]$",
+        r"\1parent = None  # MUTATION",
+        fast=True,
+    ),
 )
 
 

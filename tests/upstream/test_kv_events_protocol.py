@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from loadtest.engine.behaviours import kv_event_structs as ks
 from loadtest.engine.behaviours.kv_publisher import KvPublisher
+from proxy.backends import kv_feed
 from proxy.backends.kv_events import KvEventFeeds
 from proxy.core.prefix import block_hashes
 from tests.support.gateway import gateway_cfg
@@ -76,6 +77,36 @@ async def test_a_replay_that_cannot_cover_the_gap_drops_the_index_and_rebuilds()
             assert feed.stats.replays_short == short_before + 1
             # What the missed batches did is unknown: the index was dropped, A with it.
             assert held(feed.index, DOC_A) == 0
+    finally:
+        await pub.close()
+
+
+async def test_a_long_store_is_applied_in_pieces_with_the_loop_running_between_them() -> None:
+    # A 32k-token prompt's store: requests on the gateway's loop must not wait for all of it.
+    opts = options()
+    pub = KvPublisher(opts, 0)
+    pub.start()
+    seen: set[int] = set()
+    try:
+        async with running_feed(opts) as feed:
+            await publish_until(pub, feed, lambda: heartbeat("map"), "the feed subscribed")
+            n = 2_000
+            doc = [(7 * i) % 50_000 for i in range(n * BS)]
+
+            async def watch() -> None:
+                # Another task on the loop (a request): what does it see, turn by turn?
+                while True:
+                    seen.add(feed.index.blocks())
+                    await asyncio.sleep(0)
+
+            watcher = asyncio.create_task(watch())
+            pub.publish([ks.stored("map", list(range(1, n + 1)), None, doc, BS)])
+            await wait_for(lambda: held(feed.index, doc) == n, "the whole store applied")
+            watcher.cancel()
+            # It ran while the store was partly applied, again and again (pieces of 256 blocks).
+            assert kv_feed.SLICE_BLOCKS <= 500
+            assert len({b for b in seen if 0 < b < n}) >= 3, seen
+            assert feed.stats.malformed == 0
     finally:
         await pub.close()
 
