@@ -118,7 +118,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["router"].replace("vllm-router:", "vllm-router\n") for r in rows]
+    names = [r["router"].replace(":", "\n") for r in rows]  # a peer and its policy
     names = [f"{name}\nrun {r.get('run', 1)}" for name, r in zip(names, rows, strict=True)]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
     xs = range(len(rows))
