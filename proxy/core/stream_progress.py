@@ -46,17 +46,32 @@ class StreamCount:
 
 @dataclass
 class CharsPerToken:
-    """Characters per token per model, learned from streams that ended at ``max_tokens``."""
+    """Characters per token per model: the characters over the tokens of what was observed,
+    recent answers weighing more (the sums keep ``1 - weight`` of themselves per
+    ``horizon_tokens`` tokens observed).
+
+    A ratio of sums, not an average of per-answer ratios: a one-token answer (" of": 3
+    characters) says little about the ratio, and as one sample of an average it moved the
+    estimate as much as a 1,500-token stream. Measured: the one-token answers of two-step
+    requests' prefill step pulled the learned 4.27 down to ~4.0, the decode flights' written
+    tokens read high, their remaining growth low, and a decode server took a document it
+    then preempted for (docs/benchmarks.md section 10).
+    """
 
     weight: float = 0.2
-    _by_model: dict[str, float] = field(default_factory=dict)
+    horizon_tokens: int = 1_000
+    _sums: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def observe(self, model: str, chars: int, tokens: int) -> None:
         if tokens <= 0 or chars <= 0:
             return
-        ratio = chars / tokens
-        old = self._by_model.get(model)
-        self._by_model[model] = ratio if old is None else old + self.weight * (ratio - old)
+        old = self._sums.get(model)
+        if old is None:
+            self._sums[model] = (float(chars), float(tokens))
+            return
+        keep = (1.0 - self.weight) ** (tokens / self.horizon_tokens)
+        self._sums[model] = (old[0] * keep + chars, old[1] * keep + tokens)
 
     def get(self, model: str) -> float:
-        return self._by_model.get(model, DEFAULT_CHARS_PER_TOKEN)
+        sums = self._sums.get(model)
+        return DEFAULT_CHARS_PER_TOKEN if sums is None else sums[0] / sums[1]

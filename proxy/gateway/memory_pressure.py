@@ -212,6 +212,10 @@ class MemoryPressure:
             return
         written = flight.max_tokens if usage.at_length else usage.completion_tokens
         flight.generated = min(flight.max_tokens, written)
+        if not ctx.counts_request:
+            # Step 1 of a two-step request: one token by design, nothing about what its class
+            # writes (as samples its 1/1 ratios outnumbered the class's real ones).
+            return
         self.chars_per_token.observe(ctx.parsed.model, usage.chars, usage.completion_tokens)
         for key in self.keys(ctx):
             self.ratios.observe(key, flight.generated, flight.max_tokens)

@@ -34,14 +34,30 @@ def test_a_stream_at_max_tokens_is_exact_and_teaches_characters_per_token() -> N
     count = StreamCount()
     count.add(event(" abcdef" * 10, finish="length"))
     assert count.tokens(4.0, 10) == 10
-    learned = CharsPerToken(weight=0.5)
+    learned = CharsPerToken(weight=0.5, horizon_tokens=10)
     assert learned.get("m") == DEFAULT_CHARS_PER_TOKEN
     learned.observe("m", count.chars, 10)
     assert learned.get("m") == 7.0
+    # Ten more tokens halve what the first ten weigh: (35 + 30) / (5 + 10).
     learned.observe("m", 30, 10)
-    assert learned.get("m") == 5.0
+    assert abs(learned.get("m") - 65 / 15) < 1e-9
     learned.observe("m", 0, 10)  # nothing written: nothing learned
-    assert learned.get("m") == 5.0
+    assert abs(learned.get("m") - 65 / 15) < 1e-9
+
+
+def test_one_token_answers_barely_move_what_long_streams_taught() -> None:
+    # A two-step request's prefill step answers one token (" of": 3 characters): dozens of
+    # them must not drag down a ratio 1,500-token streams taught, or written tokens read high.
+    learned = CharsPerToken()
+    for _ in range(4):
+        learned.observe("m", 6_405, 1_500)  # 4.27 characters per token
+    for _ in range(40):
+        learned.observe("m", 3, 1)
+    assert learned.get("m") > 4.2
+    # Streams still move it: a shift in what the model writes is followed.
+    for _ in range(10):
+        learned.observe("m", 3_000, 1_000)
+    assert learned.get("m") < 3.3
 
 
 def test_escaped_quotes_stay_inside_the_text_and_completions_count_too() -> None:

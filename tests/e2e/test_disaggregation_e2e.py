@@ -11,10 +11,12 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtest.engine.behaviours.eos import marker
 from tests.support.behaviours import engines, server_state, start
 from tests.support.gateway import (
     all_reported,
     fleet_backends,
+    fleet_state,
     gateway_cfg,
     run_gateway,
     wait_until,
@@ -258,3 +260,25 @@ def test_a_decode_step_that_fits_nowhere_holds_at_the_gateway_rather_than_preemp
             assert 'kvroute_two_step_total{result="while_holding",step="prefill"} 1.0' in metrics
             assert 'kvroute_two_step_total{result="ok",step="prefill"} 3.0' in metrics
             wait_until(lambda: nothing_held(gw, urls), what="nothing held")
+
+
+def test_step_1s_one_token_answers_teach_neither_output_lengths_nor_characters() -> None:
+    # Each two-step request's step 1 answers one token by design. As a lesson it said
+    # "this class writes all of max_tokens" (1 of 1), and its 3 or 4 characters, averaged
+    # with long streams, dragged the learned characters per token down: decode flights'
+    # written tokens then read high, and a decode server took a document it preempted for.
+    specs = [
+        ("vllm", "p1", {"pd_role": "prefill", **FAST}),
+        ("vllm", "d1", {"pd_role": "decode", **FAST}),
+    ]
+    with engines(*specs) as urls:
+        with run_gateway(pd_cfg(urls, memory_pressure={"min_samples": 2})) as gw:
+            wait_until(lambda: all_reported(gw, 2), what="reports")
+            for i in range(3):
+                # Non-streamed: the decode server's whole answer teaches (40 of 400).
+                r = ask(gw, long_prompt(i) + marker(40), max_tokens=400)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-kvroute-prefill-backend"] == "p1"
+            learned = fleet_state(gw)["memory_pressure"]["learned_output"]
+            # Three answers, three samples, the real ratio: not six, half of them 1.0.
+            assert learned == {"model:sim-model|short": {"ratio": 40 / 400, "samples": 3}}, learned

@@ -23,14 +23,12 @@ import pytest
 
 from tests.e2e.test_disaggregation_e2e import (
     SHORT_PROMPT,
-    all_reported,
     long_prompt,
     nothing_held,
     pd_backends,
-    state,
 )
-from tests.support.behaviours import engines
-from tests.support.gateway import gateway_cfg, run_gateway, wait_until
+from tests.support.behaviours import engines, server_state
+from tests.support.gateway import all_reported, gateway_cfg, run_gateway, wait_until
 
 # d1 holds one long request's whole KV (~400 prompt + 2,600 out) at a time, not two.
 DECODE = {"pd_role": "decode", "capacity_tokens": 4096, "block_size": 16, "speedup": 1}
@@ -79,7 +77,7 @@ def timing(header: str) -> dict[str, float]:
 
 
 def decode_running(url: str) -> int:
-    return sum(e["running"] for e in state(url)["engines"])
+    return sum(e["running"] for e in server_state(url)["engines"])
 
 
 def cfg(urls: dict[str, str], **memory_pressure: Any) -> Any:
