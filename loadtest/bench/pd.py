@@ -18,10 +18,11 @@ bootstrap host, port and room sent to both servers at once) and the peer is the
 ``sglang-router`` package's router in PD mode with its ``round_robin`` and ``cache_aware``
 policies (skipped with the reason printed where it is not installed).
 
-Reported per router: failed requests, preemptions on the decode servers (their own
-``vllm:num_preemptions_total``), time to first token p50/p99 (all, and long requests),
-and decode KV use (sampled from the decode servers every 0.25 s): the mean of each and how
-far apart they are (percentage points), plus blocks the prefill servers still hold at the end.
+Reported per router: failed requests, preemptions on the decode servers (their own count,
+from ``/admin/state``: ``vllm:num_preemptions_total`` in vLLM mode), time to first token
+p50/p99 (all, and long requests), and decode KV use (sampled from the decode servers every
+0.25 s): the mean of each and how far apart they are (percentage points), plus what the
+prefill servers still hold at the end (blocks, or SGLang's open rooms).
 
     python -m loadtest.bench.pd --quick --json out/pd.json --plot docs/img/pd.png
 """
