@@ -4,9 +4,11 @@ Clients resend the same long text: a chat its whole history each turn, document 
 document after a short varying header. A cache keyed by the whole text misses as soon as the
 header changes; this one cuts a text into chunks of a few KB at content-defined safe
 boundaries (``proxy.core.chunk_cuts``) and keys each chunk by its own bytes, so behind a
-different head every later chunk is a hit. A text's ids are its chunks' ids concatenated,
-its count their sum: only new chunks are encoded. Property tests compare against a full
-encode (tests/test_chunk_count.py).
+different head every later chunk is a hit. Each chunk is kept as its ``Piece``
+(``proxy.core.chain_hash``: the running values its prefix hashes are made of, which do not
+depend on where the chunk sits), so a text's count is its chunks' sizes summed and its block
+hashes come from the same lookups: only new chunks are encoded. Property tests compare
+against a full encode (tests/core/test_chunk_count.py).
 
 New chunks next to each other are encoded in one call and the ids split at the chunk
 boundaries by each token's byte length (a table per tokenizer; the split is checked to land
@@ -25,7 +27,7 @@ its length and the tokenizer id. Measured, CPU time per 220 KB in 4 KB chunks on
 client can craft a colliding chunk; with hash randomization off (``PYTHONHASHSEED=0``) keys
 are 16-byte BLAKE2b digests instead.
 
-Bounded: an LRU by bytes held (ids at 4 bytes a token plus a fixed overhead per entry).
+Bounded: an LRU by bytes held (pieces at 8 bytes a token plus a fixed overhead per entry).
 Hits and misses (chunks and bytes) feed ``kvroute_sizing_chunk_cache_*``.
 
 Pure: no I/O, no asyncio. Thread-safe: sizing threads and the event loop share one cache.
@@ -37,7 +39,6 @@ import hashlib
 import itertools
 import sys
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from proxy.core.chain_hash import Piece, piece_of
 from proxy.core.chunk_cuts import DEFAULT_RULE, CutRule, cut_points
+from proxy.core.chunk_tails import Tail, TailMemo
 
 Ids = npt.NDArray[np.uint32]
 #: Byte length of each token id's text (UTF-8), indexed by id.
@@ -57,7 +60,7 @@ EncodeChunk = Callable[[str], Ids]
 CHUNK_ABOVE_CHARS = 8192
 #: ``first_chunk_new`` looks for the first cut within this many characters.
 FIRST_CUT_WITHIN_CHARS = 32_768
-#: What an entry costs beyond its ids: key tuple, array header, LRU links (measured ~180 B).
+#: What an entry costs beyond its piece: key tuple, array header, LRU links (measured ~180 B).
 ENTRY_OVERHEAD_BYTES = 200
 
 
@@ -76,13 +79,13 @@ chunk_key: Callable[[str, bytes], Hashable] = (
 
 
 class ChunkCache:
-    """LRU of chunk ids by (tokenizer, chunk), bounded by bytes held; shared across threads."""
+    """LRU of chunk pieces by (tokenizer, chunk), bounded by bytes held; shared across threads."""
 
     def __init__(self, max_bytes: int = 64 << 20, rule: CutRule = DEFAULT_RULE) -> None:
         self.max_bytes = max_bytes
         self.rule = rule
         self._lengths: dict[str, TokenBytes] = {}
-        self._lru: OrderedDict[Hashable, Ids] = OrderedDict()
+        self._lru: OrderedDict[Hashable, Piece] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
         #: Chunks found / encoded, and the bytes of each (hit rate by work saved).
@@ -90,6 +93,8 @@ class ChunkCache:
         self.misses = 0
         self.hit_bytes = 0
         self.miss_bytes = 0
+        #: Texts after their first cut, joined: a known document behind a new head in two pieces.
+        self.tails = TailMemo(max_bytes // 4, chunk_key)
 
     @property
     def held_bytes(self) -> int:
@@ -98,21 +103,23 @@ class ChunkCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def ids(self, tokenizer: str, encode: EncodeChunk, text: str) -> Ids:
-        """``encode(text)``, exact, with every chunk seen before taken from the cache."""
-        parts = self.parts(tokenizer, encode, text)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
     def count(self, tokenizer: str, encode: EncodeChunk, text: str) -> int:
-        return sum(p.size for p in self.parts(tokenizer, encode, text))
+        return sum(p.size for p in self.pieces(tokenizer, encode, text))
 
-    def parts(self, tokenizer: str, encode: EncodeChunk, text: str) -> list[Ids]:
-        """The ids of ``text``'s chunks in order (one part when it is not cut)."""
+    def pieces(self, tokenizer: str, encode: EncodeChunk, text: str) -> list[Piece]:
+        """The pieces of ``text``'s chunks in order (one when it is not cut), exact."""
         data = text.encode("utf-8", "surrogatepass")
+        tail = (
+            self.tails.find(tokenizer, data, self.rule) if len(text) >= CHUNK_ABOVE_CHARS else None
+        )
+        if tail is not None and tail.piece is not None:
+            head = self._head(tokenizer, encode, _Slicer(text, data), tail)
+            if head is not None:
+                return [head, tail.piece]
         cuts = cut_points(data, self.rule) if len(text) >= CHUNK_ABOVE_CHARS else []
         if not cuts:
             spend(len(data))
-            return [encode(text)]
+            return [piece_of(encode(text))]
         bounds = [0, *cuts, len(data)]
         keys = [chunk_key(tokenizer, data[a:b]) for a, b in itertools.pairwise(bounds)]
         parts = self._get_all(keys)
@@ -130,9 +137,30 @@ class ChunkCache:
                     encode, piece, bounds[run[0] : run[-1] + 2], self.lengths(tokenizer)
                 )
                 for i, ids in zip(run, got, strict=True):
-                    self._put(keys[i], ids, bounds[i + 1] - bounds[i])
-                    parts[i] = ids
-        return [p for p in parts if p is not None]
+                    parts[i] = self._put(keys[i], ids)
+        out = [p for p in parts if p is not None]
+        if tail is not None and tail.cut == bounds[1]:
+            self.tails.keep(tail, out[1:])
+        return out
+
+    def _head(
+        self, tokenizer: str, encode: EncodeChunk, piece: _Slicer, tail: Tail
+    ) -> Piece | None:
+        """The first chunk's piece before a known tail (encoded if new); None: over the budget."""
+        key = chunk_key(tokenizer, piece.data[: tail.cut])
+        with self._lock:
+            got = self._lru.get(key)
+            if got is not None:
+                self._lru.move_to_end(key)
+        tail_bytes = len(piece.data) - tail.cut
+        if got is not None:
+            self._count(tail.chunks + 1, len(piece.data), 0, 0)
+            return got
+        if tail.cut > _left():
+            return None  # the whole path makes the job for a sizing thread
+        spend(tail.cut)
+        self._count(tail.chunks, tail_bytes, 1, tail.cut)
+        return self._put(key, encode(piece(0, tail.cut)))
 
     def _job(
         self,
@@ -177,8 +205,8 @@ class ChunkCache:
         """Give the cache ``tokenizer``'s byte length per token id (splits runs: see the module)."""
         self._lengths[tokenizer] = table
 
-    def _get_all(self, keys: list[Hashable]) -> list[Ids | None]:
-        out: list[Ids | None] = []
+    def _get_all(self, keys: list[Hashable]) -> list[Piece | None]:
+        out: list[Piece | None] = []
         with self._lock:
             lru = self._lru
             for key in keys:
@@ -195,27 +223,23 @@ class ChunkCache:
             self.misses += misses
             self.miss_bytes += miss_bytes
 
-    def _put(self, key: Hashable, ids: Ids, size: int) -> None:
-        cost = ids.nbytes + ENTRY_OVERHEAD_BYTES
+    def _put(self, key: Hashable, ids: Ids) -> Piece:
+        """Keep the chunk's piece (made from its ids); returns it, kept or not."""
+        piece = piece_of(ids)
+        cost = piece.nbytes + ENTRY_OVERHEAD_BYTES
         if cost > self.max_bytes:
-            return
+            return piece
         # Read-only: the same array is handed to every later request that meets the chunk.
-        ids.flags.writeable = False
+        piece.flags.writeable = False
         with self._lock:
             if key in self._lru:
-                return
-            self._lru[key] = ids
+                return piece
+            self._lru[key] = piece
             self._held += cost
             while self._held > self.max_bytes and self._lru:
                 _, old = self._lru.popitem(last=False)
                 self._held -= old.nbytes + ENTRY_OVERHEAD_BYTES
-
-
-def as_int64_array(ids: Ids) -> array[int]:
-    """uint32 ids as the 64-bit ``array`` the prefix index hashes (one copy, no Python ints)."""
-    out: array[int] = array("q")
-    out.frombytes(ids.astype(np.int64).data.cast("B"))
-    return out
+        return piece
 
 
 @dataclass
@@ -247,8 +271,8 @@ class EncodeJob:
                 split = split_at_bytes(ids, ends, lengths)
             if split is None:
                 return False
-            for key, part, (a, b) in zip(keys, split, itertools.pairwise(bounds), strict=True):
-                self.cache._put(key, part, b - a)
+            for key, part in zip(keys, split, strict=True):
+                self.cache._put(key, part)
         return True
 
 

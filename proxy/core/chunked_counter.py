@@ -13,13 +13,13 @@ from __future__ import annotations
 from array import array
 from typing import Protocol, runtime_checkable
 
+from proxy.core.chain_hash import Piece, piece_of
 from proxy.core.chunk_count import (
     CHUNK_ABOVE_CHARS,
     ENTRY_OVERHEAD_BYTES,
     ChunkCache,
     EncodeChunk,
     TokenBytes,
-    as_int64_array,
     spend,
 )
 from proxy.core.tokenizer import Counter
@@ -39,14 +39,16 @@ def configure(max_bytes: int) -> None:
         while _shared._held > max_bytes and _shared._lru:
             _, old = _shared._lru.popitem(last=False)
             _shared._held -= old.nbytes + ENTRY_OVERHEAD_BYTES
+    _shared.tails.bound(max_bytes // 4)
 
 
 class ChunkedCounter:
     """A counter whose long texts go through the chunk cache (same id, same counts, same ids).
 
     Wraps a tokenizer whose ``chunk_encoder()`` is not None (``chunked`` checks). Short
-    texts go straight to it. ``ids`` serves the prefix index (``proxy.core.prefix_prompt``),
-    so a request's count and its block hashes come from the same chunk lookups.
+    texts go straight to it. ``pieces`` serves both the count and the prefix index
+    (``proxy.core.prefix_prompt``), so a request's count and its block hashes come from the
+    same chunk lookups.
     """
 
     def __init__(self, inner: _ChunkableCounter, encode: EncodeChunk, cache: ChunkCache) -> None:
@@ -70,10 +72,16 @@ class ChunkedCounter:
         return self._cache.count(self._id, self._encode, text)
 
     def ids(self, text: str) -> array[int]:
+        """The tokenizer's own ids (a full encode: the gateway's paths use ``pieces``)."""
+        spend(len(text))
+        return self.inner.ids(text)
+
+    def pieces(self, text: str) -> list[Piece]:
+        """``text``'s pieces (``proxy.core.chain_hash``), new chunks only encoded."""
         if len(text) < CHUNK_ABOVE_CHARS or self._cache.max_bytes <= 0:
             spend(len(text))
-            return self.inner.ids(text)
-        return as_int64_array(self._cache.ids(self._id, self._encode, text))
+            return [piece_of(self.inner.ids(text))]
+        return self._cache.pieces(self._id, self._encode, text)
 
 
 @runtime_checkable

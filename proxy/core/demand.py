@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from proxy.core import chunked_counter
-from proxy.core.prefix_prompt import IdsCache
+from proxy.core.prefix_prompt import PiecesCache
 from proxy.core.tokenizer import Counter, TokenCache, load_counter
 from proxy.core.tokens import PromptCounter, SizingRules, work_chars
 from proxy.core.validation import ParsedRequest
@@ -83,13 +83,13 @@ class Sizer:
         default: ModelSizing,
         models: Mapping[str, ModelSizing] | None = None,
         cache: TokenCache | None = None,
-        ids: IdsCache | None = None,
+        pieces: PiecesCache | None = None,
     ) -> None:
         self.default = default
         self.models = dict(models or {})
         self.cache = cache if cache is not None else TokenCache()
-        #: Token ids of the texts counted (prefix affinity on): the prefix hashes reuse them.
-        self.ids = ids
+        #: Pieces of the texts counted (prefix affinity on): the prefix hashes reuse them.
+        self.pieces = pieces
 
     def model(self, name: str) -> ModelSizing:
         return self.models.get(name, self.default)
@@ -100,7 +100,7 @@ class Sizer:
     def prompts(self, parsed: ParsedRequest) -> list[int]:
         """Prompt tokens of each sequence group (one for chat, one per completions prompt)."""
         m = self.model(parsed.model)
-        pc = PromptCounter(m.counter, m.rules, self.cache, self.ids)
+        pc = PromptCounter(m.counter, m.rules, self.cache, self.pieces)
         return [pc.chat(parsed.body)] if parsed.endpoint == "chat" else pc.prompts(parsed.body)
 
     def size(self, parsed: ParsedRequest, max_model_len: int | None = None) -> Demand:
@@ -158,8 +158,8 @@ class Sizer:
         }
         default = build(s.tokenizer, str(s.tokenizer_file) if s.tokenizer_file else None)
         p = r.prefix
-        ids = IdsCache() if p.enabled and p.max_prompt_tokens > 0 else None
-        return cls(default, models, TokenCache(s.cache_entries), ids)
+        pieces = PiecesCache() if p.enabled and p.max_prompt_tokens > 0 else None
+        return cls(default, models, TokenCache(s.cache_entries), pieces)
 
 
 def _pick(value: int | str | None, fallback: int) -> int:

@@ -2,8 +2,9 @@
 
 vLLM's prefix cache keys each *full* KV block by a hash of (its parent block's hash, its own
 token ids), so a block's hash names the whole prefix up to its end and two prompts share a
-cached block exactly when they share every token before it. The gateway cannot see a
-server's cache, so it keeps its own approximation built the same way: when a request is
+cached block exactly when they share every token before it. kvroute's hashes name prefixes
+the same way (``proxy.core.chain_hash``). The gateway cannot see a server's cache, so it
+keeps its own approximation: when a request is
 placed on a node, the node is assumed to hold that request's prompt blocks afterwards.
 
 The gateway's token ids are its own rendering of the prompt (it does not apply the model's
@@ -35,109 +36,14 @@ Pure: no I/O, no clock (time comes in as an argument).
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat
 
-import numpy as np
-import numpy.typing as npt
+from proxy.core.chain_hash import block_hashes
 
-# Fixed odd 64-bit constants (splitmix64's increment and multipliers, murmur3's finalizer):
-# the hashes must be the same in every process, since replicas share them through Redis.
-_SEED = np.uint64(0x6B76_726F_7574_6532)  # "kvroute2": not v1's BLAKE2b values
-_GOLDEN = np.uint64(0x9E37_79B9_7F4A_7C15)
-_M1 = np.uint64(0xBF58_476D_1CE4_E5B9)
-_M2 = np.uint64(0x94D0_49BB_1331_11EB)
-_F1 = np.uint64(0xFF51_AFD7_ED55_8CCD)
-_F2 = np.uint64(0xC4CE_B9FE_1A85_EC53)
-_S30, _S27, _S31, _S33 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(33)
-
-
-def block_hashes(token_ids: Sequence[int], block_tokens: int, max_blocks: int = 0) -> list[int]:
-    """Hashes (unsigned 64-bit) of each *full* block of ``block_tokens`` tokens, first block first.
-
-    Block i's hash names the whole prompt up to the end of block i, as vLLM's chained block
-    hashes do: equal hashes at position i mean equal prompts up to there, and a change in
-    block j changes every hash from j on. A trailing partial block is not hashed (servers
-    do not share partial blocks). ``max_blocks`` > 0 stops after that many blocks.
-
-    How, and why not a chain of BLAKE2b calls (v1): that was one Python-level call per
-    16-token block, ~2 ms of a worker thread holding the GIL per 30k-token prompt, which
-    the event loop waited out (issue 12's loop lag). Here, vectorized (numpy, which releases
-    the GIL inside its loops; ~0.2 ms for 30k ids):
-
-    1. each (position, id) pair becomes a pseudo-random 64-bit value ``v_p`` (splitmix64's
-       mixer of ``id + seed + p * golden``);
-    2. the prefix value at k tokens is ``S_k = v_0 + ... + v_{k-1}`` mod 2**64 (a cumulative
-       sum: it depends on every id before k and on nothing after);
-    3. block i's hash is murmur3's 64-bit finalizer of ``S_k + k * golden``, k = (i+1) * block.
-
-    Collisions: for two different prefixes of equal length, ``S_k`` differs by a sum of
-    differences of independent-looking 64-bit values, so they agree with probability about
-    2**-64 per comparison; an index of 10**6 blocks meets a false match about once in 10**13
-    lookups. A crafted collision is possible (this is no cryptographic hash), but all it buys
-    is a routing preference for a node that lacks the prefix (a slower first token on the
-    attacker's own request); nothing cached is served from the gateway's hashes.
-    """
-    if block_tokens < 1:
-        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-    n = len(token_ids) // block_tokens
-    if max_blocks > 0:
-        n = min(n, max_blocks)
-    if n == 0:
-        return []
-    k = n * block_tokens
-    ids = _as_uint64(token_ids, k)
-    if ids is None:
-        return []
-    out: list[int] = _block_ends(_prefix_sums(ids), block_tokens, n).tolist()
-    return out
-
-
-def _as_uint64(token_ids: Sequence[int], k: int) -> npt.NDArray[np.uint64] | None:
-    """The first ``k`` ids as unsigned 64-bit values; None when they are not token ids."""
-    if isinstance(token_ids, array) and token_ids.typecode == "q":
-        # The gateway's ids (proxy.core.prefix_prompt) already are 64-bit: no copy.
-        return np.frombuffer(token_ids, dtype=np.uint64, count=k)
-    try:
-        ids = np.array(token_ids[:k], dtype=np.int64).view(np.uint64)
-    except (OverflowError, TypeError, ValueError):
-        # Not token ids after all (a client's odd completions prompt): nothing to match on.
-        return None
-    return ids if ids.shape == (k,) else None
-
-
-def _prefix_sums(ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """Steps 1-2: each (position, id) mixed to ``v_p``; then ``S_k``, their running sum."""
-    # uint64 arithmetic wraps mod 2**64, as intended (numpy does not warn for arrays).
-    v = np.arange(len(ids), dtype=np.uint64)
-    v *= _GOLDEN
-    v += ids
-    v += _SEED
-    v ^= v >> _S30
-    v *= _M1
-    v ^= v >> _S27
-    v *= _M2
-    v ^= v >> _S31
-    np.cumsum(v, out=v)
-    return v
-
-
-def _block_ends(sums: npt.NDArray[np.uint64], block_tokens: int, n: int) -> npt.NDArray[np.uint64]:
-    """Step 3: each block's hash, the finalizer of ``S_k + k * golden`` at its last token."""
-    h = sums[block_tokens - 1 :: block_tokens].copy()
-    ends = np.arange(1, n + 1, dtype=np.uint64)
-    ends *= np.uint64(block_tokens)
-    ends *= _GOLDEN
-    h += ends
-    h ^= h >> _S33
-    h *= _F1
-    h ^= h >> _S33
-    h *= _F2
-    h ^= h >> _S33
-    return h
+__all__ = ["PrefixIndex", "PrefixIndexConfig", "block_hashes"]
 
 
 #: A prompt recorded again within this fraction of its age limit is not rewritten...

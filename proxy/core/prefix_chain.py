@@ -3,8 +3,8 @@
 An engine's KV-cache events (``proxy.core.kv_events``) name a stored block by the engine's
 own hash and its parent's, with only the new blocks' token ids. The exact index
 (``proxy.core.exact_prefix``) keys blocks by kvroute's hash of the whole prefix so that a
-request's hashes (``proxy.core.prefix.block_hashes``) look them up directly. That hash is a
-running sum over every token before a block's end, so the parent's running sum and length
+request's hashes (``proxy.core.chain_hash``) look them up directly. That hash is a
+polynomial over every token before a block's end, so the parent's value and length
 (``ChainState``) are all it takes to continue the chain: no token ids are kept.
 
 ``extend(ROOT, ids, b)`` equals ``block_hashes(ids, b)`` for every input (a test holds the two
@@ -21,11 +21,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from proxy.core.prefix import _F1, _F2, _GOLDEN, _M1, _M2, _S27, _S30, _S31, _S33, _SEED
+from proxy.core.chain_hash import finish, piece_of
 
 
 class ChainState(NamedTuple):
-    """The running sum (mod 2**64) and token count at the end of a block."""
+    """The prefix's value ``R`` (mod 2**64) and token count at the end of a block."""
 
     total: int
     length: int
@@ -83,44 +83,14 @@ def extend_blocks(
 
 
 def _running(state: ChainState, token_ids: Sequence[int]) -> np.ndarray:
-    """Running sums ``S`` after each id, continuing ``state`` (block_hashes' steps 1 and 2)."""
-    n = len(token_ids)
-    try:
-        raw = np.array(token_ids, dtype=np.int64)
-    except (OverflowError, TypeError, ValueError) as e:
-        raise ValueError(f"token ids are not 64-bit integers: {e}") from None
-    if raw.shape != (n,) or bool((raw < 0).any()):
-        raise ValueError("token ids must be a flat list of non-negative integers")
-    k0 = state.length
-    # uint64 arithmetic wraps mod 2**64, as in block_hashes (numpy does not warn for arrays).
-    v = np.arange(k0, k0 + n, dtype=np.uint64)
-    v *= _GOLDEN
-    v += raw.view(np.uint64)
-    v += _SEED
-    v ^= v >> _S30
-    v *= _M1
-    v ^= v >> _S27
-    v *= _M2
-    v ^= v >> _S31
-    np.cumsum(v, out=v)
-    v += np.uint64(state.total)
-    return v
+    """``R`` after each id, continuing ``state`` (``chain_hash``'s steps 1 and 2)."""
+    return piece_of(token_ids, carry=state.total)
 
 
 def _finish(v: np.ndarray, k0: int, block_tokens: int) -> list[int]:
-    """Hashes of the kvroute blocks ending inside ``v`` (block_hashes' step 3)."""
-    n = len(v)
+    """Hashes of the kvroute blocks ending inside ``v`` (``chain_hash``'s step 3)."""
     first = (-(k0 + 1)) % block_tokens
-    if first >= n:
+    if first >= len(v):
         return []
-    h = v[first::block_tokens].copy()
-    ends = np.arange(k0 + first + 1, k0 + n + 1, block_tokens, dtype=np.uint64)
-    ends *= _GOLDEN
-    h += ends
-    h ^= h >> _S33
-    h *= _F1
-    h ^= h >> _S33
-    h *= _F2
-    h ^= h >> _S33
-    out: list[int] = h.tolist()
-    return out
+    ends = np.arange(k0 + first + 1, k0 + len(v) + 1, block_tokens, dtype=np.uint64)
+    return finish(v[first::block_tokens], ends)

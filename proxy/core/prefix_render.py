@@ -1,58 +1,71 @@
-"""A chat prompt's token ids as the *server* renders it, for hashes that match its events.
+"""A chat prompt's tokens as the *server* renders it, for hashes that match its events.
 
 ``proxy.core.prefix_prompt`` renders chats the gateway's own way; an engine's KV-cache
 events (``proxy.core.exact_prefix``) carry the ids of the engine's rendering, so the exact
 index can only match requests hashed the engine's way (``routing.prefix.chat_render``,
-``proxy.config.kv_events.ChatRender``). Each rendered piece goes through the ids cache, so
-a document resent with every question is tokenized once.
+``proxy.config.kv_events.ChatRender``). Each rendered text goes through the pieces cache,
+so a document resent with every question is tokenized once.
 
 Pure: no asyncio.
 """
 
 from __future__ import annotations
 
-from array import array
 from typing import Any
 
 from proxy.config.kv_events import ChatRender
-from proxy.core.prefix import block_hashes
-from proxy.core.prefix_prompt import Encode, IdsCache
+from proxy.core.chain_hash import Piece, joined, pieces_hashes
+from proxy.core.prefix_prompt import PiecesCache, TextPieces
 
 
-def rendered_ids(
+def rendered_pieces(
     messages: list[Any],
     render: ChatRender,
     encoder_id: str,
-    encode: Encode,
+    encode: TextPieces,
     max_tokens: int,
-    cache: IdsCache,
-) -> array[int]:
-    """The leading ``max_tokens`` ids of ``begin``, each rendered message, ``generation``."""
-    out: array[int] = array("q")
-    pieces = [render.begin]
+    cache: PiecesCache,
+) -> list[Piece]:
+    """The pieces of ``begin``, each rendered message, ``generation``: ``max_tokens`` at least."""
+    out: list[Piece] = []
+    held = 0
+    texts = [render.begin]
     for m in messages:
         if isinstance(m, dict):
-            pieces.append(render.message.format(role=m.get("role", ""), content=_text(m)))
-    pieces.append(render.generation)
-    for piece in pieces:
-        if len(out) >= max_tokens:
+            texts.append(render.message.format(role=m.get("role", ""), content=_text(m)))
+    texts.append(render.generation)
+    for text in texts:
+        if held >= max_tokens:
             break
-        if piece:
-            out.extend(cache.ids(encoder_id, encode, piece)[: max_tokens - len(out)])
+        if text:
+            got = cache.pieces(encoder_id, encode, text)
+            out.extend(got)
+            held += sum(p.size for p in got)
     return out
+
+
+def rendered_values(
+    messages: list[Any],
+    render: ChatRender,
+    encoder_id: str,
+    encode: TextPieces,
+    cache: PiecesCache,
+) -> Piece:
+    """The whole rendering as one piece (tests compare it with the engine's own ids)."""
+    return joined(rendered_pieces(messages, render, encoder_id, encode, 1 << 62, cache))
 
 
 def rendered_hashes(
     messages: list[Any],
     render: ChatRender,
     encoder_id: str,
-    encode: Encode,
+    encode: TextPieces,
     max_tokens: int,
     block_tokens: int,
-    cache: IdsCache,
+    cache: PiecesCache,
 ) -> tuple[int, ...]:
-    ids = rendered_ids(messages, render, encoder_id, encode, max_tokens, cache)
-    return tuple(block_hashes(ids, block_tokens))
+    pieces = rendered_pieces(messages, render, encoder_id, encode, max_tokens, cache)
+    return tuple(pieces_hashes(pieces, block_tokens, max_tokens))
 
 
 def _text(message: dict[str, Any]) -> str:

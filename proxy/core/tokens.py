@@ -17,9 +17,9 @@ A single field longer than ``max_field_chars`` is not tokenized: it counts its U
 length, an upper bound for byte-level tokenizers (each token is at least one byte). That caps
 the work one field can cause (tiktoken spends ~1.7 s on 3.9 MB of one repeated letter).
 Texts of ``cache_min_chars`` or more go through the shared ``TokenCache``. Given an
-``IdsCache`` (prefix affinity is on), a text is counted as the length of its token ids taken
-from that cache: the one encode that sizes the request also gives the prefix index its ids
-(``proxy.core.prefix_prompt``), instead of tokenizing every prompt twice.
+``PiecesCache`` (prefix affinity is on), a text is counted as the size of its pieces taken
+from that cache: the one encode that sizes the request also gives the prefix index its
+hashes' pieces (``proxy.core.prefix_prompt``), instead of tokenizing every prompt twice.
 
 Pure: no asyncio. ``proxy.gateway.sizing`` decides inline vs worker thread.
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from proxy.core.prefix_prompt import Encode, IdsCache
+from proxy.core.prefix_prompt import PiecesCache, TextPieces, text_pieces
 from proxy.core.tokenizer import Counter, TiktokenCounter, TokenCache
 
 _MEDIA_KINDS = ("image", "audio", "video", "file")
@@ -91,14 +91,14 @@ class PromptCounter:
         counter: Counter,
         rules: SizingRules,
         cache: TokenCache | None,
-        ids: IdsCache | None = None,
+        pieces: PiecesCache | None = None,
     ) -> None:
         self.counter = counter
         self.rules = rules
         self.cache = cache
         # Only plain texts (kind "t": contents, text parts) are what the prefix index hashes.
-        encode: Encode | None = getattr(counter, "ids", None)
-        self._ids = ids if encode is not None else None
+        encode: TextPieces | None = text_pieces(counter)
+        self._pieces = pieces if encode is not None else None
         self._encode = encode
 
     def text(self, text: str, kind: str = "t") -> int:
@@ -116,10 +116,10 @@ class PromptCounter:
         return n
 
     def _count(self, text: str, kind: str) -> int:
-        ids, encode = self._ids, self._encode
-        if ids is not None and encode is not None and kind == "t":
-            # The ids stay cached for the prefix hashes of the same request (one encode).
-            return len(ids.ids(self.counter.id, encode, text))
+        pieces, encode = self._pieces, self._encode
+        if pieces is not None and encode is not None and kind == "t":
+            # The pieces stay cached for the prefix hashes of the same request (one encode).
+            return pieces.count(self.counter.id, encode, text)
         return self.counter.count(text)
 
     def content(self, content: Any) -> int:

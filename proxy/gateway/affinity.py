@@ -32,7 +32,7 @@ from starlette.requests import Request
 from proxy.config import Config, PrefixConfig
 from proxy.core.fleet import FleetSnapshot, NodeView
 from proxy.core.prefix import PrefixIndex, PrefixIndexConfig
-from proxy.core.prefix_prompt import IdsCache
+from proxy.core.prefix_prompt import PiecesCache, text_pieces
 from proxy.core.prefix_render import rendered_hashes
 from proxy.core.validation import ParsedRequest
 from proxy.gateway.sizing import hash_spec, prefix_hashes, sizer_for, take_hashes
@@ -104,7 +104,7 @@ class Affinity:
         self.index = PrefixIndex(
             PrefixIndexConfig(c.block_tokens, c.ttl_s, c.pressure_ttl_s, c.max_blocks_per_node)
         )
-        self.ids_cache = IdsCache()
+        self.pieces_cache = PiecesCache()
         self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._full_cfg = cfg
         self._session_header = self.cfg.session_header.lower()
@@ -163,25 +163,25 @@ class Affinity:
         return AffinityKey((), self._session_of(request, parsed), Placement())
 
     def hashes_of(self, parsed: ParsedRequest) -> tuple[int, ...]:
-        """The prompt's block hashes, from the sizer's ids cache where sizing filled it."""
+        """The prompt's block hashes, from the sizer's pieces cache where sizing filled it."""
         sizer = sizer_for(self._full_cfg)
         spec = hash_spec(sizer, parsed, self.cfg)
         if spec is None:
             return ()
-        # The sizer keeps no ids when its config had prefix affinity off: this one's cache.
-        return prefix_hashes(sizer, parsed, spec, sizer.ids or self.ids_cache)
+        # The sizer keeps no pieces when its config had prefix affinity off: this one's cache.
+        return prefix_hashes(sizer, parsed, spec, sizer.pieces or self.pieces_cache)
 
     def rendered_of(self, parsed: ParsedRequest) -> tuple[int, ...]:
         """The chat's block hashes in the servers' rendering (``routing.prefix.chat_render``)."""
         sizer = sizer_for(self._full_cfg)
         counter = sizer.model(parsed.model).counter
-        encode = getattr(counter, "ids", None)
+        encode = text_pieces(counter)
         messages = parsed.body.get("messages")
         render = self.cfg.chat_render
         if encode is None or render is None or not isinstance(messages, list):
             return ()
         c = self.cfg
-        cache = sizer.ids or self.ids_cache
+        cache = sizer.pieces or self.pieces_cache
         return rendered_hashes(
             messages, render, counter.id, encode, c.max_prompt_tokens, c.block_tokens, cache
         )

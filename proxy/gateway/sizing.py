@@ -30,7 +30,7 @@ from proxy.core import chunk_count, digest
 from proxy.core.chunk_count import EncodeJob
 from proxy.core.chunked_counter import ChunkedCounter
 from proxy.core.demand import Demand, Sizer
-from proxy.core.prefix_prompt import IdsCache, prompt_hashes
+from proxy.core.prefix_prompt import PiecesCache, prompt_hashes, text_pieces
 from proxy.core.tokenizer import TiktokenCounter, TokenCache
 from proxy.core.tokens import PromptCounter, SizingRules, work_chars
 from proxy.core.validation import ParsedRequest
@@ -126,15 +126,15 @@ def hash_spec(sizer: Sizer, parsed: ParsedRequest, prefix: PrefixConfig) -> Hash
 
 
 def prefix_hashes(
-    sizer: Sizer, parsed: ParsedRequest, spec: HashSpec, cache: IdsCache | None = None
+    sizer: Sizer, parsed: ParsedRequest, spec: HashSpec, cache: PiecesCache | None = None
 ) -> tuple[int, ...]:
-    """The prompt's block hashes; its ids come from the sizer's ids cache where counted."""
-    encode = getattr(sizer.model(parsed.model).counter, "ids", None)
+    """The prompt's block hashes; its pieces come from the sizer's pieces cache where counted."""
+    encode = text_pieces(sizer.model(parsed.model).counter)
     if encode is None:
         return ()
     encoder, max_tokens, block_tokens = spec
-    ids = cache if cache is not None else sizer.ids
-    return prompt_hashes(parsed.body, encoder, encode, max_tokens, block_tokens, ids)
+    pieces = cache if cache is not None else sizer.pieces
+    return prompt_hashes(parsed.body, encoder, encode, max_tokens, block_tokens, pieces)
 
 
 def _size(

@@ -1,8 +1,8 @@
 """One encode per request: sizing's count and the prefix hashes come from the same token ids.
 
-The expected demand comes from a sizer with prefix affinity off (no ids cache: the counting
-path as it was), the expected hashes from ``prompt_ids`` + ``block_hashes`` with a fresh
-encoder and no cache. The spy counts every text the tokenizer is asked to encode.
+The expected demand comes from a sizer with prefix affinity off (no pieces cache: the
+counting path as it was), the expected hashes from ``prompt_pieces`` + ``pieces_hashes`` with
+a fresh encoder, one piece per text and no cache. The spy counts every text the tokenizer is asked to encode.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from starlette.requests import Request
 
 from loadtest.workload import make_prompt
 from proxy.config import Config, parse_config
-from proxy.core.prefix import block_hashes
-from proxy.core.prefix_prompt import prompt_ids
+from proxy.core.chain_hash import pieces_hashes
+from proxy.core.prefix_prompt import prompt_pieces, text_pieces
 from proxy.core.tokenizer import TiktokenCounter
 from proxy.core.validation import ParsedRequest, parse_request
 from proxy.gateway import sizing, sizing_pool
@@ -62,13 +62,15 @@ def parse(body: dict[str, Any]) -> ParsedRequest:
 
 def expected_hashes(body: dict[str, Any], cfg: Config) -> tuple[int, ...]:
     p = cfg.routing.prefix
-    ids = prompt_ids(body, "x", TiktokenCounter().ids, p.max_prompt_tokens)
-    return tuple(block_hashes(ids, p.block_tokens))
+    encode = text_pieces(TiktokenCounter())
+    assert encode is not None
+    pieces = prompt_pieces(body, "x", encode, p.max_prompt_tokens)
+    return tuple(pieces_hashes(pieces, p.block_tokens, p.max_prompt_tokens))
 
 
 def expected_demand(body: dict[str, Any]) -> int:
     off = config(prefix={"enabled": False})
-    assert sizing.sizer_for(off).ids is None
+    assert sizing.sizer_for(off).pieces is None
     return sizing.sizer_for(off).size(parse(body)).total
 
 

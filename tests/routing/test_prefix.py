@@ -12,9 +12,10 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.core.chain_hash import Piece, joined, piece_of
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.core.prefix import PrefixIndex, PrefixIndexConfig, block_hashes
-from proxy.core.prefix_prompt import IdsCache, prompt_ids
+from proxy.core.prefix_prompt import PiecesCache, prompt_pieces
 from proxy.routing import KvroutePolicy, PolicySettings, RouteRequest
 from proxy.routing.affinity import AffinitySettings, demand_on
 
@@ -98,7 +99,7 @@ def test_hashes_are_the_same_in_every_process() -> None:
     # Replicas share hashes through Redis: no per-process seed (hash randomization, a
     # random key) may enter them. Pinned values, and a fresh process with another seed.
     ids = list(range(3 * BS))
-    pinned = [6456750355248137934, 15221526588142663027, 132022496507271371]
+    pinned = [16142256744879136546, 13496794653809945037, 4420371235877836686]
     assert block_hashes(ids, BS) == pinned
     code = "from proxy.core.prefix import block_hashes; print(block_hashes(list(range(48)), 16))"
     env = os.environ | {"PYTHONHASHSEED": "12345"}
@@ -121,12 +122,12 @@ def test_a_block_hash_depends_on_its_parents_not_only_its_tokens() -> None:
     assert a[1] != b[1]
 
 
-def test_prompt_ids_share_leading_messages_and_cache_repeated_texts() -> None:
+def test_prompt_pieces_share_leading_messages_and_cache_repeated_texts() -> None:
     calls: list[str] = []
 
-    def encode(text: str) -> list[int]:
+    def encode(text: str) -> list[Piece]:
         calls.append(text)
-        return [len(w) for w in text.split()]
+        return [piece_of([len(w) for w in text.split()])]
 
     doc = "alpha beta gamma " * 200
     first = {"messages": [{"role": "user", "content": doc + "question one"}]}
@@ -139,13 +140,16 @@ def test_prompt_ids_share_leading_messages_and_cache_repeated_texts() -> None:
             {"role": "user", "content": "q2"},
         ]
     }
-    cache = IdsCache(min_chars=100)
-    a = prompt_ids(chat, "t", encode, 10_000, cache)
-    b = prompt_ids(follow, "t", encode, 10_000, cache)
-    assert list(b[: len(a)]) == list(a)
+    cache = PiecesCache(min_chars=100)
+    a = joined(prompt_pieces(chat, "t", encode, 10_000, cache))
+    b = joined(prompt_pieces(follow, "t", encode, 10_000, cache))
+    assert b[: len(a)].tolist() == a.tolist()
     assert calls.count(doc) == 1  # the document was tokenized once
-    assert len(prompt_ids(first, "t", encode, 50, cache)) == 50  # capped
-    assert list(prompt_ids({"prompt": [5, 6, 7]}, "t", encode, 2)) == [5, 6]
+    assert len(joined(prompt_pieces(first, "t", encode, 50, cache))) >= 50  # stops once past
+    assert (
+        prompt_pieces({"prompt": [5, 6, 7]}, "t", encode, 2)[0].tolist()
+        == piece_of([5, 6]).tolist()
+    )
 
 
 # --- the index ---------------------------------------------------------------------------
