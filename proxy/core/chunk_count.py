@@ -140,7 +140,7 @@ class ChunkCache:
                     parts[i] = self._put(keys[i], ids)
         out = [p for p in parts if p is not None]
         if tail is not None and tail.cut == bounds[1]:
-            self.tails.keep(tail, out[1:])
+            self.tails.offer(tail, keys[0], out[1:])
         return out
 
     def _head(

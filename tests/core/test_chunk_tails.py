@@ -35,13 +35,16 @@ def test_a_document_behind_any_head_gives_the_ids_of_a_full_encode(
         assert counter.count(text) == len(full)
 
 
-def test_the_tail_is_kept_once_and_found_behind_new_questions() -> None:
+def test_the_tail_is_kept_once_it_comes_behind_a_second_head() -> None:
     cache, counter = fresh(CL, DEFAULT_RULE)
     doc = words_text(3, 120_000)
     first = counter.pieces("Question 0: what?\n" + doc)
-    assert len(first) > 10 and len(cache.tails) == 1
+    counter.pieces("Question 0: what?\n" + doc)  # the same body again: nothing to join
+    assert len(first) > 10 and len(cache.tails) == 0
+    counter.pieces("Question 1: and then?\n" + doc)
+    assert len(cache.tails) == 1
     hits = cache.hits
-    for i in range(1, 6):
+    for i in range(2, 7):
         text = f"Question {i}: and section {i}?\n" + doc
         got = counter.pieces(text)
         assert len(got) == 2  # the new first chunk, then the tail joined
@@ -55,6 +58,8 @@ def test_tails_are_bounded_by_a_quarter_of_the_cache() -> None:
     cache.tails.bound(600_000)
     rng = random.Random(1)
     for i in range(8):
-        counter.pieces(f"head {i}\n" + words_text(rng.randrange(10**6), 60_000))
+        doc = words_text(rng.randrange(10**6), 60_000)
+        counter.pieces(f"head {i}\n" + doc)
+        counter.pieces(f"another head {i}\n" + doc)
     assert 0 < cache.tails._held <= 600_000
     assert len(cache.tails) < 8
