@@ -507,6 +507,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"idx = np\.flatnonzero\(mask\) \+ w$",
         "idx = np.flatnonzero(mask) + w + 1",
     ),
+    # ---- prefix hashes from position-independent pieces
+    Mutation(
+        "pieces-joined-with-the-wrong-power",
+        "a piece's carry multiplied by B^(L-1) instead of B^L (pieces no longer compose)",
+        ("tests/core/test_chain_hash.py::test_pieces_anywhere_give_the_hashes_of_their_ids",),
+        "pieces_hashes",
+        r"g = \(g \* int\(table\[size\]\)",
+        "g = (g * int(table[size - 1])",
+        fast=True,
+    ),
+    Mutation(
+        "tail-from-the-last-cut",
+        "a text's tail taken from the window's last cut, not its first",
+        ("tests/core/test_chunk_tails.py::test_the_tail_is_kept_once_it_comes_behind_a_second_head",),
+        "TailMemo.find",
+        r"cut = cuts\[0\]$",
+        "cut = cuts[-1]",
+        fast=True,
+    ),
     # ---- prefill during a decode hold: capped per prefill server, released on every path
     Mutation(
         "early-prefill-uncapped",
