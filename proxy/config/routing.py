@@ -148,8 +148,8 @@ class SizingConfig(_Strict):
     chunk_cache_mb: int = Field(
         default=64,
         ge=0,
-        description="memory for token ids of long texts' chunks, reused wherever a chunk recurs "
-        "(docs/big-prompts.md); 0: off",
+        description="memory for long texts' chunks (their pieces, 8 bytes a token) reused "
+        "wherever a chunk recurs, a quarter of it for joined tails (docs/big-prompts.md); 0: off",
     )
     route_on_bound: bool = Field(
         default=True,

@@ -186,12 +186,17 @@ def pieces_hashes(pieces: Sequence[Piece], block_tokens: int, max_tokens: int = 
             counts.append(pick.size)
             starts.append(s)
             carries.append(g)
-        g = (g * int(table[size]) + int(p[-1])) & _MASK
+        g = (g * table.item(size) + p.item(-1)) & _MASK
         s += size
     if not picks:
         return []
-    values = np.concatenate(picks) if len(picks) > 1 else picks[0].copy()
     ends = _ends(s // bt * bt, bt)
+    if len(picks) == 1:  # every block end in one piece (a lone text, or one behind a short head)
+        values = picks[0].copy()
+        if carries[0]:
+            values += np.uint64(carries[0]) * table[(ends - np.uint64(starts[0])).astype(np.intp)]
+        return finish(values, ends)
+    values = np.concatenate(picks)
     count = np.asarray(counts)
     offsets = ends - np.repeat(np.asarray(starts, dtype=np.uint64), count)
     lead = np.repeat(np.asarray(carries, dtype=np.uint64), count)

@@ -98,7 +98,7 @@ class ChunkCache:
 
     @property
     def held_bytes(self) -> int:
-        return self._held
+        return self._held + self.tails.held_bytes
 
     def __len__(self) -> int:
         return len(self._lru)

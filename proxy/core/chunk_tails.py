@@ -69,6 +69,10 @@ class TailMemo:
     def __len__(self) -> int:
         return len(self._lru)
 
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
     def find(self, tokenizer: str, data: bytes, rule: CutRule) -> Tail | None:
         """``data``'s tail and the memo's piece for it; None when its first cut is not near the start."""
         if self.max_bytes <= 0:

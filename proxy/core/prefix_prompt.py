@@ -46,8 +46,13 @@ def text_pieces(counter: object) -> TextPieces | None:
     return one_piece
 
 
-def _size(pieces: list[Piece]) -> int:
-    return sum(p.size for p in pieces)
+#: A text's pieces and how many tokens they stand for (kept together: one sum per text).
+Tokens = tuple[list[Piece], int]
+
+
+def _tokens(encode: TextPieces, text: str) -> Tokens:
+    got = encode(text)
+    return got, sum(p.size for p in got)
 
 
 class PiecesCache:
@@ -66,16 +71,17 @@ class PiecesCache:
         self.max_tokens = max_tokens
         self.min_chars = min_chars
         self.max_small = max_small
-        self._lru: OrderedDict[bytes, list[Piece]] = OrderedDict()
-        self._small: OrderedDict[tuple[str, str], list[Piece]] = OrderedDict()
+        self._lru: OrderedDict[bytes, Tokens] = OrderedDict()
+        self._small: OrderedDict[tuple[str, str], Tokens] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
 
-    def pieces(self, encoder_id: str, encode: TextPieces, text: str) -> list[Piece]:
+    def tokens(self, encoder_id: str, encode: TextPieces, text: str) -> Tokens:
+        """``text``'s pieces and their token count, encoded only when not held."""
         if len(text) < self.min_chars:
-            return self._small_pieces(encoder_id, encode, text)
+            return self._small_tokens(encoder_id, encode, text)
         if self.max_tokens <= 0:
-            return encode(text)
+            return _tokens(encode, text)
         # The text's digest is shared with the count cache's keys (one pass per sizing call).
         key = hashlib.blake2b(encoder_id.encode() + b"\0" + text_digest(text)).digest()
         with self._lock:
@@ -83,29 +89,29 @@ class PiecesCache:
             if hit is not None:
                 self._lru.move_to_end(key)
                 return hit
-        got = encode(text)
+        got = _tokens(encode, text)
         with self._lock:
             if key not in self._lru:
                 self._lru[key] = got
-                self._held += _size(got)
+                self._held += got[1]
             while self._held > self.max_tokens and self._lru:
                 _, old = self._lru.popitem(last=False)
-                self._held -= _size(old)
+                self._held -= old[1]
         return got
 
     def count(self, encoder_id: str, encode: TextPieces, text: str) -> int:
-        return _size(self.pieces(encoder_id, encode, text))
+        return self.tokens(encoder_id, encode, text)[1]
 
-    def _small_pieces(self, encoder_id: str, encode: TextPieces, text: str) -> list[Piece]:
+    def _small_tokens(self, encoder_id: str, encode: TextPieces, text: str) -> Tokens:
         if self.max_small <= 0:
-            return encode(text)
+            return _tokens(encode, text)
         key = (encoder_id, text)
         with self._lock:
             hit = self._small.get(key)
             if hit is not None:
                 self._small.move_to_end(key)
                 return hit
-        got = encode(text)
+        got = _tokens(encode, text)
         with self._lock:
             self._small[key] = got
             while len(self._small) > self.max_small:
@@ -119,18 +125,22 @@ def prompt_pieces(
     encode: TextPieces,
     max_tokens: int,
     cache: PiecesCache | None = None,
-) -> list[Piece]:
-    """The prompt's pieces (chat: messages in order; completions: first prompt), at least
-    ``max_tokens`` tokens of them where the prompt has that many (the hashes cut there)."""
+) -> Tokens:
+    """The prompt's pieces (chat: messages in order; completions: first prompt) and their
+    tokens, at least ``max_tokens`` of them where the prompt has that many (hashes cut there)."""
     out: list[Piece] = []
     held = 0
 
     def add(text: str) -> bool:
         nonlocal held
         if text:
-            got = cache.pieces(encoder_id, encode, text) if cache is not None else encode(text)
-            out.extend(got)
-            held += _size(got)
+            got = (
+                cache.tokens(encoder_id, encode, text)
+                if cache is not None
+                else _tokens(encode, text)
+            )
+            out.extend(got[0])
+            held += got[1]
         return held < max_tokens
 
     msgs = body.get("messages")
@@ -140,7 +150,7 @@ def prompt_pieces(
                 continue
             if not add(f"<{m.get('role', '')}>") or not _add_content(m.get("content"), add):
                 break
-        return out
+        return out, held
     p = body.get("prompt")
     ids: list[int] | None = None
     if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
@@ -155,7 +165,8 @@ def prompt_pieces(
         add(p)
     if ids:
         out.append(piece_of(ids))
-    return out
+        held += len(ids)
+    return out, held
 
 
 def _add_content(content: Any, add: Callable[[str], bool]) -> bool:
@@ -183,5 +194,7 @@ def prompt_hashes(
     cache: PiecesCache | None = None,
 ) -> tuple[int, ...]:
     """The chained block hashes of the prompt's leading ``max_tokens`` tokens (what the index keys)."""
-    pieces = prompt_pieces(body, encoder_id, encode, max_tokens, cache)
+    pieces, held = prompt_pieces(body, encoder_id, encode, max_tokens, cache)
+    if held < block_tokens:
+        return ()  # no full block (most short chats' first turn): no numpy at all
     return tuple(pieces_hashes(pieces, block_tokens, max_tokens))

@@ -38,9 +38,9 @@ def rendered_pieces(
         if held >= max_tokens:
             break
         if text:
-            got = cache.pieces(encoder_id, encode, text)
+            got, size = cache.tokens(encoder_id, encode, text)
             out.extend(got)
-            held += sum(p.size for p in got)
+            held += size
     return out
 
 

@@ -23,7 +23,7 @@ class SizingCollector(Collector):
         c = chunked_counter.shared_cache()
         yield CounterMetricFamily(
             "kvroute_sizing_chunk_cache_hits",
-            "Chunks of long texts whose token ids came from the chunk cache",
+            "Chunks of long texts whose pieces came from the chunk cache",
             value=c.hits,
         )
         yield CounterMetricFamily(
@@ -41,7 +41,7 @@ class SizingCollector(Collector):
         yield hit_bytes
         yield GaugeMetricFamily(
             "kvroute_sizing_chunk_cache_held_bytes",
-            "Memory the chunk cache holds (bounded by sizing.chunk_cache_mb)",
+            "Memory the chunk cache holds, joined tails included (bounded by sizing.chunk_cache_mb)",
             value=c.held_bytes,
         )
         yield GaugeMetricFamily(

@@ -27,7 +27,7 @@ def test_the_first_cut_of_the_window_is_the_first_cut_of_the_text(text: str, rul
 def test_a_document_behind_any_head_gives_the_ids_of_a_full_encode(
     doc: str, heads: list[str]
 ) -> None:
-    cache, counter = fresh(CL, DEFAULT_RULE)
+    _cache, counter = fresh(CL, DEFAULT_RULE)
     for head in [*heads, *heads]:
         text = head + "\n" + doc
         full = ENC.encode(text, disallowed_special=())
@@ -61,5 +61,5 @@ def test_tails_are_bounded_by_a_quarter_of_the_cache() -> None:
         doc = words_text(rng.randrange(10**6), 60_000)
         counter.pieces(f"head {i}\n" + doc)
         counter.pieces(f"another head {i}\n" + doc)
-    assert 0 < cache.tails._held <= 600_000
+    assert 0 < cache.tails.held_bytes <= 600_000
     assert len(cache.tails) < 8

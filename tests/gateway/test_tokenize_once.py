@@ -64,7 +64,7 @@ def expected_hashes(body: dict[str, Any], cfg: Config) -> tuple[int, ...]:
     p = cfg.routing.prefix
     encode = text_pieces(TiktokenCounter())
     assert encode is not None
-    pieces = prompt_pieces(body, "x", encode, p.max_prompt_tokens)
+    pieces, _held = prompt_pieces(body, "x", encode, p.max_prompt_tokens)
     return tuple(pieces_hashes(pieces, p.block_tokens, p.max_prompt_tokens))
 
 

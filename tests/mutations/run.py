@@ -520,7 +520,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "tail-from-the-last-cut",
         "a text's tail taken from the window's last cut, not its first",
-        ("tests/core/test_chunk_tails.py::test_the_tail_is_kept_once_it_comes_behind_a_second_head",),
+        (
+            "tests/core/test_chunk_tails.py::test_the_tail_is_kept_once_it_comes_behind_a_second_head",
+        ),
         "TailMemo.find",
         r"cut = cuts\[0\]$",
         "cut = cuts[-1]",

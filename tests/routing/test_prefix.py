@@ -141,13 +141,14 @@ def test_prompt_pieces_share_leading_messages_and_cache_repeated_texts() -> None
         ]
     }
     cache = PiecesCache(min_chars=100)
-    a = joined(prompt_pieces(chat, "t", encode, 10_000, cache))
-    b = joined(prompt_pieces(follow, "t", encode, 10_000, cache))
+    a = joined(prompt_pieces(chat, "t", encode, 10_000, cache)[0])
+    b = joined(prompt_pieces(follow, "t", encode, 10_000, cache)[0])
     assert b[: len(a)].tolist() == a.tolist()
     assert calls.count(doc) == 1  # the document was tokenized once
-    assert len(joined(prompt_pieces(first, "t", encode, 50, cache))) >= 50  # stops once past
+    pieces, held = prompt_pieces(first, "t", encode, 50, cache)
+    assert held == len(joined(pieces)) >= 50  # stops once past
     assert (
-        prompt_pieces({"prompt": [5, 6, 7]}, "t", encode, 2)[0].tolist()
+        prompt_pieces({"prompt": [5, 6, 7]}, "t", encode, 2)[0][0].tolist()
         == piece_of([5, 6]).tolist()
     )
 
