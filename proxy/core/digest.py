@@ -1,7 +1,7 @@
 """One digest per big text per sizing call, whichever cache asks for it.
 
 Sizing one request keyed the same prompt text three or four times (the whole-message count,
-the text's count, the ids cache while counting, the ids cache again for the prefix hashes),
+the text's count, the pieces cache while counting, the pieces cache again for the prefix hashes),
 each a BLAKE2b pass over the text: ~0.14 ms per 130 KB, ~0.5 ms of a 30k-token decision.
 Inside ``memo()`` (``proxy.gateway.sizing`` wraps each sizing call in one) a text is digested
 once, recognised by identity; outside it, every call digests afresh. The memo is the
