@@ -206,7 +206,7 @@ def pieces_hashes(pieces: Sequence[Piece], block_tokens: int, max_tokens: int = 
 
 
 def joined(pieces: Sequence[Piece]) -> Piece:
-    """The pieces as one: ``R`` after every token of their ids in order (tests; short prompts)."""
+    """The pieces as one: ``R`` after every token of their ids in order (joined tails; tests)."""
     out: list[Piece] = []
     g = 0
     for p in pieces:
