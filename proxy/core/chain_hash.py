@@ -15,7 +15,7 @@ on where the text sits, and the chunk cache keeps them instead of ids
 (``proxy.core.chunk_count``): a known document behind a new question gets its ~3,100 block
 hashes from its cached pieces in a few vectorized passes over the block ends, with no pass
 over its 50,000 ids. v2 was a running sum of position-mixed ids: every id was mixed again
-whenever the head's length changed (~1.4 ms per such prompt, half the event loop's time in
+whenever the head's length changed (those passes alone were 20% of the event loop's time in
 the shared-document benchmark).
 
 Collisions: two different prefixes of equal length differ in some ``m``; their ``R`` agree
