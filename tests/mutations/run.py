@@ -513,8 +513,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a piece's carry multiplied by B^(L-1) instead of B^L (pieces no longer compose)",
         ("tests/core/test_chain_hash.py::test_pieces_anywhere_give_the_hashes_of_their_ids",),
         "pieces_hashes",
-        r"g = \(g \* int\(table\[size\]\)",
-        "g = (g * int(table[size - 1])",
+        r"g = \(g \* table\.item\(size\)",
+        "g = (g * table.item(size - 1)",
         fast=True,
     ),
     Mutation(
