@@ -196,5 +196,5 @@ def prompt_hashes(
     """The chained block hashes of the prompt's leading ``max_tokens`` tokens (what the index keys)."""
     pieces, held = prompt_pieces(body, encoder_id, encode, max_tokens, cache)
     if held < block_tokens:
-        return ()  # no full block (most short chats' first turn): no numpy at all
+        return ()  # under one block ("Say hi."): nothing to hash, no numpy at all
     return tuple(pieces_hashes(pieces, block_tokens, max_tokens))
