@@ -52,7 +52,25 @@ def _common(cfg: StoreConfig) -> dict[str, Any]:
         "retry": Retry(NoBackoff(), 0),
         "decode_responses": True,
         "client_name": CLIENT_NAME,
+        **_driver_info(),
     }
+
+
+def _driver_info() -> dict[str, Any]:
+    """The client's name and version, resolved once for every connection this store makes.
+
+    redis-py 7+ reads its own version from the package's metadata in each new connection
+    (``importlib.metadata``: 0.48 ms of CPU on the quiet 2-core box against 0.011 ms given
+    it; ~2 ms under load). A connection is made for every one dropped with a command in flight
+    (``proxy.state.redis_lane``), which is when the loop is busiest: after a burst of big
+    prompts put the store calls past their deadline, that was ~2% of the loop's time on tiny
+    requests. Older redis-py read it once, at import: nothing to pass there.
+    """
+    try:
+        from redis.driver_info import resolve_driver_info
+    except ImportError:
+        return {}
+    return {"driver_info": resolve_driver_info()}
 
 
 def connect(cfg: StoreConfig, max_connections: int) -> RedisClient:

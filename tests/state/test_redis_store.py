@@ -577,3 +577,31 @@ async def test_unreachable_url_raises_store_unavailable() -> None:
 def test_redis_store_needs_a_url() -> None:
     with pytest.raises(ValueError):
         RedisStore(StoreConfig())
+
+
+async def test_new_connections_do_not_read_the_package_metadata(
+    redis_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # redis-py 7+ looks its version up in the package metadata for every new connection
+    # unless given it; connections are made whenever one is dropped with a command in flight.
+    import redis.utils
+
+    lookups = 0
+    original = redis.utils.get_lib_version
+
+    def counting() -> str:
+        nonlocal lookups
+        lookups += 1
+        return str(original())
+
+    s = store_for(redis_server)
+    try:
+        monkeypatch.setattr(redis.utils, "get_lib_version", counting)
+        await s.put_report("n", rep(1_000_000), ttl_s=60)
+        # Concurrent calls: the request path's lane opens a connection for each.
+        got = await asyncio.gather(*(s.reserve("n", f"r{i}", 10, T0, 60) for i in range(12)))
+        await s.read(["n"], T0)
+        assert all(got)
+        assert lookups == 0
+    finally:
+        await s.close()
