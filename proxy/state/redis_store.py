@@ -17,7 +17,6 @@ raw redis exception.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -41,6 +40,7 @@ from proxy.state.base import (
     check_ttl,
     live_reservations,
 )
+from proxy.state.deadline import lag_tolerant_timeout
 from proxy.state.redis_codec import (
     RES_KEY_SLACK_MS,
     RedisKeys,
@@ -96,7 +96,8 @@ class RedisStore(StateStore):
         last: BaseException | None = None
         for _attempt in range(2):
             try:
-                async with asyncio.timeout(self._timeout):
+                # The loop's own lag is forgiven once (proxy.state.deadline): not Redis's.
+                async with lag_tolerant_timeout(self._timeout):
                     return await op()
             except (TimeoutError, RedisTimeoutError, RedisConnectionError, OSError) as exc:
                 last = exc

@@ -24,6 +24,7 @@ from redis.asyncio.connection import AbstractConnection
 from proxy.config import StoreConfig
 from proxy.core.fleet import MemoryReport
 from proxy.state import InProcessStore, RedisStore, StateStore, StoreUnavailable
+from tests.state.test_deadline import hold_the_loop
 from tests.support.redis_server import RedisInstance
 
 T0 = 1_700_000_000.0
@@ -603,5 +604,32 @@ async def test_new_connections_do_not_read_the_package_metadata(
         await s.read(["n"], T0)
         assert all(got)
         assert lookups == 0
+    finally:
+        await s.close()
+
+
+async def test_a_reply_held_up_by_the_gateways_own_busy_loop_is_not_an_outage(
+    redis_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Big prompts can hold the event loop for longer than the deadline; Redis answered long
+    # before. The call must succeed at once, not time out, retry and tombstone the id.
+    s = store_for(redis_server, op_timeout_s=0.05)
+    try:
+        await s.put_report("n", rep(1_000_000), ttl_s=60)
+        await s.reserve("n", "warm", 10, T0, 60)  # the connection and the script exist
+        sends = 0
+        original = AbstractConnection.send_packed_command
+
+        async def counting(self: AbstractConnection, *args: Any, **kw: Any) -> None:
+            nonlocal sends
+            sends += 1
+            await original(self, *args, **kw)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+        task = asyncio.ensure_future(s.reserve("n", "r1", 10, T0, 60))
+        await asyncio.sleep(0)  # sent
+        hold_the_loop(0.3)  # the loop is busy elsewhere, past the deadline
+        assert await task is True
+        assert sends == 1  # answered the first time: no timeout, no retry
     finally:
         await s.close()
