@@ -43,6 +43,19 @@ async def admin(redis_server: str) -> AsyncIterator[aioredis.Redis]:
         await r.aclose()
 
 
+def count_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, every command write to Redis is counted in the list's one item."""
+    sends = [0]
+    original = AbstractConnection.send_packed_command
+
+    async def counting(self: AbstractConnection, *args: Any, **kw: Any) -> None:
+        sends[0] += 1
+        await original(self, *args, **kw)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+    return sends
+
+
 def store_for(url: str, **kw: Any) -> RedisStore:
     return RedisStore(StoreConfig(redis_url=url, **{"op_timeout_s": 2.0, **kw}))
 
@@ -328,17 +341,9 @@ async def test_read_is_one_round_trip(
             await s.put_report(n, rep(5_000), ttl_s=60)
             await s.reserve(n, "r", 100, T0, 60)
         await s.read(names, T0)  # the connection and the script exist before counting
-        sends = 0
-        original = AbstractConnection.send_packed_command
-
-        async def counting(self: AbstractConnection, *args: Any, **kw: Any) -> None:
-            nonlocal sends
-            sends += 1
-            await original(self, *args, **kw)
-
-        monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+        sends = count_sends(monkeypatch)
         got = await s.read(names, T0 + 1)
-        assert sends == 1
+        assert sends == [1]
         assert len(got) == 25 and sum(1 for st in got.values() if st.report is not None) == 10
     finally:
         await s.close()
@@ -617,19 +622,11 @@ async def test_a_reply_held_up_by_the_gateways_own_busy_loop_is_not_an_outage(
     try:
         await s.put_report("n", rep(1_000_000), ttl_s=60)
         await s.reserve("n", "warm", 10, T0, 60)  # the connection and the script exist
-        sends = 0
-        original = AbstractConnection.send_packed_command
-
-        async def counting(self: AbstractConnection, *args: Any, **kw: Any) -> None:
-            nonlocal sends
-            sends += 1
-            await original(self, *args, **kw)
-
-        monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+        sends = count_sends(monkeypatch)
         task = asyncio.ensure_future(s.reserve("n", "r1", 10, T0, 60))
         await asyncio.sleep(0)  # sent
         hold_the_loop(0.3)  # the loop is busy elsewhere, past the deadline
         assert await task is True
-        assert sends == 1  # answered the first time: no timeout, no retry
+        assert sends == [1]  # answered the first time: no timeout, no retry
     finally:
         await s.close()
