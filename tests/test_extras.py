@@ -54,15 +54,23 @@ def test_plots_module_names_the_extra() -> None:
     assert "pip install 'kvroute[sim]'" in res.stderr
 
 
+def test_pd_floor_without_scipy_names_the_extra() -> None:
+    res = run_without("scipy", "import loadtest.bench.pd_floor")
+    assert res.returncode == 1
+    assert "pip install 'kvroute[loadtest]'" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_gateway_install_has_no_plotting_stack() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"]).lower()
-    for heavy in ("matplotlib", "pillow", "locust"):
+    for heavy in ("matplotlib", "pillow", "locust", "scipy"):
         assert heavy not in core
     # numpy is the gateway's own since its prefix block hashes are vectorized (issue 12).
     assert "numpy" in core
     extras = project["optional-dependencies"]
     assert any("matplotlib" in d for d in extras["sim"])
     assert any("locust" in d for d in extras["loadtest"])
+    assert any("scipy" in d for d in extras["loadtest"])
     # CI installs .[dev]: it must pull both, so the whole suite still runs.
     assert "kvroute[sim,loadtest]" in extras["dev"]

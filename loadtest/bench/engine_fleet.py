@@ -41,12 +41,21 @@ def start_vllm_engine(
     return proc, line.split("listening on ", 1)[1].strip()
 
 
+# Every benchmark engine decodes 30 tokens/s per request (before ``--speedup``).
+DECODE_TOKENS_PER_S = 30
+
+
 def engine_flags(
     capacity: int, prefill: float, speedup: float, max_num_seqs: int, *extra: str
 ) -> list[str]:
     """The flags every benchmark engine takes: KV size, 16-token blocks, rates, slots."""
     flags = ["--capacity-tokens", str(capacity), "--block-size", "16"]
-    flags += ["--prefill-tokens-per-s", str(prefill), "--decode-tokens-per-s", "30"]
+    flags += [
+        "--prefill-tokens-per-s",
+        str(prefill),
+        "--decode-tokens-per-s",
+        str(DECODE_TOKENS_PER_S),
+    ]
     flags += ["--speedup", str(speedup), "--max-num-seqs", str(max_num_seqs)]
     return [*flags, *extra]
 

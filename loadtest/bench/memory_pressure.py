@@ -34,8 +34,14 @@ from typing import Any
 
 import httpx
 
+from loadtest.bench import goodput
 from loadtest.bench import queueing as q
-from loadtest.bench.engine_fleet import counter, start_gateway, start_vllm_router
+from loadtest.bench.engine_fleet import (
+    DECODE_TOKENS_PER_S,
+    counter,
+    start_gateway,
+    start_vllm_router,
+)
 from loadtest.bench.memory_pressure_report import plot, table, targets
 from loadtest.bench.memory_pressure_trace import record, rises
 from loadtest.bench.memory_pressure_workloads import (
@@ -60,14 +66,20 @@ class Outcome:
     wall_s: float
     preemptions: int
     timeline: list[tuple[float, int]] = field(default_factory=list)
+    # The earliest any router could answer the last token, and the request that sets it
+    # (loadtest.bench.goodput.floor).
+    floor_s: float = 0.0
+    critical: int = 0
 
     def summary(self) -> dict[str, Any]:
         run = q.PolicyRun(self.policy, self.samples, self.preemptions, wall_s=self.wall_s)
-        done = [
-            out
+        finishes = [
+            goodput.Finish(s.sent_s + s.total_s, out)
             for s, out in zip(self.samples, self.outputs, strict=True)
-            if s.status == 200 and s.ttft_s is not None
+            if s.status == 200 and s.ttft_s is not None and s.total_s is not None
         ]
+        done = [f.tokens for f in finishes]
+        floor_s = max(self.floor_s, 1e-9)
         return {
             "policy": self.policy,
             "requests": len(self.samples),
@@ -78,6 +90,11 @@ class Outcome:
             "long_ttft_p99": run.pct("long", 0.99),
             "short_ttft_p50": run.pct("short", 0.5),
             "long_ttft_p50": run.pct("long", 0.5),
+            "floor_s": self.floor_s,
+            "goodput_ceiling": sum(self.outputs) / floor_s,
+            "goodput_by_floor": goodput.done_by(finishes, floor_s) / floor_s,
+            "mean_end_s": goodput.mean_end(finishes),
+            "last_ttft_s": self.samples[self.critical].ttft_s,
         }
 
 
@@ -165,7 +182,10 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
                 print("\n".join(rises(debug)), flush=True)
             total = int(sum(counter(u, "vllm:num_preemptions") for u in urls.values()))
         outputs = [r.output_tokens for r in w.requests]
-        return Outcome(policy, samples, outputs, wall, total, timeline)
+        floor_s, critical = goodput.floor(
+            w.requests, args.prefill * args.speedup, DECODE_TOKENS_PER_S * args.speedup
+        )
+        return Outcome(policy, samples, outputs, wall, total, timeline, floor_s, critical)
     finally:
         stop_processes(procs)
 

@@ -303,6 +303,19 @@ def run_router(router: str, requests: list[Request], args: argparse.Namespace) -
         stop_processes(procs)
 
 
+def workload_requests(args: argparse.Namespace) -> list[Request]:
+    """The request list of a run: the bimodal mix with long outputs (the same for each router)."""
+    return bimodal(
+        args.rate,
+        duration_s=args.duration,
+        seed=args.seed,
+        short=(20, 400),
+        long=(args.long_min, args.long_max),
+        short_output=(64, 256),
+        long_output=(512, 1_500),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.pd", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a short run (shared machines)")
@@ -371,15 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.vllm_router_exe is None and any(r.startswith("vllm-router:") for r in routers):
         print("vllm-router skipped: not installed (PATH or /tmp/vllm-router-venv)", flush=True)
         routers = [r for r in routers if not r.startswith("vllm-router:")]
-    requests = bimodal(
-        args.rate,
-        duration_s=args.duration,
-        seed=args.seed,
-        short=(20, 400),
-        long=(args.long_min, args.long_max),
-        short_output=(64, 256),
-        long_output=(512, 1_500),
-    )
+    requests = workload_requests(args)
     rows: list[dict[str, Any]] = []
     for run in range(1, args.runs + 1):
         for router in routers:
