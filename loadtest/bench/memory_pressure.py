@@ -92,7 +92,6 @@ class Outcome:
             "long_ttft_p50": run.pct("long", 0.5),
             "floor_s": self.floor_s,
             "goodput_ceiling": sum(self.outputs) / floor_s,
-            "goodput_by_floor": goodput.done_by(finishes, floor_s) / floor_s,
             "mean_end_s": goodput.mean_end(finishes),
             "last_ttft_s": self.samples[self.critical].ttft_s,
         }

@@ -36,7 +36,6 @@ def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
         assert r["goodput_tokens_per_s"] > 0 and r["preemptions"] >= 0 and r["timeline"]
         # The floor is one on real engines: no row's last answer comes before it.
         assert r["goodput_tokens_per_s"] <= r["goodput_ceiling"], r
-        assert 0 <= r["goodput_by_floor"] <= r["goodput_ceiling"], r
         assert r["mean_end_s"] is not None and 0 < r["mean_end_s"] < r["floor_s"] * 10, r
     assert "bimodal-low run 1:" in out.stdout and out_png.stat().st_size > 0
     # The debug trace: one file per row, kvroute's with the gateway's projection in it.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench.goodput import Finish, done_by, floor, mean_end
+from loadtest.bench.goodput import Finish, floor, mean_end
 from loadtest.workload import Request
 
 
@@ -28,13 +28,6 @@ def test_a_one_token_answer_is_its_prefill_only() -> None:
 def test_no_requests_has_no_floor() -> None:
     with pytest.raises(ValueError, match="no requests"):
         floor([], 1_000, 10)
-
-
-def test_goodput_by_the_floor_counts_what_finished_by_then() -> None:
-    finishes = [Finish(1.0, 100), Finish(2.0, 50), Finish(2.000001, 7), Finish(9.0, 1_000)]
-    assert done_by(finishes, 2.0) == 150
-    assert done_by(finishes, 0.5) == 0
-    assert done_by(finishes, 10.0) == 1_157
 
 
 def test_the_mean_end_weighs_each_request_by_its_tokens() -> None:

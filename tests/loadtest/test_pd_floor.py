@@ -6,7 +6,9 @@ by at most a grid step per request in the chain of waits, plus one (the module's
 
 from __future__ import annotations
 
-from loadtest.bench.pd_floor import DecodeFleet, feasible, wait_floor
+import pytest
+
+from loadtest.bench.pd_floor import DecodeFleet, feasible, main, wait_floor
 from loadtest.workload import Request
 
 DT = 0.02
@@ -55,3 +57,15 @@ def test_exempt_requests_may_wait_as_long_as_they_need() -> None:
     dt = 0.05  # three alike requests: the solver tries their orders, a coarser grid is quicker
     assert 2.0 - 4 * dt <= wait_floor(requests, ONE, dt) <= 2.0
     assert 1.0 - 3 * dt <= wait_floor(requests, ONE, dt, exceed=1) <= 1.0
+
+
+def test_the_command_reads_the_pd_benchmarks_request_list(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Two seconds of the benchmark's mix: the wiring, not a hard instance.
+    argv = ["--duration", "2", "--rate", "2", "--seeds", "7,8", "--time-limit", "10"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["seed 7", "seed 8"]
+    for line in lines:
+        assert float(line.split("at least ")[1].split(" s")[0]) >= 0, line
