@@ -70,6 +70,8 @@ class Outcome:
     # (loadtest.bench.goodput.floor).
     floor_s: float = 0.0
     critical: int = 0
+    # kvroute only: held requests it handed to a backend's queue (``kvroute_queued_at_backend``).
+    handed: int = 0
 
     def summary(self) -> dict[str, Any]:
         run = q.PolicyRun(self.policy, self.samples, self.preemptions, wall_s=self.wall_s)
@@ -94,6 +96,7 @@ class Outcome:
             "goodput_ceiling": sum(self.outputs) / floor_s,
             "mean_end_s": goodput.mean_end(finishes),
             "last_ttft_s": self.samples[self.critical].ttft_s,
+            "handed_to_queue": self.handed,
         }
 
 
@@ -180,11 +183,12 @@ def run_policy(policy: str, w: Workload, args: argparse.Namespace, seed: int) ->
             if debug is not None:
                 print("\n".join(rises(debug)), flush=True)
             total = int(sum(counter(u, "vllm:num_preemptions") for u in urls.values()))
+            handed = 0 if peer else int(counter(gw_url, "kvroute_queued_at_backend"))
         outputs = [r.output_tokens for r in w.requests]
         floor_s, critical = goodput.floor(
             w.requests, args.prefill * args.speedup, DECODE_TOKENS_PER_S * args.speedup
         )
-        return Outcome(policy, samples, outputs, wall, total, timeline, floor_s, critical)
+        return Outcome(policy, samples, outputs, wall, total, timeline, floor_s, critical, handed)
     finally:
         stop_processes(procs)
 

@@ -15,15 +15,18 @@ def fmt(x: float | None) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """One line per row: goodput with its ceiling, the TTFT of the request that sets the
-    ceiling, and the token-weighted mean end (loadtest.bench.goodput)."""
+    ceiling, and the token-weighted mean end (loadtest.bench.goodput); preemptions with the
+    held requests kvroute handed to a backend's queue."""
     head = (
-        "| workload | run | policy | failed | preemptions | goodput tok/s (ceiling) "
+        "| workload | run | policy | failed | preemptions (handed to a queue) "
+        "| goodput tok/s (ceiling) "
         "| last request's TTFT (s) | token-weighted end (s) "
         "| short TTFT p99 (s) | long TTFT p99 (s) |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [
         f"| {r['workload']} | {r['run']} | {r['policy']} | {r['failed']}/{r['requests']} "
-        f"| {r['preemptions']} | {r['goodput_tokens_per_s']:.0f} ({r['goodput_ceiling']:.0f}) "
+        f"| {r['preemptions']} ({r.get('handed_to_queue', 0)}) "
+        f"| {r['goodput_tokens_per_s']:.0f} ({r['goodput_ceiling']:.0f}) "
         f"| {fmt(r['last_ttft_s'])} | {fmt(r['mean_end_s'])} "
         f"| {fmt(r['short_ttft_p99'])} | {fmt(r['long_ttft_p99'])} |"
         for r in rows

@@ -37,6 +37,8 @@ def test_bench_memory_pressure_smoke(tmp_path: Path) -> None:
         # The floor is one on real engines: no row's last answer comes before it.
         assert r["goodput_tokens_per_s"] <= r["goodput_ceiling"], r
         assert r["mean_end_s"] is not None and 0 < r["mean_end_s"] < r["floor_s"] * 10, r
+        # Read from kvroute's own counter; the other routers have none.
+        assert isinstance(r["handed_to_queue"], int) and r["handed_to_queue"] >= 0, r
     assert "bimodal-low run 1:" in out.stdout and out_png.stat().st_size > 0
     # The debug trace: one file per row, kvroute's with the gateway's projection in it.
     traces = sorted(p.name for p in (tmp_path / "trace").iterdir())
