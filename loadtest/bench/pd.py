@@ -46,6 +46,7 @@ import httpx
 import yaml
 
 from loadtest.bench.engine_fleet import (
+    DECODE_TOKENS_PER_S,
     MODEL,
     engine_flags,
     start_gateway,
@@ -146,7 +147,7 @@ def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, 
             "kind": args.protocol,
             "role": "prefill" if name in PREFILL else "decode",
             "prefill_tokens_per_s": args.prefill * args.speedup,
-            "decode_tokens_per_s": 30 * args.speedup,
+            "decode_tokens_per_s": DECODE_TOKENS_PER_S * args.speedup,
         }
         for name in (*PREFILL, *DECODE)
     ]

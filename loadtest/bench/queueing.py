@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from loadtest.bench.engine_fleet import (
+    DECODE_TOKENS_PER_S,
     counter,
     engine_flags,
     start_gateway,
@@ -132,7 +133,7 @@ def gateway_config(policy: str, urls: dict[str, str], args: argparse.Namespace) 
             "kind": "vllm",
             "pool": pool,
             "prefill_tokens_per_s": rate,
-            "decode_tokens_per_s": 30 * args.speedup,
+            "decode_tokens_per_s": DECODE_TOKENS_PER_S * args.speedup,
         }
         for name, _dp, pool in FLEET
     ]
