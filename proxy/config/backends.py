@@ -69,6 +69,12 @@ class BackendConfig(_Strict):
         description="queueing backends: requests running at once, all engines together (vLLM "
         "--max-num-seqs x data-parallel size); none: learned from the server's queue",
     )
+    data_parallel_routing: Literal["gateway", "server"] = Field(
+        default="gateway",
+        description="a server with several data-parallel engines behind its URL: gateway "
+        "(pick the engine by projected KV room and pin it with the X-data-parallel-rank "
+        "header, which vLLM and SGLang honour) or server (its front end picks by queue length)",
+    )
     kv_events: KvEventsEndpoint | None = Field(
         default=None, description="where the server publishes KV-cache events (docs/kv-events.md)"
     )
@@ -155,6 +161,12 @@ class DiscoveryConfig(KubernetesApiConfig):
         default=10.0, gt=0, description="dns: re-resolve period; kubernetes: watch timeout"
     )
     capacity_tokens: int | None = Field(default=None, gt=0)
+    data_parallel_routing: Literal["gateway", "server"] = Field(
+        default="gateway",
+        description="a server with several data-parallel engines behind its URL: gateway "
+        "(pick the engine by projected KV room and pin it with the X-data-parallel-rank "
+        "header, which vLLM and SGLang honour) or server (its front end picks by queue length)",
+    )
     kv_events: KvEventsEndpoint | None = Field(
         default=None, description="every discovered backend's KV-event ports (docs/kv-events.md)"
     )

@@ -99,6 +99,9 @@ class Overlay:
     # engine, with this request's unused output discounted (``proxy.core.projection``, set
     # per request by ``proxy.gateway.pressure``); None: every reservation at full demand.
     projected_tokens: int | None = None
+    # Data-parallel servers whose engine the gateway pins (``X-data-parallel-rank``): the
+    # engine this request would go to, chosen with the projection; None: the server picks.
+    engine: int | None = None
 
     def plus_pending(self, tokens: int, count: int) -> Overlay:
         """With ``count`` more reservations (``tokens`` in all) that the report cannot show yet.
@@ -116,6 +119,7 @@ class Overlay:
             self.ceiling_until,
             self.pressure,
             self.projected_tokens,
+            self.engine,
         )
 
 
@@ -156,7 +160,7 @@ class NodeView:
         if self.report.queueing:
             projected = self.overlay.projected_tokens
             if projected is not None:
-                return lazy_headroom(self.report, projected)
+                return lazy_headroom(self.report, projected, self.overlay.engine)
             return lazy_headroom(self.report, self.overlay.reserved_tokens)
         return max(0, self.report.largest_free_block_tokens - self.overlay.pending_tokens)
 

@@ -56,10 +56,19 @@ def committed_tokens(used: int, inflight_demand: int) -> int:
     return max(used, inflight_demand)
 
 
-def lazy_headroom(report: MemoryReport, inflight_demand: int) -> int:
-    """The largest new request that surely fits, with every in-flight request at full demand."""
+def lazy_headroom(report: MemoryReport, inflight_demand: int, engine: int | None = None) -> int:
+    """The largest new request that surely fits, with every in-flight request at full demand.
+
+    ``engine``: the data-parallel engine the gateway pins the request to
+    (``X-data-parallel-rank``); only that engine's room counts, since the server's front end
+    does not choose. None: the smallest over all engines (the front end may pick any).
+    """
     frees = report.engine_free_tokens or (report.free_tokens,)
     per_engine_capacity = report.capacity_tokens // len(frees)
+    if engine is not None and 0 <= engine < len(frees):
+        free = frees[engine]
+        room = per_engine_capacity - committed_tokens(per_engine_capacity - free, inflight_demand)
+        return max(0, min(room, free))
     room = min(
         per_engine_capacity - committed_tokens(per_engine_capacity - free, inflight_demand)
         for free in frees

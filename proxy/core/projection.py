@@ -35,6 +35,9 @@ class Flight:
     max_tokens: int
     expected_output: int
     generated: int = 0
+    # Data-parallel servers: the engine the gateway pinned it to (``X-data-parallel-rank``);
+    # None where the server's front end chose (the gateway does not know which).
+    engine: int | None = None
 
     @property
     def now_tokens(self) -> int:
@@ -86,6 +89,54 @@ def busiest_engine_peak(engine_used: Sequence[int], now_tokens: int, peak: int) 
     growth = max(0, peak - now_tokens)
     busiest = max(math.ceil(u + growth * u / total) for u in engine_used if u > 0)
     return max(even, busiest)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChoice:
+    """The engine of a data-parallel server a new request is pinned to, and its KV there."""
+
+    engine: int
+    # Tokens spoken for on that engine at its projected peak with the new request (plus
+    # ``extra``): what ``lazy_headroom`` weighs against the engine's capacity.
+    committed: int
+
+
+def choose_engine(
+    flights: Iterable[Flight],
+    new: Flight,
+    engine_used: Sequence[int],
+    engine_capacity: int,
+    block_size: int = 1,
+    extra: float = 0.0,
+) -> EngineChoice:
+    """The engine where ``new`` leaves the most room at the projected peak.
+
+    Where the gateway pins each request's engine (vLLM and SGLang honour the
+    ``X-data-parallel-rank`` header), each engine's flights are known, and its peak is
+    projected from its own flights, not from a share of the node's: the split by reported
+    usage (``busiest_engine_peak``) was a guess that let one engine grow into a preemption
+    while the other stood idle (docs/benchmarks.md, section 12). A flight whose engine is
+    not known (placed while the server chose) counts on every engine. Room is what the
+    engine's capacity leaves above the larger of its usage now plus the new prompt and the
+    projected peak; ties go to the engine with fewer flights, then the lower rank.
+    """
+    per_engine: list[list[Flight]] = [[] for _ in engine_used]
+    for f in flights:
+        if f.engine is not None and 0 <= f.engine < len(per_engine):
+            per_engine[f.engine].append(f)
+        else:
+            for group in per_engine:
+                group.append(f)
+    best: tuple[float, int, int] | None = None
+    choice = EngineChoice(0, 0)
+    for e, (group, used) in enumerate(zip(per_engine, engine_used, strict=True)):
+        committed = math.ceil(projected_peak([*group, new], block_size) + extra)
+        room = engine_capacity - max(used + new.now_tokens, committed)
+        key = (-room, len(group), e)
+        if best is None or key < best:
+            best = key
+            choice = EngineChoice(e, committed)
+    return choice
 
 
 def tokens_freed_within(flights: Iterable[Flight], steps: float) -> int:

@@ -29,6 +29,7 @@ from proxy.core.projection import (
     Flight,
     OutputRatios,
     busiest_engine_peak,
+    choose_engine,
     projected_peak,
     steps_until_free,
 )
@@ -77,6 +78,19 @@ class MemoryPressure:
         )
         held.set_function(self.order.starving)
         self._shown: dict[str, float] = {}
+        # Backends whose data-parallel engine the server's front end picks (config
+        # ``data_parallel_routing: server``); every other one is pinned by the gateway.
+        self.unpinned: frozenset[str] = frozenset()
+        # Per request: the engine each data-parallel node's projection chose for it (the
+        # last ranking's), read when it is placed.
+        self._chosen: dict[str, dict[str, int]] = {}
+        self.reconfigure(cfg)
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed backend list: which backends the gateway pins engines on."""
+        self.unpinned = frozenset(
+            b.name for b in cfg.backends if b.data_parallel_routing == "server"
+        )
 
     # ------------------------------------------------------------------ learning
     def keys(self, ctx: RequestContext) -> list[str]:
@@ -125,12 +139,24 @@ class MemoryPressure:
         foreign = max(0, n.overlay.reserved_tokens - own_full)
         spare = (1.0 - budget) * r.capacity_tokens / engines
         per_engine = alone / engines
+        engine: int | None = None
         if engines > 1 and len(r.engine_free_tokens) == engines:
-            used = [r.capacity_tokens // engines - free for free in r.engine_free_tokens]
+            capacity = r.capacity_tokens // engines
+            used = [capacity - free for free in r.engine_free_tokens]
+            if n.name not in self.unpinned:
+                choice = choose_engine(
+                    others, new, used, capacity, r.block_size, foreign / engines + spare
+                )
+                engine = choice.engine
+                self._chosen.setdefault(ctx.reservation_id, {})[n.name] = engine
+                return self._with_projection(n, max(0, choice.committed - ctx.demand), engine)
             held = sum(f.now_tokens for f in others)
             per_engine = busiest_engine_peak(used, held, alone)
         committed = per_engine + foreign / engines + marginal + spare
-        projected = max(0, math.ceil(committed) - ctx.demand)
+        return self._with_projection(n, max(0, math.ceil(committed) - ctx.demand), engine)
+
+    @staticmethod
+    def _with_projection(n: NodeView, projected: int, engine: int | None) -> NodeView:
         ov = n.overlay
         return n.with_overlay(
             Overlay(
@@ -143,6 +169,7 @@ class MemoryPressure:
                 ov.ceiling_until,
                 ov.pressure,
                 projected,
+                engine,
             )
         )
 
@@ -171,10 +198,23 @@ class MemoryPressure:
     # ------------------------------------------------------------------ request life
     def placed(self, ctx: RequestContext, backend: str) -> None:
         self.order.placed(ctx.reservation_id)
-        self.flights.setdefault(backend, {})[ctx.reservation_id] = self.flight_for(ctx)
+        flight = self.flight_for(ctx)
+        flight.engine = self._chosen.pop(ctx.reservation_id, {}).get(backend)
+        self.flights.setdefault(backend, {})[ctx.reservation_id] = flight
 
     def not_placed(self, ctx: RequestContext) -> None:
         self.order.gone(ctx.reservation_id)
+        self._chosen.pop(ctx.reservation_id, None)
+
+    def forget(self, ctx: RequestContext) -> None:
+        """The request's walk ended: drop the engine choices of rankings never placed."""
+        self._chosen.pop(ctx.reservation_id, None)
+
+    def engine_of(self, ctx: RequestContext, backend: str) -> int | None:
+        """The data-parallel engine this request is pinned to on ``backend`` (None: the
+        server picks): sent as ``X-data-parallel-rank``."""
+        flight = self.flights.get(backend, {}).get(ctx.reservation_id)
+        return flight.engine if flight is not None else None
 
     def progress(self, ctx: RequestContext, backend: str, chunk: bytes) -> None:
         """One relayed chunk: the flight has written what the stream carried so far."""
@@ -239,12 +279,21 @@ class MemoryPressure:
         """The node's part in ``GET /fleet``: budget, preemption rises, projected peak."""
         node = self.headroom.nodes.get(name)
         flights = list(self.flights.get(name, {}).values())
-        return {
+        out: dict[str, object] = {
             "kv_budget_fraction": round(self.headroom.budget(name), 3),
             "preemption_rises": node.rises if node is not None else 0,
             "inflight_tracked": len(flights),
             "projected_peak_tokens": projected_peak(flights),
+            "data_parallel_routing": "server" if name in self.unpinned else "gateway",
         }
+        pinned = [f.engine for f in flights if f.engine is not None]
+        if pinned:
+            # Data parallel, engines pinned by the gateway: its flights on each engine.
+            counts = [0] * (max(pinned) + 1)
+            for e in pinned:
+                counts[e] += 1
+            out["inflight_per_engine"] = counts
+        return out
 
     def annotate(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Add each lazily allocating backend's projection to its ``GET /fleet`` item."""

@@ -25,7 +25,7 @@ from proxy.errors import UpstreamConnectError, UpstreamError, upstream_answer
 from proxy.gateway.answers import AnswerPorts, broken_answer, error_answer, whole_answer
 from proxy.gateway.context import FAILURE_RESULTS, RequestContext
 from proxy.gateway.divert import divert
-from proxy.upstream.client import Upstream, UpstreamAnswer, with_credential
+from proxy.upstream.client import Upstream, UpstreamAnswer, with_credential, with_engine
 from proxy.upstream.client_auth import upstream_credential
 
 
@@ -71,6 +71,10 @@ async def send_attempt(
         ctx.cfg.auth, ctx.upstream_headers, gw.credentials.get(backend)
     )
     headers = with_credential(ctx.upstream_headers, credential)
+    engine = gw.pressure.engine_of(ctx, backend)
+    if engine is not None:
+        # A data-parallel server: the engine the projection chose (docs/memory-pressure.md).
+        headers = with_engine(headers, engine)
     try:
         try:
             resp = await gw.upstream.post(url, ctx.parsed.raw, headers, ttfb_deadline - loop.time())

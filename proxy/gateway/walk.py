@@ -223,6 +223,7 @@ class Gateway:
                 disaggregated.after_divert(self, ctx, placed)
         finally:
             self.budget.release(ctx.retries)
+            self.pressure.forget(ctx)
             disaggregated.end(self, ctx)
 
     def _store_lost(self, degraded: bool) -> None:
@@ -249,6 +250,7 @@ class Gateway:
         self.urls.update({b.name: b.plain_url for b in cfg.backends})
         self.credentials.update({b.name: b.credential() for b in cfg.backends})
         self.health.retain([b.name for b in cfg.backends])
+        self.pressure.reconfigure(cfg)
         if self.checker is not None:
             path = cfg.health.active.path
             path = path if path.startswith("/") else "/" + path

@@ -89,6 +89,19 @@ def forward_headers(headers: Mapping[str, str], strip_authorization: bool) -> di
     return out
 
 
+#: The header vLLM's and SGLang's OpenAI servers read to put a request on one data-parallel
+#: engine instead of letting their front end choose (vLLM: ``_get_data_parallel_rank``).
+DP_RANK_HEADER = "x-data-parallel-rank"
+
+
+def with_engine(headers: dict[str, str], engine: int) -> dict[str, str]:
+    """``headers`` pinning the request to data-parallel ``engine`` (a client's own pin replaced:
+    the gateway accounts for the engine it chose)."""
+    out = {k: v for k, v in headers.items() if k.lower() != DP_RANK_HEADER}
+    out[DP_RANK_HEADER] = str(engine)
+    return out
+
+
 def header(headers: Headers, name: str) -> str | None:
     """``headers.get(name)`` (the first value), for a lowercase ``name``, without the KeyError
     that Starlette's ``get`` raises and catches for a missing header (profiled: ~1 us each,

@@ -54,6 +54,20 @@ def test_data_parallel_headroom_assumes_the_worst_split() -> None:
     assert lazy_headroom(r, inflight_demand=900) == 100  # all 900 could be on one engine
 
 
+def test_a_request_pinned_to_one_engine_needs_room_only_there() -> None:
+    # Engine 0 is nearly full; the gateway pins the request to engine 1 (X-data-parallel-rank).
+    r = lazy_report(2_000, used=1_000, engines=2, engine_free_tokens=(50, 950))
+    r = replace(r, largest_free_block_tokens=50)
+    assert lazy_headroom(r, inflight_demand=0) == 50  # unpinned: the fuller engine decides
+    assert lazy_headroom(r, inflight_demand=0, engine=1) == 950
+    assert lazy_headroom(r, inflight_demand=600, engine=1) == 400
+    assert lazy_headroom(r, inflight_demand=0, engine=0) == 50
+    assert lazy_headroom(r, inflight_demand=0, engine=5) == 50  # no such engine: unpinned
+    pinned = NodeView("v", report=r, overlay=Overlay(projected_tokens=0, engine=1))
+    assert pinned.fits(900, now=0.0)
+    assert not NodeView("v", report=r, overlay=Overlay(projected_tokens=0)).fits(900, now=0.0)
+
+
 def test_sleeping_node_has_no_headroom() -> None:
     r = replace(lazy_report(1_000, used=0), largest_free_block_tokens=0, sleeping=True)
     assert lazy_headroom(r, 0) == 0

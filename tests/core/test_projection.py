@@ -8,6 +8,7 @@ from proxy.core.projection import (
     Flight,
     OutputRatios,
     busiest_engine_peak,
+    choose_engine,
     projected_peak,
     steps_until_free,
     tokens_freed_within,
@@ -110,3 +111,38 @@ def test_balanced_or_idle_engines_keep_the_even_split() -> None:
     assert busiest_engine_peak([0, 0], now_tokens=0, peak=3_000) == 1_500
     # Reports that lag behind placements never make it smaller than the even split.
     assert busiest_engine_peak([100, 0], now_tokens=5_000, peak=6_000) == 3_000
+
+
+def test_a_pinned_engine_is_chosen_by_its_own_flights_peak() -> None:
+    # Engine 0 holds a document that will grow to 7,000 tokens; engine 1 three chats that
+    # peak near 1,500. A second document (peak 6,000) leaves room only on engine 1, though
+    # engine 1 runs more requests (the server's front end, counting requests, picks 0).
+    doc = Flight(3_000, 4_000, 4_000, engine=0)
+    chats = [Flight(400, 200, 100, engine=1) for _ in range(3)]
+    new = Flight(2_000, 4_000, 4_000)
+    choice = choose_engine([doc, *chats], new, engine_used=[3_000, 1_200], engine_capacity=10_000)
+    assert choice.engine == 1
+    assert choice.committed == projected_peak([*chats, new])
+    # Without the document engine 0 is empty and has the most room.
+    assert choose_engine(chats, new, [0, 1_200], 10_000).engine == 0
+
+
+def test_flights_of_unknown_engine_count_on_every_engine_and_ties_go_to_fewer_flights() -> None:
+    unknown = Flight(5_000, 1_000, 1_000)  # placed while the server chose: could be anywhere
+    new = Flight(1_000, 500, 500)
+    both = choose_engine([unknown], new, [0, 0], 10_000)
+    assert both.committed == projected_peak([unknown, new])  # counted on the chosen one too
+    # Equal room: the engine with fewer flights, then the lower rank.
+    a = Flight(100, 100, 100, engine=0)
+    b = Flight(50, 100, 100, engine=1)
+    c = Flight(50, 100, 100, engine=1)
+    assert choose_engine([a, b, c], new, [0, 0], 10_000, extra=0).engine == 0
+    assert choose_engine([], new, [0, 0, 0], 10_000).engine == 0
+    # Usage the flights do not explain (another client) counts against an engine.
+    assert choose_engine([], new, [9_000, 0], 10_000).engine == 1
+
+
+def test_the_extra_reserve_is_added_to_the_chosen_engines_commitment() -> None:
+    new = Flight(1_000, 500, 500)
+    plain = choose_engine([], new, [0, 0], 10_000)
+    assert choose_engine([], new, [0, 0], 10_000, extra=250.5).committed == plain.committed + 251

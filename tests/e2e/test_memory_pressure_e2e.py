@@ -193,3 +193,51 @@ def test_preemptions_tighten_the_nodes_budget_and_the_advice_says_so() -> None:
             assert pressure["kv_budget_fraction"] < 1.0 and pressure["preemption_rises"] == 1
             advice = httpx.get(gw + "/fleet/advice", timeout=10).json()["memory_pressure"]
             assert "v" in advice["tightened"] and "scale up" in advice["reason"]
+
+
+def test_a_data_parallel_servers_engine_is_pinned_where_the_request_fits() -> None:
+    # Two engines of 1,024 tokens behind one URL. A document (~770 tokens at its peak) runs
+    # on engine 0 and a chat on engine 1 (1 request each). A second document fits only
+    # beside the chat. The server's front end counts requests, not KV: a tie, so it would
+    # put the document on engine 0 beside the first (a preemption), and the gateway's
+    # estimate of which engine held what (before pinning) held it until the first ended.
+    # Pinned with X-data-parallel-rank, it runs at once on engine 1.
+    dp = {"capacity_tokens": 1024, "data_parallel": 2, **ENGINE}
+    with engines(("vllm", "v", dp)) as urls:
+        cfg = gateway_cfg(backends(urls), memory_pressure={"max_hold_s": 60})
+        with run_gateway(cfg) as gw, concurrent.futures.ThreadPoolExecutor(3) as pool:
+            wait_until(lambda: fleet(gw)["backends"][0]["report"] is not None, what="report")
+
+            def running() -> list[int]:
+                return [e["running"] for e in engine_state(urls["v"])]
+
+            first = pool.submit(stream, gw, 700)
+            wait_until(lambda: running() == [1, 0], what="the first document on engine 0")
+            chat = pool.submit(stream, gw, 300)
+            wait_until(lambda: running() == [1, 1], what="the chat on engine 1")
+            second = pool.submit(stream, gw, 700)
+            wait_until(lambda: running() == [1, 2], what="the second document beside the chat")
+            mp = fleet(gw)["backends"][0]["memory_pressure"]
+            assert mp["data_parallel_routing"] == "gateway"
+            assert mp["inflight_per_engine"] == [1, 2]
+            answers = [f.result() for f in (first, chat, second)]
+        assert [(status, finish) for status, _, finish in answers] == [(200, "length")] * 3
+        assert preemptions(urls["v"]) == 0
+
+
+def test_data_parallel_routing_server_leaves_the_engine_to_the_front_end() -> None:
+    dp = {"capacity_tokens": 1024, "data_parallel": 2, **ENGINE}
+    with engines(("vllm", "v", dp)) as urls:
+        bes = [{**b, "data_parallel_routing": "server"} for b in backends(urls)]
+        with run_gateway(gateway_cfg(bes)) as gw:
+            wait_until(lambda: fleet(gw)["backends"][0]["report"] is not None, what="report")
+            # Pinned, the gateway would pick engine 0 for both (most room, then fewest
+            # flights, then rank 0: each is done before the next). Unpinned, the front
+            # end's choice shows: with a header the engine would answer 400 for rank 5.
+            headers = {"X-data-parallel-rank": "5"}
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 5}
+            r = httpx.post(gw + "/v1/completions", json=body, headers=headers, timeout=60)
+            mp = fleet(gw)["backends"][0]["memory_pressure"]
+        # The client's own header passes through untouched when the gateway does not pin.
+        assert r.status_code == 400 and "out of range" in r.text
+        assert mp["data_parallel_routing"] == "server" and "inflight_per_engine" not in mp

@@ -176,6 +176,38 @@ async def test_metrics_parse_to_the_engines_own_state(
         assert f'engine="{dp - 1}"' in text and 'kv_cache_size_tokens="' in text
 
 
+@pytest.mark.parametrize("behaviour", ["vllm", "sglang"])
+async def test_the_data_parallel_rank_header_pins_the_engine(
+    serve: list[BehaviourServer], behaviour: str
+) -> None:
+    # Without the header the front end balances by queue length: the first request goes to
+    # engine 0, the second to the empty engine 1. Pinned, both go to engine 1.
+    srv = await started(serve, behaviour=behaviour, capacity_tokens=64 * BS, data_parallel=2)
+    body = {"model": "m", "prompt": "alpha beta " * 20, "max_tokens": 64}
+    async with httpx.AsyncClient(base_url=srv.url, timeout=30) as client:
+        calls = [
+            asyncio.create_task(
+                client.post("/v1/completions", json=body, headers={"X-data-parallel-rank": "1"})
+            )
+            for _ in range(2)
+        ]
+        await wait_for(lambda: srv.front.state()["engines"][1]["running"] == 2)
+        assert srv.front.state()["engines"][0]["running"] == 0
+        # Not a number: ignored (vLLM's reading); the front end picks the idle engine 0.
+        loose = asyncio.create_task(
+            client.post("/v1/completions", json=body, headers={"X-data-parallel-rank": "x"})
+        )
+        await wait_for(lambda: srv.front.state()["engines"][0]["running"] == 1)
+        # A rank the server does not have: refused, never queued.
+        bad = await client.post("/v1/completions", json=body, headers={"X-data-parallel-rank": "2"})
+        for t in [*calls, loose]:
+            t.cancel()
+        await asyncio.gather(*calls, loose, return_exceptions=True)
+    assert bad.status_code == 400
+    assert "data_parallel_rank 2 is out of range [0, 2)" in bad.json()["error"]["message"]
+    assert sum(e["waiting"] for e in srv.front.state()["engines"]) == 0
+
+
 async def test_max_model_len_is_enforced_with_the_servers_own_answer(
     serve: list[BehaviourServer],
 ) -> None:

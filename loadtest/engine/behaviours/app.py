@@ -182,6 +182,24 @@ class Front:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._infer(request, chat=True)
 
+    def _pinned_core(self, request: web.Request) -> PagedCore | None:
+        """The core an ``X-data-parallel-rank`` header pins the request to (vLLM and SGLang
+        read it; TGI has no data parallelism). A value that is not a number is ignored, as
+        vLLM ignores it; a rank outside the engines is a 400, as vLLM's input check answers."""
+        raw = request.headers.get("x-data-parallel-rank")
+        if raw is None or self.config.behaviour == "tgi":
+            return None
+        try:
+            rank = int(raw)
+        except ValueError:
+            return None
+        if not 0 <= rank < len(self.cores):
+            raise BadRequest(
+                f"data_parallel_rank {rank} is out of range [0, {len(self.cores)}).",
+                param="data_parallel_rank",
+            )
+        return self.cores[rank]
+
     async def _infer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body, p = parse_body(await request.read(), chat, 1)
@@ -191,6 +209,10 @@ class Front:
             status, err = self.dialect.not_found(p.model)
             if status:
                 return self._answer(status, err)
+        try:
+            pinned = self._pinned_core(request)
+        except BadRequest as exc:
+            return self._answer(exc.status, error_body(exc.message, exc.type, exc.param, exc.code))
         prompt = await count_prompt_async(body)
         if self.config.tokenizer_ratio != 1.0:
             prompt = max(1, round(prompt * self.config.tokenizer_ratio))
@@ -208,7 +230,7 @@ class Front:
             # An SGLang prefill server computes the prompt and its first token only.
             p = dataclasses.replace(p, max_tokens=1)
         try:
-            return await self._run(request, body, p, prompt, chat, arrival)
+            return await self._run(request, body, p, prompt, chat, arrival, pinned)
         finally:
             self.roles.ended(arrival)
 
@@ -220,9 +242,11 @@ class Front:
         prompt: int,
         chat: bool,
         arrival: disaggregation.Arrival,
+        pinned: PagedCore | None = None,
     ) -> web.StreamResponse:
-        """Submit the request to the least loaded core; stream it or answer when it is done."""
-        core = min(self.cores, key=lambda c: c.load())
+        """Submit the request to the least loaded core (or the one its header pins); stream it
+        or answer when it is done."""
+        core = pinned if pinned is not None else min(self.cores, key=lambda c: c.load())
         hashes, ids = (
             await self._prompt_hashes(body, prompt) if core.prefix is not None else ((), ())
         )
