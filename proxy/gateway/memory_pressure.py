@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -189,7 +190,12 @@ class MemoryPressure:
         if not self.enabled or best.report is None or not best.report.queueing:
             return held_s >= wait_s
         deficit = ctx.demand - best.usable_block()
-        steps = steps_until_free(self.flights.get(best.name, {}).values(), deficit)
+        flights: Iterable[Flight] = self.flights.get(best.name, {}).values()
+        engine = best.overlay.engine
+        if engine is not None:
+            # Pinned to one engine: only what ends there frees its room.
+            flights = [f for f in flights if f.engine in (engine, None)]
+        steps = steps_until_free(flights, deficit)
         drain_s = steps / max(rate, 1e-9)
         if math.isinf(drain_s) or held_s + drain_s > self.max_hold_s:
             return held_s >= wait_s
