@@ -130,5 +130,6 @@ def backend(
         kind=cfg.kind,
         capacity_tokens=cfg.capacity_tokens,
         role=role,
+        data_parallel_routing=cfg.data_parallel_routing,
         kv_events=cfg.kv_events,
     )

@@ -162,10 +162,7 @@ class DiscoveryConfig(KubernetesApiConfig):
     )
     capacity_tokens: int | None = Field(default=None, gt=0)
     data_parallel_routing: Literal["gateway", "server"] = Field(
-        default="gateway",
-        description="a server with several data-parallel engines behind its URL: gateway "
-        "(pick the engine by projected KV room and pin it with the X-data-parallel-rank "
-        "header, which vLLM and SGLang honour) or server (its front end picks by queue length)",
+        default="gateway", description="every discovered backend's (see backends[])"
     )
     kv_events: KvEventsEndpoint | None = Field(
         default=None, description="every discovered backend's KV-event ports (docs/kv-events.md)"
