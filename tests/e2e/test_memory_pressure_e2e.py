@@ -196,15 +196,17 @@ def test_preemptions_tighten_the_nodes_budget_and_the_advice_says_so() -> None:
 
 
 def test_a_data_parallel_servers_engine_is_pinned_where_the_request_fits() -> None:
-    # Two engines of 1,024 tokens behind one URL. A document (~770 tokens at its peak) runs
-    # on engine 0 and a chat on engine 1 (1 request each). A second document fits only
+    # Two engines of 1,200 tokens behind one URL. A document (740 tokens at its end) runs on
+    # engine 0 and a chat (240) on engine 1: one request each. A second document fits only
     # beside the chat. The server's front end counts requests, not KV: a tie, so it would
-    # put the document on engine 0 beside the first (a preemption), and the gateway's
-    # estimate of which engine held what (before pinning) held it until the first ended.
-    # Pinned with X-data-parallel-rank, it runs at once on engine 1.
-    dp = {"capacity_tokens": 1024, "data_parallel": 2, **ENGINE}
+    # put the document on engine 0 beside the first (1,480 tokens: a preemption), and the
+    # gateway's estimate of which engine held what (before pinning) held it until the first
+    # ended. Pinned with X-data-parallel-rank, it runs on engine 1.
+    slow = {**ENGINE, "speedup": 5}  # 150 tokens/s: the chat lasts ~1.3 s, a document ~4.7 s
+    dp = {"capacity_tokens": 1200, "data_parallel": 2, **slow}
     with engines(("vllm", "v", dp)) as urls:
-        cfg = gateway_cfg(backends(urls), memory_pressure={"max_hold_s": 60})
+        bes = [{**b, "decode_tokens_per_s": 150} for b in backends(urls)]
+        cfg = gateway_cfg(bes, memory_pressure={"max_hold_s": 60})
         with run_gateway(cfg) as gw, concurrent.futures.ThreadPoolExecutor(3) as pool:
             wait_until(lambda: fleet(gw)["backends"][0]["report"] is not None, what="report")
 
@@ -213,16 +215,17 @@ def test_a_data_parallel_servers_engine_is_pinned_where_the_request_fits() -> No
 
             first = pool.submit(stream, gw, 700)
             wait_until(lambda: running() == [1, 0], what="the first document on engine 0")
-            chat = pool.submit(stream, gw, 300)
+            chat = pool.submit(stream, gw, 200)
             wait_until(lambda: running() == [1, 1], what="the chat on engine 1")
             second = pool.submit(stream, gw, 700)
-            wait_until(lambda: running() == [1, 2], what="the second document beside the chat")
-            mp = fleet(gw)["backends"][0]["memory_pressure"]
-            assert mp["data_parallel_routing"] == "gateway"
-            assert mp["inflight_per_engine"] == [1, 2]
             answers = [f.result() for f in (first, chat, second)]
+            mp = fleet(gw)["backends"][0]["memory_pressure"]
         assert [(status, finish) for status, _, finish in answers] == [(200, "length")] * 3
+        state = engine_state(urls["v"])
+        # Engine 1 served the chat and the second document; nothing was preempted.
+        assert [e["finished"] for e in state] == [1, 2]
         assert preemptions(urls["v"]) == 0
+        assert mp["data_parallel_routing"] == "gateway"
 
 
 def test_data_parallel_routing_server_leaves_the_engine_to_the_front_end() -> None:

@@ -360,5 +360,6 @@ class PagedCore:
             "running": len(self.running),
             "waiting": len(self.waiting),
             "preemptions": self.stats.preemptions,
+            "finished": self.stats.finished,
             "sleeping": self.sleeping,
         }
