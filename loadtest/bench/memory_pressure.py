@@ -42,7 +42,7 @@ from loadtest.bench.engine_fleet import (
     start_gateway,
     start_vllm_router,
 )
-from loadtest.bench.memory_pressure_report import plot, table, targets
+from loadtest.bench.memory_pressure_report import plot, table, targets, targets_over_runs
 from loadtest.bench.memory_pressure_trace import record, rises
 from loadtest.bench.memory_pressure_workloads import (
     WORKLOADS,
@@ -269,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         save(rows, outcomes, args)
     print(table(rows))
     print("\n".join(targets(rows)))
+    print("\n".join(targets_over_runs(rows)))
     return 0
 
 

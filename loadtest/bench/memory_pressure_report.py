@@ -63,6 +63,51 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _mean(xs: list[float | None]) -> float:
+    """The mean, a missing figure counting as very late (it must not look good)."""
+    return sum(1e9 if x is None else x for x in xs) / len(xs) if xs else 1e9
+
+
+def targets_over_runs(rows: list[dict[str, Any]]) -> list[str]:
+    """The five targets per workload, over all its runs: failures and goodput summed, the
+    TTFT p99s averaged per router, and the preemption target still checked run by run.
+
+    Why both views: one run's goodput ends with its last answer, so a single late request
+    moves it by a few percent either way; the runs together say which router delivers more.
+    Only workloads where kvroute and every peer have a row in every run are judged.
+    """
+    out = []
+    for wl in sorted({r["workload"] for r in rows}):
+        mine = [r for r in rows if r["workload"] == wl]
+        runs = sorted({r["run"] for r in mine})
+        by: dict[str, list[dict[str, Any]]] = {}
+        for r in mine:
+            by.setdefault(r["policy"], []).append(r)
+        if "kvroute" not in by or len(by) < 2 or any(len(v) != len(runs) for v in by.values()):
+            continue
+        kv = by.pop("kvroute")
+        good = {p: sum(r["goodput_tokens_per_s"] for r in v) / len(v) for p, v in by.items()}
+        kv_good = sum(r["goodput_tokens_per_s"] for r in kv) / len(kv)
+        best_good = max(good.values())
+        short = min(_mean([r["short_ttft_p99"] for r in v]) for v in by.values())
+        long_ = min(_mean([r["long_ttft_p99"] for r in v]) for v in by.values())
+        best_pre = {
+            run: min(r["preemptions"] for v in by.values() for r in v if r["run"] == run)
+            for run in runs
+        }
+        pre_ok = all(k["preemptions"] <= 0.2 * best_pre[k["run"]] for k in kv)
+        checks = {
+            "0 failed": sum(r["failed"] for r in kv) == 0,
+            "preemptions <= 20% best peer in every run": pre_ok,
+            f"goodput >= best peer ({kv_good:.1f} vs {best_good:.1f} tok/s)": kv_good >= best_good,
+            "short p99 lowest (mean)": _mean([r["short_ttft_p99"] for r in kv]) <= short,
+            "long p99 <= 1.2x best (mean)": _mean([r["long_ttft_p99"] for r in kv]) <= 1.2 * long_,
+        }
+        verdict = ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks.items())
+        out.append(f"{wl}, runs {runs[0]}-{runs[-1]} together: {verdict}")
+    return out
+
+
 def plot(outcomes: list[tuple[str, int, Outcome]], path: Path) -> None:
     """One panel per workload: the fleet's preemption counter over time, each router."""
     import matplotlib
@@ -85,3 +130,24 @@ def plot(outcomes: list[tuple[str, int, Outcome]], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Judge saved runs again, together: ``--json`` files of one or more sessions."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.bench.memory_pressure_report", description=main.__doc__
+    )
+    p.add_argument("json", nargs="+", type=Path, help="rows written by --json")
+    args = p.parse_args(argv)
+    rows = [r for path in args.json for r in json.loads(path.read_text())]
+    print(table(rows))
+    print("\n".join(targets(rows)))
+    print("\n".join(targets_over_runs(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
