@@ -69,7 +69,7 @@ def _mean(xs: list[float | None]) -> float:
 
 
 def targets_over_runs(rows: list[dict[str, Any]]) -> list[str]:
-    """The five targets per workload, over all its runs: failures and goodput summed, the
+    """The five targets per workload, over all its runs: failures summed, goodput and the
     TTFT p99s averaged per router, and the preemption target still checked run by run.
 
     Why both views: one run's goodput ends with its last answer, so a single late request
