@@ -42,7 +42,7 @@ from loadtest.bench.engine_fleet import (
     start_gateway,
     start_vllm_router,
 )
-from loadtest.bench.memory_pressure_report import plot, table, targets, targets_over_runs
+from loadtest.bench.memory_pressure_report import plot, report, table
 from loadtest.bench.memory_pressure_trace import record, rises
 from loadtest.bench.memory_pressure_workloads import (
     WORKLOADS,
@@ -267,9 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(table([res]).splitlines()[-1], flush=True)
         # Written after every run: a long session stopped early keeps what it measured.
         save(rows, outcomes, args)
-    print(table(rows))
-    print("\n".join(targets(rows)))
-    print("\n".join(targets_over_runs(rows)))
+    print(report(rows))
     return 0
 
 

@@ -86,9 +86,8 @@ def targets_over_runs(rows: list[dict[str, Any]]) -> list[str]:
         if "kvroute" not in by or len(by) < 2 or any(len(v) != len(runs) for v in by.values()):
             continue
         kv = by.pop("kvroute")
-        good = {p: sum(r["goodput_tokens_per_s"] for r in v) / len(v) for p, v in by.items()}
-        kv_good = sum(r["goodput_tokens_per_s"] for r in kv) / len(kv)
-        best_good = max(good.values())
+        kv_good = _mean([r["goodput_tokens_per_s"] for r in kv])
+        best_good = max(_mean([r["goodput_tokens_per_s"] for r in v]) for v in by.values())
         short = min(_mean([r["short_ttft_p99"] for r in v]) for v in by.values())
         long_ = min(_mean([r["long_ttft_p99"] for r in v]) for v in by.values())
         best_pre = {
@@ -106,6 +105,11 @@ def targets_over_runs(rows: list[dict[str, Any]]) -> list[str]:
         verdict = ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks.items())
         out.append(f"{wl}, runs {runs[0]}-{runs[-1]} together: {verdict}")
     return out
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    """The table, then the verdicts run by run, then each workload's runs together."""
+    return "\n".join([table(rows), *targets(rows), *targets_over_runs(rows)])
 
 
 def plot(outcomes: list[tuple[str, int, Outcome]], path: Path) -> None:
@@ -142,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("json", nargs="+", type=Path, help="rows written by --json")
     args = p.parse_args(argv)
-    rows = [r for path in args.json for r in json.loads(path.read_text())]
-    print(table(rows))
-    print("\n".join(targets(rows)))
-    print("\n".join(targets_over_runs(rows)))
+    print(report([r for path in args.json for r in json.loads(path.read_text())]))
     return 0
 
 
