@@ -160,6 +160,23 @@ def pieces_hashes(pieces: Sequence[Piece], block_tokens: int, max_tokens: int = 
     i (starting at token s_i): ``R = G_i * B^(j+1) + piece_i[j]``, j = end - 1 - s_i, where
     ``G_i`` is ``R`` of everything before the piece (one step per piece: ``G * B^L + last``).
     """
+    return pieces_hashes_from(pieces, block_tokens, max_tokens)[0]
+
+
+#: Where a prompt's chain stands after some of its tokens: (``R`` of them, how many).
+ChainAt = tuple[int, int]
+
+
+def pieces_hashes_from(
+    pieces: Sequence[Piece], block_tokens: int, max_tokens: int = 0, at: ChainAt = (0, 0)
+) -> tuple[list[int], ChainAt]:
+    """``pieces_hashes`` of pieces that follow a prefix standing at ``at``, and where they end.
+
+    The hashes are those of the block ends after the prefix's tokens (a block the prefix
+    left partial is finished by the pieces). With the prefix's own hashes in front they are
+    the whole prompt's: a prompt that extends one hashed before (a chat's next turn, the
+    same body again) hashes only its new pieces (``proxy.core.hash_memo``).
+    """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     bt = block_tokens
@@ -168,7 +185,8 @@ def pieces_hashes(pieces: Sequence[Piece], block_tokens: int, max_tokens: int = 
     carries: list[int] = []
     counts: list[int] = []
     picks: list[Piece] = []
-    g = s = 0
+    g, s = at
+    begin = s
     # B^L per piece from the table (Python's pow(B, L, 2**64) cost ~1 us a piece).
     table = _pow_table(max((p.size for p in pieces), default=0))
     for p in pieces:
@@ -189,20 +207,20 @@ def pieces_hashes(pieces: Sequence[Piece], block_tokens: int, max_tokens: int = 
         g = (g * table.item(size) + p.item(-1)) & _MASK
         s += size
     if not picks:
-        return []
-    ends = _ends(s // bt * bt, bt)
+        return [], (g, s)
+    ends = np.arange((begin // bt + 1) * bt, s // bt * bt + 1, bt, dtype=np.uint64)
     if len(picks) == 1:  # every block end in one piece (a lone text, or one behind a short head)
         values = picks[0].copy()
         if carries[0]:
             values += np.uint64(carries[0]) * table[(ends - np.uint64(starts[0])).astype(np.intp)]
-        return finish(values, ends)
+        return finish(values, ends), (g, s)
     values = np.concatenate(picks)
     count = np.asarray(counts)
     offsets = ends - np.repeat(np.asarray(starts, dtype=np.uint64), count)
     lead = np.repeat(np.asarray(carries, dtype=np.uint64), count)
     lead *= table[offsets.astype(np.intp)]
     values += lead
-    return finish(values, ends)
+    return finish(values, ends), (g, s)
 
 
 def joined(pieces: Sequence[Piece]) -> Piece:

@@ -11,7 +11,9 @@ hashes are made of, position-independent, so a text's pieces are reused wherever
 a prompt. Repeated messages (turn 20 of a chat resends turns 1-19; a shared document is
 resent with every question) are tokenized once: pieces are kept in a bounded LRU by a digest
 of the text. Sizing counts through the same cache (``proxy.core.tokens``), so a request's
-texts are encoded once for both its count and its prefix hashes.
+texts are encoded once for both its count and its prefix hashes. A prompt whose pieces all
+come from that cache (the same body again, a chat's next turn) also finds its block hashes,
+or those of its longest known prefix, in the cache's hash memo (``proxy.core.hash_memo``).
 
 Pure: no asyncio (``proxy.gateway.affinity`` runs big prompts in a worker thread).
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 from proxy.core.chain_hash import Piece, piece_of, pieces_hashes
 from proxy.core.digest import text_digest
+from proxy.core.hash_memo import HashMemo
 
 #: A tokenizer's pieces of a text (``ChunkedCounter.pieces``, or its ids as one piece).
 TextPieces = Callable[[str], list[Piece]]
@@ -58,6 +61,11 @@ def _tokens(encode: TextPieces, text: str) -> Tokens:
 class PiecesCache:
     """Bounded LRU of a text's pieces by (tokenizer id, text digest); bounded by tokens held.
 
+    The bound counts each distinct piece once: texts that share a piece (a document's joined
+    tail behind 64 different first lines, ``proxy.core.chunk_tails``) share its memory, and
+    counting it per text made 64 such 50k-token texts look like 3.2M tokens, over the bound,
+    so that cycling through them evicted each one just before it came back.
+
     Texts under ``min_chars`` (roles, the ``<role>`` markers, short messages) are kept apart,
     by their own value, in an LRU of ``max_small`` entries: sizing and the prefix hashes
     then encode them once, and repeated ones not at all. That matters on the event loop:
@@ -73,8 +81,17 @@ class PiecesCache:
         self.max_small = max_small
         self._lru: OrderedDict[bytes, Tokens] = OrderedDict()
         self._small: OrderedDict[tuple[str, str], Tokens] = OrderedDict()
+        # id(piece) -> [entries holding it, its tokens]: each distinct piece counted once.
+        self._pieces: dict[int, list[int]] = {}
         self._held = 0
         self._lock = threading.Lock()
+        #: Block hashes of prompts made of this cache's pieces (``prompt_hashes``).
+        self.hashes = HashMemo()
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens of the distinct pieces the long texts' entries hold."""
+        return self._held
 
     def tokens(self, encoder_id: str, encode: TextPieces, text: str) -> Tokens:
         """``text``'s pieces and their token count, encoded only when not held."""
@@ -93,11 +110,29 @@ class PiecesCache:
         with self._lock:
             if key not in self._lru:
                 self._lru[key] = got
-                self._held += got[1]
+                self._hold(got[0])
             while self._held > self.max_tokens and self._lru:
                 _, old = self._lru.popitem(last=False)
-                self._held -= old[1]
+                self._release(old[0])
         return got
+
+    def _hold(self, pieces: list[Piece]) -> None:
+        for p in {id(p): p for p in pieces}.values():
+            seen = self._pieces.get(id(p))
+            if seen is None:
+                self._pieces[id(p)] = [1, p.size]
+                self._held += p.size
+            else:
+                seen[0] += 1
+
+    def _release(self, pieces: list[Piece]) -> None:
+        # The entry still holds its pieces here, so no identity below has been reused.
+        for key in {id(p) for p in pieces}:
+            seen = self._pieces[key]
+            seen[0] -= 1
+            if seen[0] == 0:
+                del self._pieces[key]
+                self._held -= seen[1]
 
     def count(self, encoder_id: str, encode: TextPieces, text: str) -> int:
         return self.tokens(encoder_id, encode, text)[1]
@@ -197,4 +232,6 @@ def prompt_hashes(
     pieces, held = prompt_pieces(body, encoder_id, encode, max_tokens, cache)
     if held < block_tokens:
         return ()  # under one block ("Say hi."): nothing to hash, no numpy at all
+    if cache is not None:
+        return cache.hashes.hashes(pieces, block_tokens, max_tokens)
     return tuple(pieces_hashes(pieces, block_tokens, max_tokens))

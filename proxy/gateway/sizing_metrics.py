@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.core import chunked_counter
+from proxy.core import chunked_counter, hash_memo
 from proxy.gateway import sizing
 
 
 class SizingCollector(Collector):
-    """Chunk-cache hits, misses and size; where big requests were sized."""
+    """Chunk-cache hits, misses and size; where big requests were sized; the hash memo."""
 
     def collect(self) -> Iterator[Metric]:
         c = chunked_counter.shared_cache()
@@ -57,3 +57,12 @@ class SizingCollector(Collector):
         for key, n in sizing.SIZED_WHERE.items():
             where.add_metric([key], n)
         yield where
+        memo = CounterMetricFamily(
+            "kvroute_prefix_hash_memo_lookups",
+            "Prompts' block hashes looked up by their pieces (proxy.core.hash_memo): found "
+            "whole, continued from a known prefix, or computed from nothing",
+            labels=["result"],
+        )
+        for key, n in hash_memo.LOOKUPS.items():
+            memo.add_metric([key], n)
+        yield memo

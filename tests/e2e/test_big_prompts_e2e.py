@@ -70,6 +70,14 @@ def test_a_document_behind_new_questions_is_sized_exactly_from_the_cache(
         assert after["cache"] - before["cache"] == 3
         assert after["thread"] == before["thread"]
         assert _metric(url, "kvroute_sizing_chunk_cache_hits_total") > hits_before
+        # The last body again: its pieces and its block hashes both come from memory.
+        memo = 'kvroute_prefix_hash_memo_lookups_total{result="whole"}'
+        whole_before = _metric(url, memo)
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim-model", messages=[{"role": "user", "content": content}], max_tokens=8
+        )
+        assert int(raw.headers["x-kvroute-demand-tokens"]) == want
+        assert _metric(url, memo) == whole_before + 1
 
 
 def test_a_client_that_leaves_while_its_new_document_is_encoded_leaves_nothing_behind(
