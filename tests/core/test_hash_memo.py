@@ -145,3 +145,21 @@ def test_a_prompt_resent_through_the_pieces_cache_finds_its_hashes() -> None:
     second = prompt_hashes(body, "t", encode, 100_000, 16, cache)
     assert second is first
     assert first == prompt_hashes(body, "t", encode, 100_000, 16)
+
+
+def test_a_chats_next_turn_through_the_pieces_cache_continues_the_last_prompt() -> None:
+    def encode(text: str) -> list[Piece]:
+        return [piece_of([len(w) for w in text.split()])]
+
+    history = " ".join(f"h{i}" for i in range(2000))
+    turn = [{"role": "system", "content": history}, {"role": "user", "content": "q1 " * 100}]
+    follow = [
+        *turn,
+        {"role": "assistant", "content": "a1 " * 90},
+        {"role": "user", "content": "q2"},
+    ]
+    cache = PiecesCache(min_chars=100)
+    prompt_hashes({"messages": turn}, "t", encode, 100_000, 16, cache)
+    got = prompt_hashes({"messages": follow}, "t", encode, 100_000, 16, cache)
+    assert got == prompt_hashes({"messages": follow}, "t", encode, 100_000, 16)
+    assert (cache.hashes.prefix, cache.hashes.missed) == (1, 1)

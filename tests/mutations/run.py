@@ -512,9 +512,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         "pieces-joined-with-the-wrong-power",
         "a piece's carry multiplied by B^(L-1) instead of B^L (pieces no longer compose)",
         ("tests/core/test_chain_hash.py::test_pieces_anywhere_give_the_hashes_of_their_ids",),
-        "pieces_hashes",
+        "pieces_hashes_from",
         r"g = \(g \* table\.item\(size\)",
         "g = (g * table.item(size - 1)",
+        fast=True,
+    ),
+    Mutation(
+        "hash-memo-trusts-a-reused-identity",
+        "the hash memo uses an entry without checking its pieces are the very objects handed in",
+        (
+            "tests/core/test_hash_memo.py::test_an_entry_is_used_only_while_its_pieces_are_the_very_objects_handed_in",
+        ),
+        "HashMemo._longest",
+        r"if not all\(r\(\) is p for r, p in zip\(entry\.refs, pieces, strict=False\)\):",
+        "if False:",
+        fast=True,
+    ),
+    Mutation(
+        "pieces-cache-counts-a-shared-piece-per-text",
+        "the pieces cache counts a piece shared by many texts once per text (a cycle of them thrashes)",
+        (
+            "tests/core/test_hash_memo.py::test_texts_sharing_a_piece_count_it_once_in_the_pieces_cache",
+        ),
+        "PiecesCache._hold",
+        r"                seen\[0\] \+= 1",
+        "                seen[0] += 1\n                self._held += p.size",
         fast=True,
     ),
     Mutation(
