@@ -64,7 +64,9 @@ class PiecesCache:
     The bound counts each distinct piece once: texts that share a piece (a document's joined
     tail behind 64 different first lines, ``proxy.core.chunk_tails``) share its memory, and
     counting it per text made 64 such 50k-token texts look like 3.2M tokens, over the bound,
-    so that cycling through them evicted each one just before it came back.
+    so that cycling through them evicted each one just before it came back. Entries are
+    bounded in number too (``max_entries``): texts made only of pieces held already (the
+    same chunks in another order) add entries but no tokens.
 
     Texts under ``min_chars`` (roles, the ``<role>`` markers, short messages) are kept apart,
     by their own value, in an LRU of ``max_small`` entries: sizing and the prefix hashes
@@ -74,9 +76,14 @@ class PiecesCache:
     """
 
     def __init__(
-        self, max_tokens: int = 2_000_000, min_chars: int = 256, max_small: int = 4096
+        self,
+        max_tokens: int = 2_000_000,
+        min_chars: int = 256,
+        max_small: int = 4096,
+        max_entries: int = 16_384,
     ) -> None:
         self.max_tokens = max_tokens
+        self.max_entries = max_entries
         self.min_chars = min_chars
         self.max_small = max_small
         self._lru: OrderedDict[bytes, Tokens] = OrderedDict()
@@ -111,7 +118,7 @@ class PiecesCache:
             if key not in self._lru:
                 self._lru[key] = got
                 self._hold(got[0])
-            while self._held > self.max_tokens and self._lru:
+            while (self._held > self.max_tokens or len(self._lru) > self.max_entries) and self._lru:
                 _, old = self._lru.popitem(last=False)
                 self._release(old[0])
         return got

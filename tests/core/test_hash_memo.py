@@ -163,3 +163,18 @@ def test_a_chats_next_turn_through_the_pieces_cache_continues_the_last_prompt() 
     got = prompt_hashes({"messages": follow}, "t", encode, 100_000, 16, cache)
     assert got == prompt_hashes({"messages": follow}, "t", encode, 100_000, 16)
     assert (cache.hashes.prefix, cache.hashes.missed) == (1, 1)
+
+
+def test_texts_made_only_of_held_pieces_are_bounded_in_number() -> None:
+    # The same chunks in another order add an entry and no tokens: the count bounds them.
+    shared = [piece_of(list(range(i, i + 50))) for i in range(4)]
+    cache = PiecesCache(max_tokens=1_000, min_chars=10, max_entries=8)
+    for i in range(40):
+        order = shared[i % 4 :] + shared[: i % 4]
+
+        def encode(_: str, o: list[Piece] = order) -> list[Piece]:
+            return list(o)
+
+        cache.tokens("t", encode, f"text {i} " * 5)
+    assert len(cache._lru) == 8
+    assert cache.held_tokens == 200
