@@ -47,22 +47,26 @@ class SizingCollector(Collector):
         yield GaugeMetricFamily(
             "kvroute_sizing_chunk_cache_entries", "Chunks the chunk cache holds", value=len(c)
         )
-        where = CounterMetricFamily(
+        yield _by_label(
             "kvroute_sizing_big_requests",
             "Requests above routing.tokenize_in_thread_chars: sized on the loop from the "
             "caches (cache), after a sizing thread encoded their new chunks (encoded), whole "
             "in a sizing thread (thread), or routed on an upper bound while counted (bound)",
-            labels=["where"],
+            "where",
+            sizing.SIZED_WHERE,
         )
-        for key, n in sizing.SIZED_WHERE.items():
-            where.add_metric([key], n)
-        yield where
-        memo = CounterMetricFamily(
+        yield _by_label(
             "kvroute_prefix_hash_memo_lookups",
             "Prompts' block hashes looked up by their pieces (proxy.core.hash_memo): found "
             "whole, continued from a known prefix, or computed from nothing",
-            labels=["result"],
+            "result",
+            hash_memo.LOOKUPS,
         )
-        for key, n in hash_memo.LOOKUPS.items():
-            memo.add_metric([key], n)
-        yield memo
+
+
+def _by_label(name: str, doc: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter with one sample per key of ``counts`` (a process-wide dict of totals)."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, n in counts.items():
+        family.add_metric([key], n)
+    return family
