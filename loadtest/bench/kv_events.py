@@ -41,7 +41,15 @@ from typing import Any
 
 import httpx
 
-from loadtest.bench.kv_events_measure import Row, drive, fill, request_urls, table
+from loadtest.bench.kv_events_measure import (
+    Row,
+    ceiling,
+    drive,
+    fill,
+    ratios,
+    request_urls,
+    table,
+)
 from loadtest.bench.overhead_targets import find_vllm_router
 from loadtest.bench.prefix import bodies, scrape, wait_reported, wait_serving
 from loadtest.local_fleet import EngineSpec, LocalFleet, Proc, free_port, wait_http
@@ -55,6 +63,8 @@ TARGETS = (
     "vllm-router kv_aware",
 )
 ENGINES = 4
+#: The engines' KV block (``EngineSpec``'s default; vllm-router's ``--kv-event-block-size``).
+BLOCK_SIZE = 16
 #: Per engine: the largest document (30k tokens) with its questions and answer must fit.
 MIN_CAPACITY = 40_000
 
@@ -158,7 +168,7 @@ def start_router(exe: str, policy: str, fleet: LocalFleet, ports: list[int]) -> 
         for proc, base in zip(fleet.engines, ports, strict=True):
             argv += ["--kv-event-source", f"{proc.url}=tcp://127.0.0.1:{base}"]
             argv += ["--kv-event-replay-source", f"{proc.url}=tcp://127.0.0.1:{base + 1}"]
-        argv += ["--kv-event-block-size", "16", "--kv-event-model", "sim-model"]
+        argv += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", "sim-model"]
     proc = Proc(f"vllm-router-{port}", argv, f"http://127.0.0.1:{port}")
     proc.start(log_dir=fleet.workdir)
     wait_serving(proc.url, proc, timeout_s=30.0)
@@ -268,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the engines' event layout: batch_array (vLLM 0.28: the one vllm-router 0.1.17 "
         "decodes), array (older vLLM) or map (newer vLLM)",
     )
+    p.add_argument("--runs", type=int, default=1, help="every row this many times, in turn")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     n = 120 if args.quick else args.requests
@@ -288,16 +299,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         t for t in TARGETS if not args.targets or any(k in t for k in args.targets.split(","))
     ]
     rows: list[Row] = []
+    ceilings = {}
     for scenario in args.scenarios.split(","):
-        for target in targets:
-            row = one_row(scenario, target, w, payloads, args)
-            if row.note.startswith("did not start"):
-                # Ports are picked free, then bound by the engines: another process on the
-                # box may take one in between. A fresh fleet, fresh ports.
+        urls = request_urls(scenario, ["router"], ["engine"], len(payloads), args.seed)
+        most = ceiling(payloads, [not u.startswith("direct:") for u in urls], BLOCK_SIZE)
+        ceilings[scenario] = most
+        print(
+            f"{scenario}: ceiling {most.all:.1%} of all prompt tokens, {most.routed:.1%} of "
+            "routed ones (every block sent before still cached)",
+            flush=True,
+        )
+    for run in range(1, args.runs + 1):
+        for scenario, most in ceilings.items():
+            for target in targets:
                 row = one_row(scenario, target, w, payloads, args)
-            print(json.dumps(row.__dict__), flush=True)
-            rows.append(row)
+                if row.note.startswith("did not start"):
+                    # Ports are picked free, then bound by the engines: another process on
+                    # the box may take one in between. A fresh fleet, fresh ports.
+                    row = one_row(scenario, target, w, payloads, args)
+                row.run, row.ceiling, row.routed_ceiling = run, most.all, most.routed
+                print(json.dumps(row.__dict__), flush=True)
+                rows.append(row)
     print(table(rows))
+    print(ratios(rows))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1))
