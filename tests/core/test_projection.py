@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from proxy.core.projection import (
     Flight,
     OutputRatios,
@@ -64,6 +67,26 @@ def test_expected_output_is_a_high_quantile_of_the_learned_ratio() -> None:
         ratios.observe("model:m", output_tokens=i + 1, max_tokens=100)
     assert ratios.ratio("model:m") == 0.91
     assert ratios.expected(["model:m"], 1000) == 910
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 3000), st.integers(-5, 2000)), max_size=300),
+    st.integers(1, 40),
+    st.floats(0.0, 1.0),
+)
+def test_the_kept_order_gives_the_quantile_of_the_window_sorted(
+    samples: list[tuple[int, int]], window: int, quantile: float
+) -> None:
+    # The window is kept sorted as samples come and go: it must answer what sorting the
+    # window at each question would.
+    ratios = OutputRatios(quantile=quantile, min_samples=1, window=window)
+    kept: list[float] = []
+    for out, most in samples:
+        ratios.observe("k", out, most)
+        if most > 0:
+            kept = [*kept, min(1.0, max(0.0, out / most))][-window:]
+        want = sorted(kept)[min(len(kept) - 1, int(quantile * len(kept)))] if kept else None
+        assert ratios.ratio("k") == want
 
 
 def test_too_few_samples_mean_the_worst_case() -> None:

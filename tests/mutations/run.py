@@ -219,6 +219,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "output-quantile-keeps-what-left-the-window",
+        "the sorted copy of the learned ratios never drops a sample the window forgot",
+        ("tests/core/test_projection.py",),
+        "OutputRatios.observe",
+        r"del ordered\[bisect_left\(ordered, ratios\[0\]\)\]",
+        "pass",
+        fast=True,
+    ),
+    Mutation(
         "projection-even-split-on-data-parallel",
         "a data-parallel node's flights split evenly over its engines, whatever they hold",
         ("tests/core/test_projection.py",),
