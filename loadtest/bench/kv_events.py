@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 
 from loadtest.bench.kv_events_measure import (
+    Ceiling,
     Row,
     ceiling,
     drive,
@@ -299,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         t for t in TARGETS if not args.targets or any(k in t for k in args.targets.split(","))
     ]
     rows: list[Row] = []
-    ceilings = {}
+    ceilings: dict[str, Ceiling] = {}
     for scenario in args.scenarios.split(","):
         urls = request_urls(scenario, ["router"], ["engine"], len(payloads), args.seed)
         most = ceiling(payloads, [not u.startswith("direct:") for u in urls], BLOCK_SIZE)
