@@ -114,6 +114,9 @@ class RequestContext:
     two_step: TwoStep | None = None
     # False for step 1 of two: its answer is not the request's, so its success is not counted.
     counts_request: bool = True
+    # Where its output ratio is learned (``MemoryPressure.keys``), worked out once: the
+    # request's ranking, placement and answer all ask, and each asking hashed the credential.
+    output_keys: list[str] | None = None
 
     def answer_headers(
         self,

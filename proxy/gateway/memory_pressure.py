@@ -104,9 +104,12 @@ class MemoryPressure:
         on it outgrew one engine and preempted. Below ``min_samples`` for its class a request
         counts at ``max_tokens``.
         """
+        if ctx.output_keys is not None:
+            return ctx.output_keys
         model = f"model:{ctx.parsed.model}|{ctx.cls}"
         client = client_key(ctx) if self.per_client else None
-        return [f"{client}|{model}", model] if client else [model]
+        ctx.output_keys = [f"{client}|{model}", model] if client else [model]
+        return ctx.output_keys
 
     def flight_for(self, ctx: RequestContext) -> Flight:
         max_out = max(1, ctx.demand - ctx.prompt_tokens)

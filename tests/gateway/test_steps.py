@@ -278,3 +278,18 @@ async def test_cause_at_backend_prefers_the_backends_own_figure(gw: Gateway) -> 
     assert cause_at_backend(UpstreamVerdict("allocation"), 40_000, "a", snap) == "capacity"
     told = UpstreamVerdict("allocation", free_tokens=50_000)
     assert cause_at_backend(told, 40_000, "a", snap) == "fragmentation"
+
+
+# ------------------------------------------------------------------ memory pressure
+async def test_output_keys_are_worked_out_once_per_request_and_per_client(gw: Gateway) -> None:
+    first = await context(gw, request(headers={"authorization": "Bearer one"}))
+    keys = gw.pressure.keys(first)
+    model = f"model:m|{first.cls}"
+    assert keys[1] == model and keys[0].startswith("client:") and keys[0].endswith(model)
+    assert "one" not in keys[0]  # a hash of the credential, never the credential
+    # Asked again (ranking, placement, the answer): the very list, not a new hash.
+    assert gw.pressure.keys(first) is keys
+    # Another client's request learns under its own key; no credential: the model's only.
+    other = await context(gw, request(headers={"authorization": "Bearer two"}))
+    assert gw.pressure.keys(other)[0] != keys[0]
+    assert gw.pressure.keys(await context(gw)) == [model]
