@@ -243,8 +243,8 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/e2e/test_memory_pressure_e2e.py::test_a_class_without_its_own_samples_counts_at_max_tokens_not_at_another_classs",
         ),
         "MemoryPressure.keys",
-        r'return \[f"\{client\}\|\{model\}", model\] if client else \[model\]',
-        'return [f"{client}|{model}", model, f"model:{ctx.parsed.model}"]',
+        r'ctx\.output_keys = \[f"\{client\}\|\{model\}", model\] if client else \[model\]',
+        'ctx.output_keys = [f"{client}|{model}", model, f"model:{ctx.parsed.model}"]',
     ),
     Mutation(
         "non-streamed-answers-teach-nothing",
