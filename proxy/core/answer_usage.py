@@ -6,14 +6,14 @@ count. Without reading it, every client that does not stream would be projected 
 ``max_tokens`` for ever (the learned ratios only ever saw streams). With ``n`` choices the
 count covers all of them while ``max_tokens`` bounds each, so the count is per choice.
 
-Pure: bytes in, numbers out.
+Pure: the parsed answer in, numbers out (the gateway parses each answer once, to check it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-
-import orjson
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +38,8 @@ def _choice_chars(choice: object) -> int:
     return len(text.encode()) if isinstance(text, str) else 0
 
 
-def answer_usage(body: bytes) -> AnswerUsage | None:
+def answer_usage(data: Mapping[str, Any]) -> AnswerUsage | None:
     """The output of a JSON answer; None when it has no ``usage.completion_tokens`` to trust."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(data, dict):
-        return None
     usage = data.get("usage")
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:

@@ -17,6 +17,7 @@ from typing import Protocol
 from starlette.responses import Response
 
 from proxy.core.fleet import FailureCause, FleetSnapshot, classify_failure
+from proxy.core.sample_gate import SampleGate
 from proxy.errors import ApiError, UpstreamBroken, UpstreamFailure, upstream_answer
 from proxy.gateway.context import FAILURE_RESULTS, AttemptResult, RequestContext
 from proxy.gateway.divert import DivertPorts, divert, record_allocation_failure, verdict_for
@@ -25,7 +26,13 @@ from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.memory_pressure import MemoryPressure
 from proxy.gateway.models import KindErrors
 from proxy.gateway.token_counts import TokenCounts
-from proxy.upstream.classify import UpstreamVerdict, Verdict, classify_response, is_json_object
+from proxy.upstream.classify import (
+    UpstreamVerdict,
+    Verdict,
+    classify_response,
+    is_json_object,
+    json_object,
+)
 from proxy.upstream.client import (
     AnswerTooLarge,
     BodyTimeout,
@@ -47,6 +54,8 @@ class AnswerPorts(DivertPorts, Protocol):
     ledger: ReservationLedger
     pressure: MemoryPressure
     token_counts: TokenCounts
+    # What the two learn from whole answers, at most so many a second per model.
+    answer_samples: SampleGate
 
 
 # Of a failed backend's headers, only Retry-After reaches the client.
@@ -227,7 +236,8 @@ async def whole_answer(
         broken_answer(gw, ctx, backend, resp, "broken", message)
         return None
     resp.release()
-    if not is_json_object(body):
+    answer_json = json_object(body)
+    if answer_json is None:
         message = f"backend {backend} sent an answer that is not a JSON object"
         answer = upstream_answer("bad_response", message)
         divert(gw, ctx, backend, answer, result="garbage", broken=message)
@@ -235,8 +245,9 @@ async def whole_answer(
     gw.metrics.labelled(gw.metrics.attempts, backend, "ok").inc()
     gw.health.success(backend)
     ctx.backend = backend
-    gw.token_counts.observe(ctx.parsed.model, ctx.counted_prompt_tokens, body)
-    gw.pressure.answered(ctx, backend, body)
+    if gw.answer_samples.take(ctx.parsed.model, time.monotonic()):
+        gw.token_counts.observe(ctx.parsed.model, ctx.counted_prompt_tokens, body)
+        gw.pressure.answered(ctx, backend, answer_json)
     # Off the answer's path (a Redis round trip).
     gw.tasks.release_later(ctx, backend)
     if ctx.counts_request:

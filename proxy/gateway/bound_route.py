@@ -44,7 +44,7 @@ from proxy.config import Config
 from proxy.core.catalog import Catalog, ModelRoute
 from proxy.core.chunk_count import EncodeJob
 from proxy.core.chunked_counter import ChunkedCounter
-from proxy.core.demand import Demand
+from proxy.core.demand import Demand, Sizer
 from proxy.core.fleet import FleetSnapshot
 from proxy.core.size_bounds import DemandBounds, demand_bounds, new_within
 from proxy.core.two_step import prefill_only
@@ -103,12 +103,16 @@ async def size_or_bound(
     catalog: Catalog,
 ) -> Demand | Bound:
     """The exact demand, or a ``Bound`` to route on when the exact count cannot change the route."""
-    if not _may_bound(cfg, parsed):
-        return await sizing.size_request(parsed, cfg, served.limit)
+    sizer = sizing.loaded(cfg)
+    chars = _work_chars(sizer, parsed, cfg.routing.tokenize_in_thread_chars)
+    if not _may_bound(cfg, parsed, sizer, chars):
+        return await sizing.size_request(parsed, cfg, served.limit, chars=chars)
     cached = sizing.size_from_caches(parsed, cfg, served.limit)
     if not isinstance(cached, EncodeJob):
         return (
-            cached if cached is not None else await sizing.size_request(parsed, cfg, served.limit)
+            cached
+            if cached is not None
+            else await sizing.size_request(parsed, cfg, served.limit, chars=chars)
         )
     job = cached
     sizer = sizing.sizer_for(cfg)
@@ -150,15 +154,30 @@ def pending() -> int:
     return _pending
 
 
-def _may_bound(cfg: Config, parsed: ParsedRequest) -> bool:
+def _work_chars(sizer: Sizer | None, parsed: ParsedRequest, inline: int) -> int | None:
+    """What decides inline or threaded counting, worked out once and handed on (None while
+    the sizer is being built).
+
+    Walking every field of the body for it cost a tiny request more than its own count, and
+    it was walked twice (docs/benchmarks.md, section 9). A body of at most ``inline`` bytes is
+    counted inline whatever its fields hold, so its length stands for the walk.
+    """
+    if sizer is None:
+        return None
+    if len(parsed.raw) <= inline:
+        return len(parsed.raw)
+    return sizer.work_chars(parsed)
+
+
+def _may_bound(cfg: Config, parsed: ParsedRequest, sizer: Sizer | None, chars: int | None) -> bool:
+    """Whether ``parsed`` (``chars`` to count, as ``sizer`` sees them) may route on a bound."""
+    if sizer is None or chars is None or chars <= cfg.routing.tokenize_in_thread_chars:
+        return False
     if not cfg.sizing.route_on_bound or prefill_only(cfg.backends):
         return False
     if _pending >= PENDING_PER_THREAD * cfg.sizing.threads:
         return False
-    sizer = sizing.loaded(cfg)
-    if sizer is None or not isinstance(sizer.model(parsed.model).counter, ChunkedCounter):
-        return False
-    return sizer.work_chars(parsed) > cfg.routing.tokenize_in_thread_chars
+    return isinstance(sizer.model(parsed.model).counter, ChunkedCounter)
 
 
 def _corrected(gw: BoundPorts, parsed: ParsedRequest, d: Demand) -> Demand:

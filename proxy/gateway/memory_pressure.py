@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from proxy.config import Config
 from proxy.core.aging import HeldOrder
 from proxy.core.answer_usage import answer_usage
-from proxy.core.fleet import FleetSnapshot, NodeView, Overlay
+from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.core.preemption_headroom import HeadroomSettings, PreemptionHeadroom
 from proxy.core.projection import (
     Flight,
@@ -121,14 +121,22 @@ class MemoryPressure:
         """``view`` with each lazily allocating node's projected peak set (a per-request view)."""
         if not self.enabled:
             return view
-        new = self.flight_for(ctx)
-        nodes = tuple(self._project(n, new, ctx, now) for n in view.nodes)
-        return FleetSnapshot(nodes, taken_at=view.taken_at)
+        new: Flight | None = None
+        nodes: list[NodeView] = []
+        for n in view.nodes:
+            r = n.report
+            if r is not None and r.queueing:
+                if new is None:
+                    new = self.flight_for(ctx)
+                n = self._project(n, r, new, ctx, now)
+            nodes.append(n)
+        # No lazily allocating node (a contiguous fleet): the view as it was, nothing built.
+        return view if new is None else FleetSnapshot(tuple(nodes), taken_at=view.taken_at)
 
-    def _project(self, n: NodeView, new: Flight, ctx: RequestContext, now: float) -> NodeView:
-        r = n.report
-        if r is None or not r.queueing:
-            return n
+    def _project(
+        self, n: NodeView, r: MemoryReport, new: Flight, ctx: RequestContext, now: float
+    ) -> NodeView:
+        """``n`` (whose report ``r`` says it allocates lazily) with ``new``'s projected peak."""
         budget = self.headroom.observe(n.name, r.preemptions, now)
         if self._shown.get(n.name) != budget:
             self._shown[n.name] = budget
@@ -248,7 +256,7 @@ class MemoryPressure:
         for key in self.keys(ctx):
             self.ratios.observe(key, flight.generated, flight.max_tokens)
 
-    def answered(self, ctx: RequestContext, backend: str, body: bytes) -> None:
+    def answered(self, ctx: RequestContext, backend: str, answer: Mapping[str, Any]) -> None:
         """A whole JSON answer: learn its output / max_tokens from the server's own count.
 
         Clients that do not stream would otherwise be projected at ``max_tokens`` for ever.
@@ -256,7 +264,7 @@ class MemoryPressure:
         flight = self.flights.get(backend, {}).get(ctx.reservation_id)
         if flight is None:
             return
-        usage = answer_usage(body)
+        usage = answer_usage(answer)
         if usage is None:
             return
         written = flight.max_tokens if usage.at_length else usage.completion_tokens

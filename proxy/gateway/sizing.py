@@ -96,15 +96,17 @@ async def size_request(
     cfg: Config,
     max_model_len: int | None = None,
     job: EncodeJob | None = None,
+    chars: int | None = None,
 ) -> Demand:
     """The request's KV demand, counted inline when small and in a sizing thread otherwise.
 
     ``job``: the new chunks ``size_from_caches`` found, encoded first (not looked up again).
+    ``chars``: ``Sizer.work_chars`` of ``parsed`` when the caller has it already.
     """
     sizer = _loaded(cfg) or await load_sizer(cfg)
     prefix = cfg.routing.prefix
     inline = cfg.routing.tokenize_in_thread_chars
-    if sizer.work_chars(parsed) <= inline:
+    if (chars if chars is not None else sizer.work_chars(parsed)) <= inline:
         demand, hashes = _size(sizer, parsed, prefix, max_model_len)
     else:
         demand, hashes = await _size_big(sizer, parsed, prefix, max_model_len, inline, job)

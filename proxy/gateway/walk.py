@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 from proxy.config import Config
 from proxy.core.redact import safe_request_id
+from proxy.core.sample_gate import SampleGate
 from proxy.core.validation import Endpoint
 from proxy.errors import ApiError
 from proxy.gateway import continuation, disaggregated, intake, placement
@@ -157,6 +158,8 @@ class Gateway:
         self.pressure = MemoryPressure(cfg, metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.
         self.token_counts = TokenCounts(cfg, metrics.registry)
+        # Both learn from JSON answers at a bounded rate (proxy.core.sample_gate).
+        self.answer_samples = SampleGate()
         self.continuation_metrics = ContinuationMetrics(metrics.registry)
 
     # ---------------------------------------------------------------- the walk

@@ -7,7 +7,7 @@ other servers' capacity errors (vLLM/TGI/custom) by status and well-known phrase
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 
@@ -78,12 +78,22 @@ def classify_response(status: int, body: bytes, retry_after: str | None = None) 
 _SSE_STARTS = (b"data:", b"event:", b"id:", b"retry:", b":", b"\n", b"\r")
 
 
+def json_object(body: bytes) -> dict[str, Any] | None:
+    """The answer as a JSON object; None when it is anything else (garbage to divert).
+
+    A 2xx answer to an OpenAI endpoint is a JSON object. The parsed object is handed on, so
+    that what reads the answer's usage does not parse it again.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def is_json_object(body: bytes) -> bool:
     """A 2xx answer to an OpenAI endpoint is a JSON object; anything else is garbage to divert."""
-    try:
-        return isinstance(orjson.loads(body), dict)
-    except orjson.JSONDecodeError:
-        return False
+    return json_object(body) is not None
 
 
 def looks_like_sse(first_chunk: bytes) -> bool:

@@ -5,10 +5,16 @@ from __future__ import annotations
 import orjson
 
 from proxy.core.answer_usage import AnswerUsage, answer_usage
+from proxy.upstream.classify import json_object
 
 
-def body(choices: list[dict[str, object]], usage: object) -> bytes:
-    return orjson.dumps({"object": "chat.completion", "choices": choices, "usage": usage})
+def body(choices: list[dict[str, object]], usage: object) -> dict[str, object]:
+    # As the gateway hands it on: the answer's bytes parsed once (``json_object``).
+    parsed = json_object(
+        orjson.dumps({"object": "chat.completion", "choices": choices, "usage": usage})
+    )
+    assert parsed is not None
+    return parsed
 
 
 def test_a_chat_answer_gives_its_count_its_end_and_its_text() -> None:
@@ -37,5 +43,6 @@ def test_answers_without_a_usable_count_teach_nothing() -> None:
     assert answer_usage(body([choice], {"completion_tokens": "7"})) is None
     assert answer_usage(body([choice], {"completion_tokens": -1})) is None
     assert answer_usage(body([choice], {"completion_tokens": True})) is None
-    assert answer_usage(b"[1, 2]") is None
-    assert answer_usage(b"{not json") is None
+    assert json_object(b"[1, 2]") is None
+    assert json_object(b"{not json") is None
+    assert json_object(b'"text"') is None

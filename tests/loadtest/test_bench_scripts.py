@@ -229,6 +229,23 @@ def test_tree_ab_smoke() -> None:
     assert "paired B/A: req/s x" in out and "CPU per request x" in out
 
 
+def test_each_side_of_an_ab_runs_its_own_tree_even_started_inside_another(tmp_path: Path) -> None:
+    """``python -m`` puts the working directory first: run from inside a checkout, both
+    gateways once ran that checkout, and an A/B compared a tree with itself."""
+    from loadtest.bench.tree_ab import in_tree
+
+    for side in ("here", "there"):
+        (tmp_path / side / "kvroute_probe").mkdir(parents=True)
+        (tmp_path / side / "kvroute_probe" / "__main__.py").write_text(
+            f"import sys; print({side!r}, sys.argv[1:])"
+        )
+    argv = in_tree(tmp_path / "there", "kvroute_probe", "--port", "1")
+    out = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, cwd=tmp_path / "here", check=True
+    )
+    assert out.stdout.strip() == "there ['--port', '1']"
+
+
 def test_the_bench_entry_lists_every_subcommand_and_refuses_others() -> None:
     from loadtest.bench.__main__ import SUBCOMMANDS
 
