@@ -117,6 +117,9 @@ class RequestContext:
     # Where its output ratio is learned (``MemoryPressure.keys``), worked out once: the
     # request's ranking, placement and answer all ask, and each asking hashed the credential.
     output_keys: list[str] | None = None
+    # (max new tokens, expected output) as a ranking projected it (``MemoryPressure.flight_for``):
+    # placement reuses it. None: no ranking projected this request.
+    expected_output: tuple[int, int] | None = None
 
     def answer_headers(
         self,

@@ -111,9 +111,22 @@ class MemoryPressure:
         ctx.output_keys = [f"{client}|{model}", model] if client else [model]
         return ctx.output_keys
 
-    def flight_for(self, ctx: RequestContext) -> Flight:
+    def flight_for(self, ctx: RequestContext, project: bool = True) -> Flight:
+        """The request as a flight: its expected output learned (``project``), else its max.
+
+        The expected output is worked out once per request, by the ranking that projects it
+        (``apply``), and placement reuses it. Where no ranking projected the request (no
+        lazily allocating node in view: a contiguous server holds a request at its whole
+        ``max_tokens``), placement records it at its max without looking anything up.
+        """
         max_out = max(1, ctx.demand - ctx.prompt_tokens)
-        expected = self.ratios.expected(self.keys(ctx), max_out) if self.enabled else max_out
+        memo = ctx.expected_output
+        if memo is not None and memo[0] == max_out:
+            return Flight(ctx.prompt_tokens, max_out, memo[1])
+        if not project or not self.enabled:
+            return Flight(ctx.prompt_tokens, max_out, max_out)
+        expected = self.ratios.expected(self.keys(ctx), max_out)
+        ctx.expected_output = (max_out, expected)
         return Flight(ctx.prompt_tokens, max_out, expected)
 
     # ------------------------------------------------------------------ ranking
@@ -215,7 +228,7 @@ class MemoryPressure:
     # ------------------------------------------------------------------ request life
     def placed(self, ctx: RequestContext, backend: str) -> None:
         self.order.placed(ctx.reservation_id)
-        flight = self.flight_for(ctx)
+        flight = self.flight_for(ctx, project=False)
         flight.engine = self._chosen.pop(ctx.reservation_id, {}).get(backend)
         self.flights.setdefault(backend, {})[ctx.reservation_id] = flight
 
