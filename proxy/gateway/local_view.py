@@ -8,51 +8,133 @@ node from the moment it is attempted (before the store's answer), until it is re
 snapshot read after it was confirmed shows it (then the store's overlay counts it, and
 counting it here too would count it twice). A reservation whose store call failed (the store
 is unreachable) stays counted here until it ends: the replica's view stays its own best guess.
+
+Every request ranks on this view, so it is kept as running sums per backend rather than
+walked: walking every reservation in flight made each request's cost grow with the
+concurrency (at 64 connections it was 3% of the gateway's CPU). A confirmed reservation
+leaves the sums once a snapshot read after its confirmation is applied (a heap by
+confirmation time); a view of an older snapshot than the newest applied is walked as before.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+import itertools
+from dataclasses import dataclass, field
 
 from proxy.core.fleet import FleetSnapshot, NodeView
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Local:
     tokens: int
     # The fleet cache's clock when the store confirmed it; None until then (or never).
     confirmed_at: float | None = None
+    # In its backend's running sums: not confirmed, or confirmed no earlier than the newest
+    # snapshot applied (which cannot show it yet).
+    counted: bool = True
+
+
+@dataclass(slots=True)
+class _Backend:
+    entries: dict[str, _Local] = field(default_factory=dict)
+    tokens: int = 0
+    count: int = 0
+    # The newest snapshot time applied: confirmed entries before it are out of the sums.
+    seen: float = float("-inf")
+    # Confirmed entries by confirmation time (ties in order): (at, seq, entry). An item
+    # whose entry was confirmed again since, or is gone, is skipped when it comes up.
+    confirmed: list[tuple[float, int, _Local]] = field(default_factory=list)
+
+    def uncount(self, e: _Local) -> None:
+        if e.counted:
+            e.counted = False
+            self.tokens -= e.tokens
+            self.count -= 1
+
+    def advance(self, taken_at: float) -> None:
+        """Apply a snapshot read at ``taken_at`` (not older than ``seen``): it shows what was
+        confirmed before it."""
+        self.seen = taken_at
+        heap = self.confirmed
+        while heap and heap[0][0] < taken_at:
+            at, _, e = heapq.heappop(heap)
+            if e.confirmed_at == at:  # not confirmed again at another time since
+                self.uncount(e)
+
+    def walked(self, taken_at: float) -> tuple[int, int]:
+        """The sums for an older snapshot than ``seen``, walked (the view as it was then)."""
+        tokens = count = 0
+        for e in self.entries.values():
+            if e.confirmed_at is None or e.confirmed_at >= taken_at:
+                tokens += e.tokens
+                count += 1
+        return tokens, count
 
 
 class LocalReservations:
     """Reservations in flight through this replica, by backend and reservation id."""
 
     def __init__(self) -> None:
-        self._by_backend: dict[str, dict[str, _Local]] = {}
+        self._by_backend: dict[str, _Backend] = {}
+        self._seq = itertools.count()
 
     def add(self, backend: str, reservation_id: str, tokens: int) -> None:
-        self._by_backend.setdefault(backend, {})[reservation_id] = _Local(tokens)
+        b = self._by_backend.get(backend)
+        if b is None:
+            b = self._by_backend[backend] = _Backend()
+        old = b.entries.get(reservation_id)
+        if old is not None:
+            b.uncount(old)
+        b.entries[reservation_id] = _Local(tokens)
+        b.tokens += tokens
+        b.count += 1
 
     def confirm(self, backend: str, reservation_id: str, at: float) -> None:
-        entry = self._by_backend.get(backend, {}).get(reservation_id)
-        if entry is not None:
-            entry.confirmed_at = at
+        b = self._by_backend.get(backend)
+        e = b.entries.get(reservation_id) if b is not None else None
+        if b is None or e is None:
+            return
+        e.confirmed_at = at  # a later confirmation replaces an earlier one
+        if at < b.seen:
+            b.uncount(e)  # a snapshot newer than its confirmation is applied already
+        else:
+            if not e.counted:
+                e.counted = True
+                b.tokens += e.tokens
+                b.count += 1
+            heapq.heappush(b.confirmed, (at, next(self._seq), e))
+            if len(b.confirmed) > 2 * len(b.entries) + 64:
+                # Entries removed before a snapshot passed them: drop them from the heap.
+                b.confirmed = [
+                    item
+                    for item in b.confirmed
+                    if item[2].counted and item[2].confirmed_at == item[0]
+                ]
+                heapq.heapify(b.confirmed)
 
     def shrink(self, backend: str, reservation_id: str, tokens: int) -> None:
         """Count a reservation at its lowered size (``ReservationLedger.shrink``)."""
-        entry = self._by_backend.get(backend, {}).get(reservation_id)
-        if entry is not None:
-            entry.tokens = min(entry.tokens, tokens)
+        b = self._by_backend.get(backend)
+        e = b.entries.get(reservation_id) if b is not None else None
+        if b is None or e is None or tokens >= e.tokens:
+            return
+        if e.counted:
+            b.tokens -= e.tokens - tokens
+        e.tokens = tokens
 
     def remove(self, backend: str, reservation_id: str) -> None:
-        held = self._by_backend.get(backend)
-        if held is not None:
-            held.pop(reservation_id, None)
-            if not held:
-                del self._by_backend[backend]
+        b = self._by_backend.get(backend)
+        if b is None:
+            return
+        e = b.entries.pop(reservation_id, None)
+        if e is not None:
+            b.uncount(e)
+        if not b.entries:
+            del self._by_backend[backend]
 
     def count(self) -> int:
-        return sum(len(held) for held in self._by_backend.values())
+        return sum(len(b.entries) for b in self._by_backend.values())
 
     def apply(self, snap: FleetSnapshot) -> FleetSnapshot:
         """``snap`` with this replica's reservations that it cannot show yet added as pending."""
@@ -64,13 +146,12 @@ class LocalReservations:
         return FleetSnapshot(nodes, taken_at=taken_at)
 
     def _apply_one(self, n: NodeView, taken_at: float) -> NodeView:
-        # One pass, no list (every request walks every reservation in flight here).
-        tokens = count = 0
-        for e in self._by_backend[n.name].values():
-            # Confirmed before the snapshot was read: the store's overlay shows it already.
-            if e.confirmed_at is None or e.confirmed_at >= taken_at:
-                tokens += e.tokens
-                count += 1
+        b = self._by_backend[n.name]
+        if taken_at >= b.seen:
+            b.advance(taken_at)
+            tokens, count = b.tokens, b.count
+        else:
+            tokens, count = b.walked(taken_at)
         if not count:
             return n
         return n.with_overlay(n.overlay.plus_pending(tokens, count))

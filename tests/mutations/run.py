@@ -219,6 +219,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "local-view-counts-what-the-snapshot-shows",
+        "this replica's running sums keep a reservation confirmed before the newest snapshot",
+        ("tests/gateway/test_local_view.py",),
+        "LocalReservations.confirm",
+        r"b\.uncount\(e\)  # a snapshot newer",
+        "pass  # a snapshot newer",
+        fast=True,
+    ),
+    Mutation(
         "output-quantile-keeps-what-left-the-window",
         "the sorted copy of the learned ratios never drops a sample the window forgot",
         ("tests/core/test_projection.py",),
@@ -253,7 +262,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/e2e/test_memory_pressure_e2e.py::test_non_streamed_answers_teach_the_output_length_too",
         ),
         "whole_answer",
-        r"^(\s*)gw\.pressure\.answered\(ctx, backend, body\)$",
+        r"^(\s*)gw\.pressure\.answered\(ctx, backend, answer_json\)$",
         r"\1pass  # MUTATION",
     ),
     # ---- outage vs capacity vs fragmentation
