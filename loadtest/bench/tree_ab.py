@@ -3,11 +3,11 @@
     python -m loadtest.bench.tree_ab /path/to/before /path/to/after [--rounds 6] [--stream]
 
 How every change of issue 12 ("Fast") was judged. Each tree's gateway is its own
-``kvroute serve`` importing from that tree first (``in_tree``), both behind the same two trivial backends
-(and, with ``--redis``, the same redis-server). Rounds run A, B, B, A, ... so drift in the
-box's load falls on both; each round prints requests/s and the gateway's CPU microseconds
-per request (from ``/proc``, threads included), and the summary is the median of the
-per-round-pair ratios B/A. On a shared 2-core machine absolute rates swing by 2x between
+``kvroute serve`` importing from that tree first (``in_tree``), both behind the same two
+trivial backends (and, with ``--redis``, the same redis-server). Rounds run A, B, B, A, ...
+so drift in the box's load falls on both; each round prints requests/s and the gateway's
+CPU microseconds per request (from ``/proc``, threads included), and the summary is the
+median of the per-round-pair ratios B/A. On a shared 2-core machine absolute rates swing by 2x between
 runs; only ratios measured side by side mean anything.
 """
 
