@@ -104,7 +104,8 @@ async def size_or_bound(
 ) -> Demand | Bound:
     """The exact demand, or a ``Bound`` to route on when the exact count cannot change the route."""
     sizer = sizing.loaded(cfg)
-    chars = _work_chars(sizer, parsed, cfg.routing.tokenize_in_thread_chars)
+    inline = cfg.routing.tokenize_in_thread_chars
+    chars = sizing.chars_to_count(sizer, parsed, inline) if sizer is not None else None
     if not _may_bound(cfg, parsed, sizer, chars):
         return await sizing.size_request(parsed, cfg, served.limit, chars=chars)
     cached = sizing.size_from_caches(parsed, cfg, served.limit)
@@ -152,21 +153,6 @@ def _count_behind(
 def pending() -> int:
     """Exact counts running behind requests already routed (``PENDING_PER_THREAD`` bounds them)."""
     return _pending
-
-
-def _work_chars(sizer: Sizer | None, parsed: ParsedRequest, inline: int) -> int | None:
-    """What decides inline or threaded counting, worked out once and handed on (None while
-    the sizer is being built).
-
-    Walking every field of the body for it cost a tiny request more than its own count, and
-    it was walked twice (docs/benchmarks.md, section 9). A body of at most ``inline`` bytes is
-    counted inline whatever its fields hold, so its length stands for the walk.
-    """
-    if sizer is None:
-        return None
-    if len(parsed.raw) <= inline:
-        return len(parsed.raw)
-    return sizer.work_chars(parsed)
 
 
 def _may_bound(cfg: Config, parsed: ParsedRequest, sizer: Sizer | None, chars: int | None) -> bool:

@@ -91,6 +91,19 @@ def loaded(cfg: Config) -> Sizer | None:
 _loaded = loaded
 
 
+def chars_to_count(sizer: Sizer, parsed: ParsedRequest, inline: int) -> int:
+    """What decides inline or threaded counting (``Sizer.work_chars``), for a body of more
+    than ``inline`` bytes.
+
+    Walking every field of the body for it cost a tiny request more than its own count
+    (docs/benchmarks.md, section 9). A body of at most ``inline`` bytes is counted inline
+    whatever its fields hold, so its length stands for the walk.
+    """
+    if len(parsed.raw) <= inline:
+        return len(parsed.raw)
+    return sizer.work_chars(parsed)
+
+
 async def size_request(
     parsed: ParsedRequest,
     cfg: Config,
@@ -101,12 +114,12 @@ async def size_request(
     """The request's KV demand, counted inline when small and in a sizing thread otherwise.
 
     ``job``: the new chunks ``size_from_caches`` found, encoded first (not looked up again).
-    ``chars``: ``Sizer.work_chars`` of ``parsed`` when the caller has it already.
+    ``chars``: ``chars_to_count`` of ``parsed`` when the caller has it already.
     """
     sizer = _loaded(cfg) or await load_sizer(cfg)
     prefix = cfg.routing.prefix
     inline = cfg.routing.tokenize_in_thread_chars
-    if (chars if chars is not None else sizer.work_chars(parsed)) <= inline:
+    if (chars if chars is not None else chars_to_count(sizer, parsed, inline)) <= inline:
         demand, hashes = _size(sizer, parsed, prefix, max_model_len)
     else:
         demand, hashes = await _size_big(sizer, parsed, prefix, max_model_len, inline, job)
