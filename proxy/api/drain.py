@@ -32,6 +32,7 @@ import uvicorn
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.api.eager_accept import EagerAccept, accepts_eagerly
 from proxy.gateway.live_streams import LiveStreams
 
 log = logging.getLogger("kvroute.app")
@@ -77,6 +78,26 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
         super().__init__(config)
         self.drain = drain
+        self.acceptors: list[EagerAccept] = []
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if not self.started:
+            return
+        # libuv accepts one connection per turn of the loop: accept the rest ourselves.
+        loop = asyncio.get_running_loop()
+        self.acceptors = [
+            EagerAccept(loop, sock, self._protocol)
+            for sock in sockets or []
+            if accepts_eagerly(sock)
+        ]
+
+    def _protocol(self) -> asyncio.Protocol:
+        """What uvicorn's own ``create_protocol`` builds for a connection it accepts."""
+        protocol: asyncio.Protocol = self.config.http_protocol_class(  # type: ignore[call-arg]
+            config=self.config, server_state=self.server_state, app_state=self.lifespan.state
+        )
+        return protocol
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.drain.begin()
@@ -89,6 +110,8 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.drain.begin()
+        for acceptor in self.acceptors:
+            acceptor.close()
         drain_s = self.drain.drain_s()
         assert self.drain.began_at is not None
         left = max(0.0, drain_s - (time.monotonic() - self.drain.began_at))
