@@ -70,8 +70,14 @@ class _Target:
         self.head = f"POST {self.path} HTTP/1.1\r\nHost: {host}\r\n"
 
 
-def request_bytes(target_head: str, headers: Mapping[str, str], body: bytes) -> bytes:
-    """The whole request, ready for one write; ValueError for a field that cannot be sent."""
+#: A body at least this long is handed to the socket beside the head, not copied behind it
+#: (one ``writelines``: a 220 KB prompt's copy was 1.7% of the gateway's CPU on it).
+JOIN_BELOW_BYTES = 16 * 1024
+
+
+def request_bytes(target_head: str, headers: Mapping[str, str], body: bytes) -> list[bytes]:
+    """The whole request, ready for one write: the head with the body behind it, or the head
+    and a long body side by side; ValueError for a field that cannot be sent."""
     parts = [target_head]
     for name, value in headers.items():
         if name.lower() in _OWN:
@@ -80,7 +86,8 @@ def request_bytes(target_head: str, headers: Mapping[str, str], body: bytes) -> 
             raise ValueError("a header contains a line break")
         parts.append(f"{name}: {value}\r\n")
     parts.append(f"Content-Length: {len(body)}\r\n\r\n")
-    return "".join(parts).encode("latin-1") + body
+    head = "".join(parts).encode("latin-1")
+    return [head, body] if len(body) >= JOIN_BELOW_BYTES else [head + body]
 
 
 class LeanResponse:

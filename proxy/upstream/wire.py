@@ -229,14 +229,18 @@ class WireConnection(asyncio.Protocol):
             self.body.feed_eof()
 
     # -- used by the client
-    def send(self, data: bytes) -> asyncio.Future[None]:
-        """Write one whole request; the future resolves when the answer's headers are in."""
+    def send(self, data: list[bytes]) -> asyncio.Future[None]:
+        """Write one whole request (its parts in order, one write); the future resolves when
+        the answer's headers are in."""
         assert self.transport is not None
         self.status = 0
         self.body = None
         self.complete = False
         self._head = head = self.loop.create_future()
-        self.transport.write(data)
+        if len(data) == 1:
+            self.transport.write(data[0])
+        else:
+            self.transport.writelines(data)
         return head
 
     def reusable(self) -> bool:

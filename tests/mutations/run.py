@@ -237,6 +237,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "long-body-left-behind",
+        "a request body long enough to go beside its head is not sent at all",
+        (
+            "tests/upstream/test_lean_client.py::test_bodies_of_every_size_arrive_whole_and_the_connection_is_reused",
+        ),
+        "request_bytes",
+        r"\[head, body\] if",
+        "[head] if",
+        fast=True,
+    ),
+    Mutation(
         "local-view-counts-what-the-snapshot-shows",
         "this replica's running sums keep a reservation confirmed before the newest snapshot",
         ("tests/gateway/test_local_view.py",),

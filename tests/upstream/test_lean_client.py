@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import orjson
 import pytest
 import uvloop
 from aiohttp import web
@@ -18,6 +21,7 @@ from aiohttp import web
 from proxy.config import UpstreamConfig
 from proxy.errors import AnswerTooLarge, UpstreamBroken, UpstreamConnectError, UpstreamTimeout
 from proxy.upstream.client import Upstream, next_chunk, read_body
+from proxy.upstream.lean_client import JOIN_BELOW_BYTES
 from proxy.upstream.wire import HIGH_WATER
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -103,6 +107,26 @@ async def test_a_fully_read_answer_returns_its_connection_for_reuse(
     for _ in range(3):
         resp = await upstream.post(url + "/v1/x", b"abc", {"content-type": "application/json"})
         assert await read_body(resp, 5.0, far(), 1 << 20) == b'{"n": 3}'
+        resp.release()
+    assert len(set(backend.peers)) == 1, backend.peers
+
+
+async def test_bodies_of_every_size_arrive_whole_and_the_connection_is_reused(
+    backend: Backend, upstream: Upstream
+) -> None:
+    """A long body goes out beside its head (``JOIN_BELOW_BYTES``), a short one behind it."""
+
+    async def digest(request: web.Request) -> web.Response:
+        body = await request.read()
+        return web.json_response({"sha": hashlib.sha256(body).hexdigest()})
+
+    url = await backend.start(digest)
+    for size in (0, 1, JOIN_BELOW_BYTES - 1, JOIN_BELOW_BYTES, 220_000, 1_000_000):
+        body = bytes(random.Random(size).getrandbits(8) for _ in range(min(size, 4096)))
+        body = (body * (size // 4096 + 1))[:size]
+        resp = await upstream.post(url + "/v1/x", body, {"content-type": "application/json"})
+        answer = await read_body(resp, 5.0, far(), 1 << 20)
+        assert orjson.loads(answer) == {"sha": hashlib.sha256(body).hexdigest()}, size
         resp.release()
     assert len(set(backend.peers)) == 1, backend.peers
 
