@@ -1,7 +1,8 @@
 """Accept every waiting connection at once, not one per turn of a busy event loop.
 
-libuv (uvloop 0.22 and later bundle 1.5x) accepts **one** connection each time the listening
-socket is reported readable, that is once per turn of the event loop. A turn of a loaded
+The libuv that uvloop 0.23 bundles (1.52, what kvroute installs) accepts **one** connection
+each time the listening socket is reported readable, that is once per turn of the event
+loop. A turn of a loaded
 gateway is long: at 150 connections sending 220 KB prompts, reading the bodies and sizing
 the prompts made turns of ~0.1 s, so the kernel's accept queue drained at ~10 connections a
 second. Measured on this repository's big-prompt benchmark, 60-70 of the 150 connections
@@ -30,11 +31,27 @@ log = logging.getLogger("kvroute.app")
 #: The most connections accepted in one turn: a flood of connections cannot hold the loop.
 BATCH = 256
 
-#: Out of descriptors or memory: stop accepting this long (asyncio's own choice, 1 s) rather
-#: than spin on an error that the next accept would meet again.
+#: An accept that fails for the listener (out of descriptors or memory, or anything not
+#: about one connection): stop accepting this long (asyncio's own pause, 1 s) rather than
+#: spin on an error the next accept would meet again. libuv's own accept goes on meanwhile.
 RETRY_AFTER_S = 1.0
 
-_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: Errors about the one connection being accepted (it left, or the network said no): skip it.
+#: Linux's accept(2) asks callers to treat the network errors like EAGAIN.
+_CONNECTION_ERRORS = frozenset(
+    {
+        errno.ECONNABORTED,
+        errno.EPROTO,
+        errno.EPERM,
+        errno.ENETDOWN,
+        errno.ENOPROTOOPT,
+        errno.EHOSTDOWN,
+        errno.ENONET,
+        errno.EHOSTUNREACH,
+        errno.EOPNOTSUPP,
+        errno.ENETUNREACH,
+    }
+)
 
 
 class EagerAccept:
@@ -63,10 +80,10 @@ class EagerAccept:
                 conn, _addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except ConnectionAbortedError:
-                continue
             except OSError as exc:
-                self._failed(exc)
+                if exc.errno in _CONNECTION_ERRORS:
+                    continue
+                self._pause(exc)
                 return
             self._start(conn)
 
@@ -85,13 +102,9 @@ class EagerAccept:
             conn.close()
             return None
 
-    def _failed(self, exc: OSError) -> None:
-        if exc.errno not in _RESOURCE_ERRORS:
-            log.error("accept failed on %s: %s", self.sock.getsockname(), exc)
-            return
-        log.error(
-            "accept failed (%s): not accepting for %gs", errno.errorcode[exc.errno], RETRY_AFTER_S
-        )
+    def _pause(self, exc: OSError) -> None:
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        log.error("accept failed (%s: %s): not accepting for %gs", name, exc, RETRY_AFTER_S)
         self.loop.remove_reader(self.sock.fileno())
         self._retry = self.loop.call_later(RETRY_AFTER_S, self._resume)
 

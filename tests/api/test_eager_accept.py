@@ -188,6 +188,45 @@ def test_out_of_descriptors_pauses_accepting_then_resumes(
     run(main)
 
 
+@pytest.mark.parametrize(
+    ("error", "paused"),
+    [(errno.ECONNABORTED, False), (errno.EPROTO, False), (errno.EINVAL, True)],
+)
+def test_an_error_about_one_connection_skips_it_and_any_other_pauses(
+    listener: socket.socket, monkeypatch: pytest.MonkeyPatch, error: int, paused: bool
+) -> None:
+    monkeypatch.setattr(eager_accept, "RETRY_AFTER_S", 30.0)
+    proto = counted()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        acceptor = EagerAccept(loop, listener, proto)
+        real = acceptor.sock
+        failures = [OSError(error, "accept failed")]
+
+        class Flaky:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            def accept(self) -> tuple[socket.socket, object]:
+                if failures:
+                    raise failures.pop()
+                return real.accept()
+
+        acceptor.sock = Flaky()  # type: ignore[assignment]
+        clients = connect_clients(listener, 3)
+        await turns(3)
+        # Skipped: the connections behind it are taken at once. Paused: none for 30 s.
+        assert (acceptor._retry is not None) is paused
+        assert len(proto.made) == (0 if paused else 3)
+        acceptor.sock = real
+        acceptor.close()
+        for c in clients:
+            c.close()
+
+    run(main)
+
+
 def test_it_serves_stream_sockets_only() -> None:
     tcp, udp = socket.socket(), socket.socket(type=socket.SOCK_DGRAM)
     unix = socket.socket(socket.AF_UNIX)
