@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
 import threading
 import time
@@ -152,40 +153,55 @@ def test_after_close_nothing_more_is_accepted_and_its_descriptor_is_gone(
     run(main)
 
 
+class FailsOnce:
+    """The acceptor's socket, whose first ``accept`` raises ``error`` (then the real one's)."""
+
+    def __init__(self, real: socket.socket, error: int) -> None:
+        self.real = real
+        self.failures = [OSError(error, os.strerror(error))]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if self.failures:
+            raise self.failures.pop()
+        return self.real.accept()
+
+
+async def accept_after_a_failure(
+    listener: socket.socket, proto: type[Counted], error: int, wait_s: float
+) -> tuple[bool, int, int]:
+    """Three clients behind an accept that fails with ``error``: (paused, started after three
+    turns, started ``wait_s`` later)."""
+    loop = asyncio.get_running_loop()
+    acceptor = EagerAccept(loop, listener, proto)
+    real = acceptor.sock
+    acceptor.sock = FailsOnce(real, error)  # type: ignore[assignment]
+    clients = connect_clients(listener, 3)
+    await turns(3)
+    paused, early = acceptor._retry is not None, len(proto.made)
+    await asyncio.sleep(wait_s)
+    acceptor.sock = real
+    acceptor.close()
+    for c in clients:
+        c.close()
+    return paused, early, len(proto.made)
+
+
 def test_out_of_descriptors_pauses_accepting_then_resumes(
     listener: socket.socket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(eager_accept, "RETRY_AFTER_S", 0.05)
     proto = counted()
+    result: list[tuple[bool, int, int]] = []
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        acceptor = EagerAccept(loop, listener, proto)
-        real = acceptor.sock
-        failures = [OSError(errno.EMFILE, "Too many open files")]
-
-        class Flaky:
-            def __getattr__(self, name: str) -> object:
-                return getattr(real, name)
-
-            def accept(self) -> tuple[socket.socket, object]:
-                if failures:
-                    raise failures.pop()
-                return real.accept()
-
-        acceptor.sock = Flaky()  # type: ignore[assignment]
-        clients = connect_clients(listener, 3)
-        await turns(3)
-        # The failure paused it: no spin on the error, the connections wait in the queue.
-        assert acceptor._retry is not None and proto.made == []
-        await asyncio.sleep(0.2)
-        assert len(proto.made) == 3
-        acceptor.sock = real
-        acceptor.close()
-        for c in clients:
-            c.close()
+        result.append(await accept_after_a_failure(listener, proto, errno.EMFILE, 0.2))
 
     run(main)
+    # Paused: no spin on the error, the connections wait in the queue; then all are taken.
+    assert result == [(True, 0, 3)]
 
 
 @pytest.mark.parametrize(
@@ -197,34 +213,15 @@ def test_an_error_about_one_connection_skips_it_and_any_other_pauses(
 ) -> None:
     monkeypatch.setattr(eager_accept, "RETRY_AFTER_S", 30.0)
     proto = counted()
+    result: list[tuple[bool, int, int]] = []
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        acceptor = EagerAccept(loop, listener, proto)
-        real = acceptor.sock
-        failures = [OSError(error, "accept failed")]
-
-        class Flaky:
-            def __getattr__(self, name: str) -> object:
-                return getattr(real, name)
-
-            def accept(self) -> tuple[socket.socket, object]:
-                if failures:
-                    raise failures.pop()
-                return real.accept()
-
-        acceptor.sock = Flaky()  # type: ignore[assignment]
-        clients = connect_clients(listener, 3)
-        await turns(3)
-        # Skipped: the connections behind it are taken at once. Paused: none for 30 s.
-        assert (acceptor._retry is not None) is paused
-        assert len(proto.made) == (0 if paused else 3)
-        acceptor.sock = real
-        acceptor.close()
-        for c in clients:
-            c.close()
+        result.append(await accept_after_a_failure(listener, proto, error, 0.0))
 
     run(main)
+    # Skipped: the connections behind it are taken at once. Paused: none for 30 s.
+    taken = 0 if paused else 3
+    assert result == [(paused, taken, taken)]
 
 
 def test_it_serves_stream_sockets_only() -> None:
