@@ -363,6 +363,8 @@ class Maintenance(RestartRunner):
             await self.store.set_draining(name, draining)
         except StoreUnavailable:
             raise RestartRefused("store_unavailable", "state store unavailable") from None
+        # Requests routed after this answer must see the flag (not a snapshot from before).
+        self.fleet.invalidate()
         await self._event("drain" if draining else "undrain", name, by=by)
 
     # ------------------------------------------------------------------ restarts seen, not made

@@ -131,6 +131,7 @@ class RestartRunner:
             raise RestartFailed(
                 "state store unavailable: could not mark the node draining"
             ) from None
+        self.fleet.invalidate()
         run.drained = True
         left = await self._wait_drained(name)
         await self._event(
@@ -182,6 +183,7 @@ class RestartRunner:
         for _ in range(3):
             try:
                 await self.store.set_draining(name, False)
+                self.fleet.invalidate()
                 return
             except StoreUnavailable:
                 await asyncio.sleep(0.2)

@@ -237,6 +237,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "snapshot-read-awaited",
+        "every request past the refresh interval waits for the fleet read (a loop turn when busy)",
+        (
+            "tests/state/test_fleet_cache.py::test_a_snapshot_past_refresh_is_served_while_the_next_is_read",
+        ),
+        "FleetCache.snapshot",
+        r"if age < self\.stale_s:",
+        "if False:",
+        fast=True,
+    ),
+    Mutation(
+        "drain-seen-late",
+        "a drain made by this replica waits for the next fleet read to be seen",
+        ("tests/api/test_admin.py::test_requests_sent_right_after_a_drain_avoid_the_node",),
+        "Maintenance.set_draining",
+        r"self\.fleet\.invalidate\(\)",
+        "pass",
+        fast=True,
+    ),
+    Mutation(
         "long-body-left-behind",
         "a request body long enough to go beside its head is not sent at all",
         (

@@ -83,6 +83,72 @@ async def test_concurrent_snapshots_are_one_read_in_flight() -> None:
     assert all(s is snaps[0] for s in snaps)
 
 
+async def test_a_snapshot_past_refresh_is_served_while_the_next_is_read() -> None:
+    # On a busy gateway the read runs a whole turn of the loop later: nobody waits for it.
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
+    await put(store, "b", clock, free=60_000)
+    first = await cache.snapshot()
+    await put(store, "b", clock, free=10_000)
+    store.gate = asyncio.Event()  # the next read hangs until let go
+    clock.now += 0.1
+    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
+    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
+    await asyncio.sleep(0.01)
+    assert store.reads == 2  # one read for both
+    store.gate.set()
+    await asyncio.sleep(0.01)
+    assert figures(await cache.snapshot()) == {"a": None, "b": 10_000}
+    assert store.reads == 2
+
+
+async def test_a_snapshot_past_stale_s_waits_for_the_read() -> None:
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
+    await put(store, "b", clock, free=60_000)
+    await cache.snapshot()
+    await put(store, "b", clock, free=10_000)
+    store.gate = asyncio.Event()
+    clock.now += 0.3
+    waiting = asyncio.create_task(cache.snapshot())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    store.gate.set()
+    assert figures(await asyncio.wait_for(waiting, timeout=1.0))["b"] == 10_000
+
+
+async def test_after_invalidate_the_next_snapshot_reads_the_change() -> None:
+    # A drain made by this replica is seen by the next request, not up to stale_s later.
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock, refresh_s=0.5, stale_s=1.0)
+    await put(store, "b", clock)
+    first = await cache.snapshot()
+    await store.set_draining("b", True)
+    cache.invalidate()
+    fresh = await cache.snapshot()
+    assert fresh is not first and fresh.by_name()["b"].overlay.draining
+    assert await cache.snapshot() is fresh  # once: then the refresh interval again
+
+
+async def test_a_read_left_behind_by_invalidate_does_not_overwrite_a_newer_one() -> None:
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock, refresh_s=0.0, stale_s=0.0)
+    first_gate = store.gate = asyncio.Event()
+    old = asyncio.create_task(cache.snapshot())
+    await asyncio.sleep(0.01)
+    cache.invalidate()
+    clock.now += 1.0
+    store.gate = asyncio.Event()
+    new = asyncio.create_task(cache.snapshot())
+    await asyncio.sleep(0.01)
+    store.gate.set()  # the newer read ends first...
+    new_snap = await asyncio.wait_for(new, timeout=1.0)
+    first_gate.set()  # ...then the one started before the change
+    old_snap = await asyncio.wait_for(old, timeout=1.0)
+    assert store.reads == 2 and old_snap.taken_at < new_snap.taken_at
+    assert cache.latest is new_snap
+
+
 async def test_a_configured_capacity_caps_the_report() -> None:
     clock, store = Clock(), Store()
     cache = FleetCache(config(), store, clock=clock)
