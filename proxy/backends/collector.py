@@ -1,7 +1,9 @@
 """The collector: scrapes every backend's ``/metrics`` into the state store.
 
 One asyncio task per gateway. Each round it scrapes all backends concurrently with one
-shared ``httpx.AsyncClient``, turns each body into a ``MemoryReport``
+shared ``httpx.AsyncClient`` on a thread and event loop of its own, so a gateway busy with
+requests does not time its backends out (``proxy.backends.scrape_thread``), turns each
+body into a ``MemoryReport``
 (``proxy.backends.parse``) and writes it with ``put_report``; a backend that cannot be
 scraped (connect error, timeout, non-200, unreadable metrics) is ``mark_down``-ed with the
 reason. Fresh reports are also handed to the ``on_report`` hooks so in-process consumers
@@ -14,8 +16,9 @@ During a store outage every replica scrapes for itself (no lock is needed: with 
 mode, proxy.state.degraded, the writes land in the replica's local store and it routes on
 them; the shared writes fail and are counted), and local hooks keep getting fresh reports.
 
-A report is stamped with when its figures were taken: the scrape's start, on the store's
-clock (``StateStore.now``), not when the body arrived. A reservation made during a slow
+A report is stamped with when its figures were taken, at the latest: when its scrape was
+handed to the scrape thread, on the store's clock (``StateStore.now``), not when the body
+arrived. A reservation made during a slow
 scrape then counts as not yet visible in it, and a report that started before a learned
 ceiling cannot lift it. A backend is marked down after ``collector.fall`` failed scrapes in
 a row and up again after ``collector.rise`` good ones, as the active health checks do (the
@@ -37,7 +40,8 @@ import httpx
 
 from proxy.backends.base import ModelsInfo
 from proxy.backends.parse import ScrapeError, parse_report
-from proxy.backends.scrape import BackendStatus, ScrapeOutcome, scrape, scrape_client
+from proxy.backends.scrape import BackendStatus, ScrapeOutcome, scrape_client
+from proxy.backends.scrape_thread import ScrapeThread
 from proxy.backends.served_models import ModelsDirectory
 from proxy.config import BackendConfig, Config
 from proxy.core.fleet import MemoryReport
@@ -93,6 +97,7 @@ class Collector:
         self._client: httpx.AsyncClient | None = None
         self._client_slots = 0
         self._background: set[asyncio.Task[None]] = set()  # old clients being closed
+        self._thread = ScrapeThread(f"kvroute-scrapes-{owner_id}")
         self._loop = PeriodicTask(
             f"kvroute-collector-{owner_id}",
             lambda: self.scrape_once(),
@@ -144,6 +149,7 @@ class Collector:
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
+        await self._thread.close()
 
     @property
     def running(self) -> bool:
@@ -189,7 +195,7 @@ class Collector:
         return got
 
     async def _http(self) -> httpx.AsyncClient:
-        """One client for all scrapes, sized to the fleet so no scrape waits for a connection."""
+        """The client of the model lists (``/v1/models``), sized to the fleet."""
         slots = len(self._config.backends) + 4
         if self._client is not None and slots <= self._client_slots:
             return self._client
@@ -208,9 +214,11 @@ class Collector:
         return self._client
 
     async def _scrape(self, backend: BackendConfig) -> ScrapeOutcome:
-        return await scrape(
-            await self._http(), backend, self._config.collector.timeout_s, self._clock
-        )
+        # On its own thread and loop (proxy.backends.scrape_thread): a scrape timed on this
+        # loop, when it is busy, times out through no fault of the backend.
+        slots = len(self._config.backends) + 4
+        taken_at = self._clock()  # the figures are no older than this
+        return await self._thread.scrape(backend, self._config.collector, slots, taken_at)
 
     async def _publish(self, o: ScrapeOutcome) -> None:
         """Count the outcome (fall/rise) and write what it asks for; hooks get fresh reports."""

@@ -257,6 +257,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "scrape-on-the-busy-loop",
+        "backends are scraped on the gateway's own loop, timed out when it runs late",
+        (
+            "tests/backends/test_collector.py::test_a_busy_gateway_loop_does_not_time_its_backends_out",
+        ),
+        "Collector._scrape",
+        r"return await self\._thread\.scrape\(backend, self\._config\.collector, slots, taken_at\)",
+        "return await __import__('proxy.backends.scrape', fromlist=['scrape']).scrape("
+        "await self._http(), backend, self._config.collector.timeout_s, lambda: taken_at)",
+        fast=True,
+    ),
+    Mutation(
         "long-body-left-behind",
         "a request body long enough to go beside its head is not sent at all",
         (
