@@ -224,9 +224,6 @@ class StateStore(abc.ABC):
 
     #: Seconds to add to this host's clock to get the store's clock (see ``now``).
     clock_offset: float = 0.0
-    #: ``read`` answers without ever yielding to the event loop (the store is this process's
-    #: memory): the fleet cache then reads it in the request itself (``proxy.state.fleet_cache``).
-    reads_inline: bool = False
 
     # --- the shared clock ---
     def now(self) -> float:

@@ -6,17 +6,13 @@ Ranking on a snapshot a few ms old is safe because the reservation that follows 
 in the store and checks the live figures, and this replica's own reservations are laid
 over it as they are made (``proxy.gateway.local_view``).
 
-The read ran as a task, and waiting for it cost a request a whole turn of the event loop:
-on a busy gateway (220 KB prompts at 150 connections) the task runs only after every
-callback already queued, and every request that came in meanwhile waited for it too: 47%
-of requests, ~145 ms each. So:
-
-* a store that answers without yielding (the embedded one, ``StateStore.reads_inline``) is
-  read in the request that finds the snapshot too old: fresh, and nobody waits;
-* any other (Redis) serves a snapshot past ``refresh_s`` but younger than ``stale_s`` while
-  one read brings the next (stale while revalidating). Past ``stale_s`` (a loop stalled
-  that long, or a quiet gateway), after ``invalidate`` (this replica changed a backend's
-  flags), while degraded, or when forced, a request waits for the read as before.
+A snapshot past ``refresh_s`` but younger than ``stale_s`` is still served, while one read
+brings the next (stale while revalidating). Waiting for that read cost a request a whole
+turn of the event loop: on a busy gateway (220 KB prompts at 150 connections) the read
+task runs only after every callback already queued, and every request that came in the
+meantime waited for it too: 47% of requests, ~145 ms each. Past ``stale_s`` (a loop
+stalled that long, or an idle gateway), after ``invalidate`` (this replica changed a
+backend's flags), while degraded, or when forced, a request waits for the read as before.
 
 With degraded mode (proxy.state.degraded, the default for Redis) the store itself answers
 from this replica's local scrapes and reservations while Redis is away, and ``degraded``
@@ -181,14 +177,10 @@ class FleetCache:
             age = self.clock() - snap.taken_at
             if age < self.refresh_s:
                 return snap
-            if not self.store.reads_inline and age < self.stale_s:
+            if age < self.stale_s:
                 # Served now; the next request gets what this read brings.
                 self._read_in_flight()
                 return snap
-        if self.store.reads_inline:
-            # No task: the read completes before this returns, with no turn of the loop.
-            self._invalid = False
-            return await self._read()
         return await asyncio.shield(self._read_in_flight())
 
     def invalidate(self) -> None:

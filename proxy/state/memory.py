@@ -63,8 +63,6 @@ class _Entry:
 class InProcessStore(StateStore):
     """One gateway's state in memory; shares nothing with other processes."""
 
-    reads_inline = True
-
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self._clock = clock
         self._states: dict[str, _Entry] = {}

@@ -243,17 +243,8 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/state/test_fleet_cache.py::test_a_snapshot_past_refresh_is_served_while_the_next_is_read",
         ),
         "FleetCache.snapshot",
-        r"if not self\.store\.reads_inline and age < self\.stale_s:",
+        r"if age < self\.stale_s:",
         "if False:",
-        fast=True,
-    ),
-    Mutation(
-        "embedded-read-as-task",
-        "the embedded store's fleet read runs as a task that requests wait a loop turn for",
-        ("tests/state/test_fleet_cache.py::test_the_embedded_store_is_read_in_the_request_itself",),
-        "FleetCache.snapshot",
-        r"        if self\.store\.reads_inline:\n",
-        "        if False:\n",
         fast=True,
     ),
     Mutation(

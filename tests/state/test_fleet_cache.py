@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
-
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot, MemoryReport
 from proxy.state.base import BackendState, StoreUnavailable
@@ -28,10 +26,7 @@ class Clock:
 
 
 class Store(InProcessStore):
-    """The in-process store, counting reads; ``down`` makes them fail like a dead Redis, and
-    ``gate`` makes them wait like a remote one (so they run as a task, as Redis reads do)."""
-
-    reads_inline = False
+    """The in-process store, counting reads; ``down`` makes them fail like a dead Redis."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,7 +51,7 @@ def config(**sections: object) -> Config:
     return gateway_cfg(backends, **sections)
 
 
-async def put(store: InProcessStore, name: str, clock: Clock, free: int = 60_000) -> None:
+async def put(store: Store, name: str, clock: Clock, free: int = 60_000) -> None:
     report = MemoryReport(100_000, free, free, reported_at=clock.now)
     await store.put_report(name, report, 600.0)
 
@@ -105,20 +100,6 @@ async def test_a_snapshot_past_refresh_is_served_while_the_next_is_read() -> Non
     await asyncio.sleep(0.01)
     assert figures(await cache.snapshot()) == {"a": None, "b": 10_000}
     assert store.reads == 2
-
-
-async def test_the_embedded_store_is_read_in_the_request_itself() -> None:
-    # Fresh past refresh_s, and no task to wait a turn of the loop for.
-    clock, store = Clock(), InProcessStore()
-    cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
-    await put(store, "b", clock, free=60_000)
-    await cache.snapshot()
-    await put(store, "b", clock, free=10_000)
-    clock.now += 0.1
-    pending = cache.snapshot()
-    with pytest.raises(StopIteration) as done:
-        pending.send(None)  # it finished without yielding once
-    assert figures(done.value.value) == {"a": None, "b": 10_000}
 
 
 async def test_a_snapshot_past_stale_s_waits_for_the_read() -> None:
