@@ -68,10 +68,6 @@ class ScrapeThread:
             if not thread.is_alive():
                 loop.close()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     async def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         # Cancelling the caller cancels the scrape on the thread's loop too.
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._started()))

@@ -92,7 +92,9 @@ class FleetCache:
         self.refresh_s = refresh_s
         # At most this old while the next read runs (no serving stale below refresh_s).
         self.stale_s = stale_s
+        # Set by ``invalidate`` until a read started after it has ended.
         self._invalid = False
+        self._generation = 0
         self.names = [b.name for b in cfg.backends]
         self._snap: FleetSnapshot | None = None
         self._last_ok: float = 0.0
@@ -137,6 +139,7 @@ class FleetCache:
 
     async def _read(self) -> FleetSnapshot:
         now = self.clock()
+        generation = self._generation
         try:
             states = await self.breaker.call(lambda: self.store.read(self.names, now), "read")
         except StoreUnavailable:
@@ -158,6 +161,8 @@ class FleetCache:
             # A read left behind by ``invalidate`` may end after a newer one.
             self._snap = snap
             self._last_ok = now
+        if generation == self._generation:
+            self._invalid = False
         return snap
 
     def _with_pressure(self, node: NodeView, now: float) -> NodeView:
@@ -184,11 +189,13 @@ class FleetCache:
         return await asyncio.shield(self._read_in_flight())
 
     def invalidate(self) -> None:
-        """The next snapshot waits for a read: this replica has just changed the store.
+        """Snapshots wait for a read again: this replica has just changed the store.
 
-        A read already running may have read the store before the change: it is left to
-        those awaiting it, and the next snapshot starts its own."""
+        Until a read started after this call has ended, every snapshot waits for it. A read
+        already running may have read the store before the change: it is left to those
+        awaiting it, and the next snapshot starts its own."""
         self._invalid = True
+        self._generation += 1
         self._inflight = None
 
     def _read_in_flight(self) -> asyncio.Task[FleetSnapshot]:
@@ -197,7 +204,6 @@ class FleetCache:
         if task is None or task.done():
             # The read runs as its own task, owned by no caller: any caller may be cancelled
             # (a client gone) without cancelling the read everyone else is waiting on.
-            self._invalid = False
             task = asyncio.get_running_loop().create_task(self._read(), name="kvroute-fleet-read")
             self._inflight = task
             task.add_done_callback(self._read_done)

@@ -130,6 +130,24 @@ async def test_after_invalidate_the_next_snapshot_reads_the_change() -> None:
     assert await cache.snapshot() is fresh  # once: then the refresh interval again
 
 
+async def test_after_invalidate_no_snapshot_is_older_than_the_change() -> None:
+    # Requests that arrive while the read started by the first one still runs wait for it
+    # too: none ranks on the view from before the drain.
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock, refresh_s=0.5, stale_s=1.0)
+    await put(store, "b", clock)
+    await cache.snapshot()
+    await store.set_draining("b", True)
+    cache.invalidate()
+    store.gate = asyncio.Event()
+    waiting = [asyncio.create_task(cache.snapshot()) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert not any(w.done() for w in waiting)
+    store.gate.set()
+    snaps = await asyncio.wait_for(asyncio.gather(*waiting), timeout=1.0)
+    assert all(s.by_name()["b"].overlay.draining for s in snaps) and store.reads == 2
+
+
 async def test_a_read_left_behind_by_invalidate_does_not_overwrite_a_newer_one() -> None:
     clock, store = Clock(), Store()
     cache = FleetCache(config(), store, clock=clock, refresh_s=0.0, stale_s=0.0)
