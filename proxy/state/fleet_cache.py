@@ -6,13 +6,15 @@ Ranking on a snapshot a few ms old is safe because the reservation that follows 
 in the store and checks the live figures, and this replica's own reservations are laid
 over it as they are made (``proxy.gateway.local_view``).
 
-A snapshot past ``refresh_s`` but younger than ``stale_s`` is still served, while one read
-brings the next (stale while revalidating). Waiting for that read cost a request a whole
-turn of the event loop: on a busy gateway (220 KB prompts at 150 connections) the read
-task runs only after every callback already queued, and every request that came in the
-meantime waited for it too: 47% of requests, ~145 ms each. Past ``stale_s`` (a loop
-stalled that long, or an idle gateway), after ``invalidate`` (this replica changed a
-backend's flags), while degraded, or when forced, a request waits for the read as before.
+The read is a task, and waiting for it cost a request a whole turn of the event loop: on a
+busy gateway (220 KB prompts at 150 connections) the task runs only after every callback
+already queued, and every request that came in meanwhile waited for it too: 47% of
+requests, ~145 ms each. Now only the request that starts a read waits for it: while it
+runs, the snapshot before it (younger than ``stale_s``) is served. A quiet gateway, whose
+reads end within the turn, sees what it saw before: nothing older than ``refresh_s``.
+Past ``stale_s`` (a loop stalled that long), after ``invalidate`` (this replica changed a
+backend's flags or the backend list), while degraded, or when forced, every request
+waits for the read.
 
 With degraded mode (proxy.state.degraded, the default for Redis) the store itself answers
 from this replica's local scrapes and reservations while Redis is away, and ``degraded``
@@ -116,6 +118,8 @@ class FleetCache:
         """Follow a changed backend list (discovery); the next snapshot reads the new names."""
         self.cfg = cfg
         self.names = [b.name for b in cfg.backends]
+        # No request may rank on a view of the old list (a removed backend in it).
+        self.invalidate()
 
     @property
     def latest(self) -> FleetSnapshot | None:
@@ -176,15 +180,19 @@ class FleetCache:
         return dataclasses.replace(node, overlay=dataclasses.replace(node.overlay, pressure=reason))
 
     async def snapshot(self, force: bool = False) -> FleetSnapshot:
-        """The fleet as of at most ``refresh_s`` ago, or up to ``stale_s`` while a read runs."""
+        """The fleet as of at most ``refresh_s`` ago, or up to ``stale_s`` while a read runs.
+
+        The request that finds the snapshot too old starts the read and waits for it; the
+        ones that come while it runs do not."""
         snap = self._snap
         if not force and snap is not None and not self.degraded and not self._invalid:
             age = self.clock() - snap.taken_at
             if age < self.refresh_s:
                 return snap
-            if age < self.stale_s:
-                # Served now; the next request gets what this read brings.
-                self._read_in_flight()
+            reading = self._inflight
+            if age < self.stale_s and reading is not None and not reading.done():
+                # A read is on its way (the loop has not run it yet): served now, the
+                # requests after this one get what it brings.
                 return snap
         return await asyncio.shield(self._read_in_flight())
 

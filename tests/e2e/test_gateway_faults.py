@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.local_fleet import free_port
 from loadtest.workload import make_prompt
 from proxy.core.fleet import MemoryReport
-from proxy.state.fleet_cache import STALE_S
 from proxy.state.memory import InProcessStore
 from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_until
 
@@ -190,8 +189,6 @@ def test_an_allocation_failure_is_listed_until_a_newer_report_shows_room(
         e.release(held)
         time.sleep(0.01)
         push(cap)  # newer than the failure, and a block big enough again
-        # Requests rank on a fleet view at most STALE_S old (proxy.state.fleet_cache).
-        time.sleep(STALE_S + 0.05)
         lifted = chat(url, prompt_tokens=20_000, headers={"idempotency-key": "k-alloc"})
     assert [item.split("@")[0] for item in listed] == ["pushed"], listed
     assert same.status_code == 503, same.text  # still listed: no newer report yet

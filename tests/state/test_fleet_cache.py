@@ -83,8 +83,9 @@ async def test_concurrent_snapshots_are_one_read_in_flight() -> None:
     assert all(s is snaps[0] for s in snaps)
 
 
-async def test_a_snapshot_past_refresh_is_served_while_the_next_is_read() -> None:
-    # On a busy gateway the read runs a whole turn of the loop later: nobody waits for it.
+async def test_while_a_read_runs_the_snapshot_before_it_is_served() -> None:
+    # On a busy gateway the read runs a whole turn of the loop later: only the request that
+    # started it waits; the ones after it are served the snapshot before.
     clock, store = Clock(), Store()
     cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
     await put(store, "b", clock, free=60_000)
@@ -92,14 +93,26 @@ async def test_a_snapshot_past_refresh_is_served_while_the_next_is_read() -> Non
     await put(store, "b", clock, free=10_000)
     store.gate = asyncio.Event()  # the next read hangs until let go
     clock.now += 0.1
-    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
-    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
+    starter = asyncio.create_task(cache.snapshot())
     await asyncio.sleep(0.01)
-    assert store.reads == 2  # one read for both
+    assert not starter.done()  # it started the read: it waits for it
+    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
+    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
+    assert store.reads == 2  # one read for all
     store.gate.set()
-    await asyncio.sleep(0.01)
-    assert figures(await cache.snapshot()) == {"a": None, "b": 10_000}
-    assert store.reads == 2
+    fresh = await asyncio.wait_for(starter, timeout=1.0)
+    assert figures(fresh) == {"a": None, "b": 10_000}
+    assert await cache.snapshot() is fresh and store.reads == 2
+
+
+async def test_a_quiet_gateway_sees_nothing_older_than_refresh_s() -> None:
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
+    await put(store, "b", clock, free=60_000)
+    await cache.snapshot()
+    await put(store, "b", clock, free=10_000)
+    clock.now += 0.1  # past refresh_s, within stale_s, no read running
+    assert figures(await cache.snapshot())["b"] == 10_000
 
 
 async def test_a_snapshot_past_stale_s_waits_for_the_read() -> None:
