@@ -196,7 +196,7 @@ class Collector:
 
     async def _http(self) -> httpx.AsyncClient:
         """The client of the model lists (``/v1/models``), sized to the fleet."""
-        slots = len(self._config.backends) + 4
+        slots = self._slots()
         if self._client is not None and slots <= self._client_slots:
             return self._client
         cc = self._config.collector
@@ -216,9 +216,12 @@ class Collector:
     async def _scrape(self, backend: BackendConfig) -> ScrapeOutcome:
         # On its own thread and loop (proxy.backends.scrape_thread): a scrape timed on this
         # loop, when it is busy, times out through no fault of the backend.
-        slots = len(self._config.backends) + 4
         taken_at = self._clock()  # the figures are no older than this
-        return await self._thread.scrape(backend, self._config.collector, slots, taken_at)
+        return await self._thread.scrape(backend, self._config.collector, self._slots(), taken_at)
+
+    def _slots(self) -> int:
+        """Connections per client: one per backend, so no request waits for one, and spare."""
+        return len(self._config.backends) + 4
 
     async def _publish(self, o: ScrapeOutcome) -> None:
         """Count the outcome (fall/rise) and write what it asks for; hooks get fresh reports."""

@@ -263,7 +263,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/backends/test_collector.py::test_a_busy_gateway_loop_does_not_time_its_backends_out",
         ),
         "Collector._scrape",
-        r"return await self\._thread\.scrape\(backend, self\._config\.collector, slots, taken_at\)",
+        r"return await self\._thread\.scrape\(backend, self\._config\.collector, self\._slots\(\), taken_at\)",
         "return await __import__('proxy.backends.scrape', fromlist=['scrape']).scrape("
         "await self._http(), backend, self._config.collector.timeout_s, lambda: taken_at)",
         fast=True,

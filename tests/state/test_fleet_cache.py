@@ -83,14 +83,20 @@ async def test_concurrent_snapshots_are_one_read_in_flight() -> None:
     assert all(s is snaps[0] for s in snaps)
 
 
-async def test_while_a_read_runs_the_snapshot_before_it_is_served() -> None:
-    # On a busy gateway the read runs a whole turn of the loop later: only the request that
-    # started it waits; the ones after it are served the snapshot before.
+async def seen_then_changed() -> tuple[Clock, Store, FleetCache, FleetSnapshot]:
+    """A cache (refresh 20 ms, stale 0.25 s) that has read b at 60k free; b is now at 10k."""
     clock, store = Clock(), Store()
     cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
     await put(store, "b", clock, free=60_000)
     first = await cache.snapshot()
     await put(store, "b", clock, free=10_000)
+    return clock, store, cache, first
+
+
+async def test_while_a_read_runs_the_snapshot_before_it_is_served() -> None:
+    # On a busy gateway the read runs a whole turn of the loop later: only the request that
+    # started it waits; the ones after it are served the snapshot before.
+    clock, store, cache, first = await seen_then_changed()
     store.gate = asyncio.Event()  # the next read hangs until let go
     clock.now += 0.1
     starter = asyncio.create_task(cache.snapshot())
@@ -106,21 +112,13 @@ async def test_while_a_read_runs_the_snapshot_before_it_is_served() -> None:
 
 
 async def test_a_quiet_gateway_sees_nothing_older_than_refresh_s() -> None:
-    clock, store = Clock(), Store()
-    cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
-    await put(store, "b", clock, free=60_000)
-    await cache.snapshot()
-    await put(store, "b", clock, free=10_000)
+    clock, _, cache, _ = await seen_then_changed()
     clock.now += 0.1  # past refresh_s, within stale_s, no read running
     assert figures(await cache.snapshot())["b"] == 10_000
 
 
 async def test_a_snapshot_past_stale_s_waits_for_the_read() -> None:
-    clock, store = Clock(), Store()
-    cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
-    await put(store, "b", clock, free=60_000)
-    await cache.snapshot()
-    await put(store, "b", clock, free=10_000)
+    clock, store, cache, _ = await seen_then_changed()
     store.gate = asyncio.Event()
     clock.now += 0.3
     waiting = asyncio.create_task(cache.snapshot())
