@@ -51,11 +51,17 @@ class StoreUnavailable(KvrouteError):
 
 
 class ScrapeError(KvrouteError):
-    """A backend's metrics could not be turned into a memory report; ``reason`` says why."""
+    """A backend's metrics could not be turned into a memory report; ``reason`` says why.
 
-    def __init__(self, reason: str) -> None:
+    ``cause`` is the failure's kind, one of a few fixed words (``ScrapeCause``): what the
+    ``kvroute_scrapes_total`` counter is labelled with, where the free-text reason would
+    make a new series per message.
+    """
+
+    def __init__(self, reason: str, cause: str = "bad_metrics") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.cause = cause
 
 
 RefusalReason = Literal["unknown_backend", "conflict", "store_unavailable"]

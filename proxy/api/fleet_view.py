@@ -83,3 +83,44 @@ def with_health(
         item["healthy"] = bool(h["healthy"]) if h is not None else True
         item["ejected"] = bool(h["ejected"]) if h is not None else False
     return items
+
+
+def with_scrapes(
+    items: list[dict[str, Any]], status: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """Add the collector's last scrape of each backend to ``/fleet``: why a backend is down.
+
+    ``scrape`` is None on a replica that does not scrape (another holds the collector lock,
+    or no collector runs): the store's report is then another replica's work.
+    """
+    backends = status["backends"] if status is not None else {}
+    for item in items:
+        b = backends.get(item["name"])
+        item["scrape"] = None if b is None else _scrape_json(b)
+    return items
+
+
+def _scrape_json(b: dict[str, Any]) -> dict[str, Any]:
+    latency = b["latency_s"]
+    return {
+        "outcome": b["outcome"],  # ok | down | never
+        "reason": b["reason"],  # why it is down, or how far it is from being marked down
+        "latency_s": round(latency, 4) if latency is not None else None,
+        "last_success_at": b["last_success_at"] or None,
+        "consecutive_failures": b["consecutive_failures"],
+    }
+
+
+def collector_json(status: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``/fleet``'s ``collector``: whether this replica scrapes, and its rounds."""
+    if status is None:
+        return None
+    keys = (
+        "leader",
+        "running",
+        "store_ok",
+        "rounds_total",
+        "rounds_skipped_total",
+        "last_round_at",
+    )
+    return {k: status[k] for k in keys}

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.api.cache import Coalesced
-from proxy.api.fleet_view import snapshot_json, with_health
+from proxy.api.fleet_view import collector_json, snapshot_json, with_health, with_scrapes
 from proxy.api.kv_events_view import with_prefix_source
 from proxy.api.model_listing import fleet_models
 from proxy.api.node_counts import node_counts, with_counts
@@ -94,6 +94,7 @@ async def health(request: Request) -> Response:
 async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
     """``/fleet``: the live state (operators want it, not the router's cache)."""
     snap = await r.fleet.snapshot(force=True)
+    scrapes = r.collector.status() if r.collector is not None else None
     return orjson.dumps(
         {
             "taken_at": snap.taken_at,
@@ -101,6 +102,8 @@ async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
             "policy": r.cfg.routing.policy,
             "config": r.reloader.describe() if r.reloader is not None else None,
             "queue_depth": r.gateway.admission.depth,
+            # Whether this replica scrapes the backends (the collector lock), and its rounds.
+            "collector": collector_json(scrapes),
             # What this replica still holds: a leak shows here before any TTL hides it.
             "reservations": {
                 "held": len(r.gateway.ledger.held),
@@ -110,8 +113,12 @@ async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
             "backends": r.gateway.pressure.annotate(
                 with_counts(
                     with_prefix_source(
-                        with_health(
-                            snapshot_json(snap, r.store.now(), r.cfg), r.gateway.health.snapshot()
+                        with_scrapes(
+                            with_health(
+                                snapshot_json(snap, r.store.now(), r.cfg),
+                                r.gateway.health.snapshot(),
+                            ),
+                            scrapes,
                         ),
                         kv_events,
                         r.store.now(),

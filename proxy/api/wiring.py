@@ -25,6 +25,7 @@ from proxy.api.model_listing import kind_errors, lookup_from
 from proxy.api.reconfigure import follow, policy_for
 from proxy.api.reload import ConfigHolder, Reloader, ReloadMetrics
 from proxy.backends.collector import Collector
+from proxy.backends.collector_metrics import CollectorMetrics
 from proxy.backends.discovery import Discovery
 from proxy.backends.discovery_source import make_discovery
 from proxy.backends.kv_events import KvEventFeeds
@@ -216,6 +217,7 @@ async def start_collector(w: Wiring) -> None:
         gateway.models_info = lookup_from(collector.models)
         collector.on_report.append(lambda name, report: gateway.admission.notify())
         collector.on_report.append(KindCheck(lambda: app.state.rt.cfg).on_report)
+        w.metrics.registry.register(CollectorMetrics(collector.status))
         collector.start()
     w.runtime = Runtime(w.cfg, w.store, w.fleet, w.gateway, collector, w.upstream, w.metrics, owner)
     w.app.state.rt = w.runtime

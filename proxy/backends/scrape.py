@@ -33,6 +33,12 @@ ACCEPT = (
 #: What a scrape's outcome asks the collector to write: the report, a mark_down with the
 #: status's reason, or nothing yet (a failure short of ``fall``).
 Write = Literal["report", "down", "hold"]
+#: How a scrape ended, in a few fixed words (the label of ``kvroute_scrapes_total``):
+#: ``connect`` (refused, unreachable), ``timeout``, ``http_status`` (not 200),
+#: ``bad_metrics`` (too large, or not a report this backend's kind can give), ``transport``
+#: (another HTTP failure: a reset mid-body, a malformed answer).
+ScrapeCause = Literal["ok", "connect", "timeout", "http_status", "bad_metrics", "transport"]
+CAUSES: tuple[ScrapeCause, ...] = ScrapeCause.__args__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +49,7 @@ class ScrapeOutcome:
     report: MemoryReport | None
     reason: str = ""
     latency_s: float = 0.0
+    cause: ScrapeCause = "ok"
 
     @property
     def ok(self) -> bool:
@@ -62,6 +69,8 @@ class BackendStatus:
     consecutive_ok: int = 0
     scrapes_total: int = 0
     failures_total: int = 0
+    # Scrapes by how they ended (``ScrapeCause``), for ``kvroute_scrapes_total``.
+    results: dict[str, int] = dataclasses.field(default_factory=dict)
     # Queueing servers: the running-request limit learned from reports (0: not yet).
     slots: int = 0
 
@@ -77,6 +86,7 @@ class BackendStatus:
     def record(self, o: ScrapeOutcome, now: float, fall: int, rise: int) -> Write:
         """Count one scrape and say what to write (a mark_down carries ``self.reason``)."""
         self.scrapes_total += 1
+        self.results[o.cause] = self.results.get(o.cause, 0) + 1
         self.last_scrape_at = now
         self.latency_s = o.latency_s
         if o.report is not None:
@@ -148,31 +158,38 @@ async def scrape(
             "GET", url, headers={"authorization": cred} if cred is not None else None
         ) as resp:
             if resp.status_code != 200:
-                raise ScrapeError(f"HTTP {resp.status_code} from {path}")
+                raise ScrapeError(f"HTTP {resp.status_code} from {path}", "http_status")
             body = bytearray()
             async for chunk in resp.aiter_bytes():
                 body += chunk
                 if len(body) > MAX_BODY_BYTES:
                     raise ScrapeError(f"metrics body larger than {MAX_BODY_BYTES} bytes")
                 if time.perf_counter() > deadline:
-                    raise ScrapeError(f"timeout after {timeout_s:g}s (body still arriving)")
+                    raise ScrapeError(
+                        f"timeout after {timeout_s:g}s (body still arriving)", "timeout"
+                    )
         text = body.decode("utf-8", errors="replace")  # the text format is UTF-8 by definition
         report = parse_report(backend.kind, text, taken_at, backend.capacity_tokens)
     except ScrapeError as exc:
-        return _failed(backend, exc.reason, started)
+        cause = exc.cause if exc.cause in CAUSES else "bad_metrics"
+        return _failed(backend, exc.reason, started, cause)
     except httpx.TimeoutException:
-        return _failed(backend, f"timeout after {timeout_s:g}s", started)
+        return _failed(backend, f"timeout after {timeout_s:g}s", started, "timeout")
     except httpx.ConnectError as exc:
-        return _failed(backend, f"connect error: {exc or type(exc).__name__}", started)
+        reason = f"connect error: {exc or type(exc).__name__}"
+        return _failed(backend, reason, started, "connect")
     except httpx.HTTPError as exc:
-        return _failed(backend, f"{type(exc).__name__}: {exc}", started)
+        return _failed(backend, f"{type(exc).__name__}: {exc}", started, "transport")
     except Exception as exc:
         # An odd value the parser did not foresee (block_size="inf": OverflowError) is this
         # backend's problem only: the round goes on and publishes every other backend.
         log.debug("collector: %s: unreadable metrics", backend.name, exc_info=True)
-        return _failed(backend, f"unreadable metrics: {type(exc).__name__}: {exc}", started)
+        reason = f"unreadable metrics: {type(exc).__name__}: {exc}"
+        return _failed(backend, reason, started, "bad_metrics")
     return ScrapeOutcome(backend.name, report, "", time.perf_counter() - started)
 
 
-def _failed(backend: BackendConfig, reason: str, started: float) -> ScrapeOutcome:
-    return ScrapeOutcome(backend.name, None, reason, time.perf_counter() - started)
+def _failed(
+    backend: BackendConfig, reason: str, started: float, cause: ScrapeCause
+) -> ScrapeOutcome:
+    return ScrapeOutcome(backend.name, None, reason, time.perf_counter() - started, cause)

@@ -103,6 +103,55 @@ def test_fleet_counts_requests_errors_and_failovers_per_node(
     assert counts["bad"]["failovers"] >= 1
 
 
+def test_fleet_and_metrics_say_why_a_backend_is_down(engine_factory: Callable[..., Any]) -> None:
+    """The collector's verdict per backend, not only the log: a refused port, then a
+    backend that starts answering 500 on its metrics; the healthy one's scrapes counted."""
+    good, sick = engine_factory(name="good"), engine_factory(name="sick")
+    cfg = gateway_cfg(
+        [
+            {"name": "good", "url": good.url, "kind": "contiguous"},
+            {"name": "sick", "url": sick.url, "kind": "contiguous"},
+            {"name": "gone", "url": f"http://127.0.0.1:{free_port()}", "kind": "contiguous"},
+        ],
+        health={"active": {"enabled": False}},
+    )
+    with run_gateway(cfg) as url:
+
+        def scrape(name: str) -> dict[str, Any]:
+            by_name = {b["name"]: b for b in fleet_state(url)["backends"]}
+            got: dict[str, Any] = by_name[name]["scrape"]
+            return got
+
+        wait_until(lambda: scrape("gone")["outcome"] == "down", what="gone marked down")
+        sick.fault("error500", scope="all")  # its /metrics too
+        wait_until(lambda: scrape("sick")["outcome"] == "down", what="sick marked down")
+        fleet = fleet_state(url)
+        metrics = httpx.get(url + "/metrics", timeout=5).text
+
+    assert fleet["collector"]["leader"] is True and fleet["collector"]["rounds_total"] >= 3
+    by_name = {b["name"]: b for b in fleet["backends"]}
+    ok = by_name["good"]["scrape"]
+    assert ok["outcome"] == "ok" and ok["reason"] == "" and ok["consecutive_failures"] == 0
+    assert ok["latency_s"] > 0 and ok["last_success_at"] > 0 and by_name["good"]["up"] is True
+    gone = by_name["gone"]["scrape"]
+    assert gone["reason"].startswith("connect error") and gone["last_success_at"] is None
+    assert gone["consecutive_failures"] >= cfg.collector.fall and by_name["gone"]["up"] is False
+    sick_scrape = by_name["sick"]["scrape"]
+    assert "HTTP 500" in sick_scrape["reason"] and sick_scrape["last_success_at"] > 0
+    assert by_name["sick"]["up"] is False
+
+    def value(sample: str) -> float:
+        line = next(x for x in metrics.splitlines() if x.startswith(sample + " "))
+        return float(line.split()[-1])
+
+    assert value('kvroute_scrapes_total{backend="good",result="ok"}') >= 3
+    assert value('kvroute_scrapes_total{backend="gone",result="connect"}') >= cfg.collector.fall
+    assert value('kvroute_scrapes_total{backend="sick",result="http_status"}') >= 1
+    assert value('kvroute_scrapes_total{backend="sick",result="ok"}') >= 1
+    assert value('kvroute_scrape_consecutive_failures{backend="good"}') == 0
+    assert value("kvroute_collector_leader") == 1
+
+
 def test_status_page_in_headless_chromium(
     engine_factory: Callable[..., Any], tmp_path: Path
 ) -> None:
@@ -151,6 +200,7 @@ def test_status_page_in_headless_chromium(
     gone = re.search(r'<tr data-node="gone" class="off">.*?</tr>', html)
     assert gone is not None and '<span class="state down">down</span>' in gone.group(0)
     assert '<div class="bar off" data-backend="gone"><span class="off"' in gone.group(0)
+    assert "scrape: connect error" in gone.group(0)  # why, not only that
     assert 'class="used"' not in gone.group(0) and 'class="block"' not in gone.group(0)
     for name in names:
         assert f'<tr data-node="{name}"><td class="name">{name}</td>' in html

@@ -13,8 +13,11 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.backends.collector import LOCK_NAME, Collector
+from proxy.backends.collector_metrics import CollectorMetrics
 from proxy.backends.parse import ScrapeError, parse_report
 from proxy.config import Config, StoreConfig
 from proxy.core.fleet import MemoryReport
@@ -474,6 +477,51 @@ async def test_scrape_round_writes_reports_and_marks_failures_down(
     clock.t += 5
     assert collector.status()["backends"]["frag"]["stale"] is True
 
+    # What Prometheus sees: each failure by its kind, never by its free-text reason.
+    series = exported(collector)
+    results = {
+        dict(k)["backend"]: dict(k)["result"]
+        for k, v in series["kvroute_scrapes_total"].items()
+        if v == 1
+    }
+    assert results == {
+        "frag": "ok",
+        "vl": "ok",
+        "gone": "connect",
+        "err": "http_status",
+        "junk": "bad_metrics",
+        "slow": "timeout",
+        "drip": "timeout",
+    }
+    assert len(series["kvroute_scrapes_total"]) == 7  # one result each: no zero series
+    durations = {
+        dict(k)["backend"]: v for k, v in series["kvroute_scrape_duration_seconds"].items()
+    }
+    assert durations["slow"] >= 1.5 > durations["frag"] > 0
+    failing = series["kvroute_scrape_consecutive_failures"]
+    assert failing[b("gone")] == 1 and failing[b("frag")] == 0
+    last_ok = series["kvroute_scrape_last_success_timestamp_seconds"]
+    assert last_ok[b("frag")] == NOW and last_ok[b("gone")] == 0
+    assert series["kvroute_collector_leader"] == {frozenset(): 0.0}  # handed back on stop
+    rounds = series["kvroute_collector_rounds_total"]
+    assert rounds == {frozenset({("result", "scraped")}): 1, frozenset({("result", "skipped")}): 0}
+
+
+def b(name: str) -> frozenset[tuple[str, str]]:
+    return frozenset({("backend", name)})
+
+
+def exported(collector: Collector) -> dict[str, dict[Any, float]]:
+    """The collector's series as ``/metrics`` renders them, parsed back: name -> labels -> value."""
+    registry = CollectorRegistry()
+    registry.register(CollectorMetrics(collector.status))
+    out: dict[str, dict[Any, float]] = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            if not s.name.endswith("_created"):
+                out.setdefault(s.name, {})[frozenset(s.labels.items())] = s.value
+    return out
+
 
 async def test_backend_comes_back_up_and_report_follows(metrics_server: MetricsServer) -> None:
     metrics_server.pages = {"/metrics": (503, "starting")}
@@ -563,6 +611,13 @@ async def test_only_the_lock_holder_scrapes(
         assert second_seen == []
         assert second.status()["rounds_skipped_total"] == 2 and second.status()["backends"] == {}
         assert first.status()["leader"] is True
+        # The scraping replica exports the per-backend series; the other says it does not scrape.
+        mine, theirs = exported(first), exported(second)
+        assert mine["kvroute_scrapes_total"] == {frozenset({("backend", "a"), ("result", "ok")}): 1}
+        assert mine["kvroute_collector_leader"] == {frozenset(): 1.0}
+        assert "kvroute_scrapes_total" not in theirs
+        assert theirs["kvroute_collector_leader"] == {frozenset(): 0.0}
+        assert theirs["kvroute_collector_rounds_total"][frozenset({("result", "skipped")})] == 2
         # ... and reads what the first one wrote.
         state = (await stores[1].read(["a"], NOW))["a"]
         assert (

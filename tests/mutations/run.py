@@ -269,6 +269,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "scrape-causes-blurred",
+        "a refused connection is counted as some other HTTP failure in kvroute_scrapes_total",
+        (
+            "tests/backends/test_collector.py::test_scrape_round_writes_reports_and_marks_failures_down",
+        ),
+        "scrape:scrape",
+        r'return _failed\(backend, reason, started, "connect"\)',
+        'return _failed(backend, reason, started, "transport")',
+        fast=True,
+    ),
+    Mutation(
         "long-body-left-behind",
         "a request body long enough to go beside its head is not sent at all",
         (
