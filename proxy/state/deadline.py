@@ -16,6 +16,15 @@ frozen or dead Redis on a loop that runs on time still fails at the deadline (ti
 within a millisecond there); on a lagging loop it fails after at most twice the deadline
 plus the lag.
 
+A busy loop is not only a blocked one. Under load a store call spans turns of the loop: its
+reply is read in one turn's poll, and the call resumes in a later turn, whose due timers
+run first (uvloop; asyncio's own loop queues them behind the read). A deadline falling due
+there, on time, so not forgiven, cancelled a call whose reply was already read, and a
+cancelled task drops the result it was waiting for. So the deadline, when it is finally
+due, is checked again after the loop has polled its sockets and run what that poll woke
+(``_AFTER_IO_HOPS`` callbacks later, a few microseconds on an idle loop): only a call still
+unanswered then is cancelled.
+
 Pure asyncio: no Redis here (``proxy.state.redis_store`` uses it).
 """
 
@@ -27,6 +36,11 @@ from types import TracebackType
 #: A timer firing later than this (or a quarter of the deadline, if smaller) means the loop
 #: was blocked: timers of a loop that runs on time fire within a millisecond.
 LATE_S = 0.01
+#: ``call_soon`` hops from a due timer to a point after the loop's next socket poll and the
+#: callbacks it queued. uvloop runs timers, then the ready callbacks (those queued while they
+#: run wait for the next turn), then polls; asyncio's own loop polls, then runs timers and
+#: callbacks. Three hops pass one poll and its wake-ups on both.
+_AFTER_IO_HOPS = 3
 
 
 class lag_tolerant_timeout:
@@ -36,6 +50,8 @@ class lag_tolerant_timeout:
     """
 
     __slots__ = ("_delay", "_handle", "_inner", "_loop", "_when", "forgiven")
+
+    _handle: asyncio.TimerHandle | asyncio.Handle
 
     def __init__(self, delay: float) -> None:
         self._delay = delay
@@ -50,6 +66,11 @@ class lag_tolerant_timeout:
         self._handle = self._loop.call_at(self._when, self._expire)
         return self
 
+    @property
+    def when(self) -> float:
+        """The loop time the deadline falls due (moved on once if forgiven)."""
+        return self._when
+
     def _expire(self) -> None:
         now = self._loop.time()
         if not self.forgiven and now - self._when > min(LATE_S, self._delay / 4):
@@ -57,7 +78,16 @@ class lag_tolerant_timeout:
             self._when = now + self._delay
             self._handle = self._loop.call_at(self._when, self._expire)
             return
-        self._inner.reschedule(now)  # asyncio's own timeout: cancels, and raises TimeoutError
+        self._after_io(_AFTER_IO_HOPS)
+
+    def _after_io(self, hops: int) -> None:
+        """Cancel the call once the loop has read its sockets: unless it ends first (its
+        ``__aexit__`` cancels this handle)."""
+        if hops > 0:
+            self._handle = self._loop.call_soon(self._after_io, hops - 1)
+            return
+        # asyncio's own timeout: cancels the task, and raises TimeoutError from the block.
+        self._inner.reschedule(self._loop.time())
 
     async def __aexit__(
         self,

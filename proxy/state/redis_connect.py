@@ -44,10 +44,18 @@ class RedisClient:
             await extra.aclose()
 
 
+#: redis-py's own socket timeouts, a backstop only. Every store call runs under the store's
+#: deadline (``op_timeout_s``, ``proxy.state.deadline``), which tells a slow Redis from a busy
+#: gateway loop; redis-py's timeouts cannot (its timer fires ahead of the socket's read on a
+#: busy loop: the prefix share lost its connection every few seconds at 64 connections).
+SOCKET_TIMEOUT_FLOOR_S = 1.0
+
+
 def _common(cfg: StoreConfig) -> dict[str, Any]:
+    backstop = max(cfg.op_timeout_s, SOCKET_TIMEOUT_FLOOR_S)
     return {
-        "socket_timeout": cfg.op_timeout_s,
-        "socket_connect_timeout": cfg.op_timeout_s,
+        "socket_timeout": backstop,
+        "socket_connect_timeout": backstop,
         # Our own single retry (RedisStore._call) is the only one.
         "retry": Retry(NoBackoff(), 0),
         "decode_responses": True,

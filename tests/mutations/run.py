@@ -280,6 +280,27 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "deadline-drops-a-read-reply",
+        "a store call's deadline cancels at once when due, before the reply the loop read is taken",
+        (
+            "tests/state/test_deadline.py::test_a_reply_read_as_the_deadline_falls_due_is_not_a_timeout",
+        ),
+        "lag_tolerant_timeout._expire",
+        r"self\._after_io\(_AFTER_IO_HOPS\)",
+        "self._after_io(0)",
+        fast=True,
+    ),
+    Mutation(
+        "lane-closes-cut-off-calls",
+        "a lane connection whose call the deadline cut off is closed, not settled and reused",
+        (
+            "tests/state/test_redis_store.py::test_calls_cut_off_by_the_deadline_keep_their_connections",
+        ),
+        "RedisLane._send",
+        r"settle = written and conn\.is_connected",
+        "settle = False",
+    ),
+    Mutation(
         "long-body-left-behind",
         "a request body long enough to go beside its head is not sent at all",
         (

@@ -1,4 +1,5 @@
-"""A store call's deadline forgives the event loop's own lateness once, and only that."""
+"""A store call's deadline forgives the event loop's own lateness once, and a reply the loop
+has already read; nothing else."""
 
 from __future__ import annotations
 
@@ -70,3 +71,28 @@ async def test_no_reply_on_a_blocked_loop_fails_after_one_extension() -> None:
 
 async def test_a_quick_reply_passes_untouched() -> None:
     assert await reply_after(0.001, 0.5, 0.0) == ("reply", False)
+
+
+async def test_a_reply_read_as_the_deadline_falls_due_is_not_a_timeout() -> None:
+    """The busy loop's case: the deadline's timer fires on time, in the turn that also brings
+    the reply (here a timer due at the same moment, queued after it). Cancelling there would
+    drop a reply already in hand; the deadline waits for what the loop has read."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[str] = loop.create_future()
+    async with lag_tolerant_timeout(0.05) as t:
+        loop.call_at(t.when, fut.set_result, "reply")
+        assert await fut == "reply"
+    assert t.forgiven is False
+
+
+async def test_plain_asyncio_timeout_drops_that_reply() -> None:
+    # The premise: asyncio's own timeout cancels the call the same reply would have ended.
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[str] = loop.create_future()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05) as plain:
+            when = plain.when()
+            assert when is not None
+            loop.call_at(when, lambda: fut.done() or fut.set_result("reply"))
+            await fut
+    assert fut.cancelled()  # the call was cancelled first: the reply had nowhere to go

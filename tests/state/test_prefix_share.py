@@ -16,7 +16,7 @@ import redis
 
 from proxy.config import Config
 from proxy.state.prefix_share import PrefixShare, decode_hashes, encode_hashes
-from proxy.state.redis_connect import connect
+from proxy.state.redis_connect import SOCKET_TIMEOUT_FLOOR_S, connect
 from tests.support.gateway import gateway_cfg
 from tests.support.redis_server import RedisInstance, free_port
 
@@ -192,9 +192,10 @@ def test_connect_is_the_stores_client() -> None:
     # The share uses the store's connection discipline (timeouts, no library retries).
     cfg = config("redis://127.0.0.1:9/0", "x")
     client = connect(cfg.store, max_connections=2)
-    assert (
-        client.client.connection_pool.connection_kwargs["socket_timeout"] == cfg.store.op_timeout_s
-    )
+    kwargs = client.client.connection_pool.connection_kwargs
+    # redis-py's own timeouts are a backstop above the store's deadline, never below it.
+    assert kwargs["socket_timeout"] == max(cfg.store.op_timeout_s, SOCKET_TIMEOUT_FLOOR_S)
+    assert kwargs["socket_connect_timeout"] == kwargs["socket_timeout"]
 
 
 def test_a_round_sends_its_placements_in_one_entry_within_the_block_cap(redis_server: str) -> None:

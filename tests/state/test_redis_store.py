@@ -550,6 +550,47 @@ async def test_a_late_reply_is_never_read_as_a_later_calls_answer(instance: Redi
         await s.close()
 
 
+async def test_calls_cut_off_by_the_deadline_keep_their_connections(
+    instance: RedisInstance,
+) -> None:
+    """A call cancelled after its command was written keeps its connection: the lane reads
+    the late reply and drops it, then reuses the connection. Closing each one, as the lane
+    did, made every call after a slow moment open a connection (a handshake of its own, on a
+    loop already too slow for the deadline): 484-642 connections for a minute's tiny
+    requests at 64 connections with Redis paused three times 0.3 s, against 84 now."""
+    s = RedisStore(StoreConfig(redis_url=instance.url, op_timeout_s=FAULT_TIMEOUT_S))
+    admin = aioredis.Redis.from_url(instance.url, decode_responses=True)
+
+    async def connections_made() -> int:
+        return int((await admin.info("stats"))["total_connections_received"])
+
+    try:
+        async with asyncio.timeout(BOUND_S):
+            await s.put_report("n1", rep(100_000), ttl_s=60)
+            ids = [f"warm{i}" for i in range(8)]
+            assert all(await asyncio.gather(*(s.reserve("n1", r, 1, T0, 60) for r in ids)))
+            await s.release_many([("n1", r) for r in ids])
+            instance.pause()
+            try:
+                frozen = [s.reserve("n1", f"frozen{i}", 1, T0, 60) for i in range(8)]
+                for outcome in await asyncio.gather(*frozen, return_exceptions=True):
+                    assert isinstance(outcome, StoreUnavailable)
+            finally:
+                instance.resume()
+            await eventually_ok(s)
+            await asyncio.sleep(0.2)  # the late replies are read by now
+            before = await connections_made()
+            later = [s.reserve("n1", f"later{i}", 1, T0, 60) for i in range(8)]
+            assert all(await asyncio.gather(*later))
+            assert await connections_made() == before  # every one reused, none opened
+            # Each late "1" was read and dropped, none taken as a later call's answer.
+            assert not await s.reserve("n1", "too-big", 100_000, T0, 60)
+            assert await s.reserve("n1", "fits", 10, T0, 60)
+    finally:
+        await admin.aclose()
+        await s.close()
+
+
 async def test_release_many_releases_every_pair_and_keeps_the_lane_in_step(
     admin: aioredis.Redis, redis_server: str
 ) -> None:
