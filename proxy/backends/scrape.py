@@ -15,7 +15,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import httpx
 
@@ -38,7 +38,7 @@ Write = Literal["report", "down", "hold"]
 #: ``bad_metrics`` (too large, or not a report this backend's kind can give), ``transport``
 #: (another HTTP failure: a reset mid-body, a malformed answer).
 ScrapeCause = Literal["ok", "connect", "timeout", "http_status", "bad_metrics", "transport"]
-CAUSES: tuple[ScrapeCause, ...] = ScrapeCause.__args__  # type: ignore[attr-defined]
+CAUSES: tuple[ScrapeCause, ...] = get_args(ScrapeCause)
 
 
 @dataclass(frozen=True, slots=True)

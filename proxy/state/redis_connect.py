@@ -46,8 +46,8 @@ class RedisClient:
 
 #: redis-py's own socket timeouts, a backstop only. Every store call runs under the store's
 #: deadline (``op_timeout_s``, ``proxy.state.deadline``), which tells a slow Redis from a busy
-#: gateway loop; redis-py's timeouts cannot (its timer fires ahead of the socket's read on a
-#: busy loop: the prefix share lost its connection every few seconds at 64 connections).
+#: gateway loop; redis-py's timeouts cannot (on a busy loop their timer can fire ahead of the
+#: read of a reply already in the socket, and the connection is then closed).
 SOCKET_TIMEOUT_FLOOR_S = 1.0
 
 

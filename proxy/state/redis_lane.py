@@ -16,11 +16,11 @@ What must stay true (the store's fault guarantees rest on it):
   by the store's deadline after it was written is *settled*: a task of the lane reads and
   discards its replies (for up to ``SETTLE_S``) and only then puts the connection back. A
   failure, or a cancellation before the command was written whole, closes it.
-  Closing it, as the lane did on every cancellation, made a busy gateway's loop worse: each
-  new connection's handshake (HELLO, CLIENT SETNAME) took more turns of a loop already too
-  slow for the deadline, so nearly every call then opened a connection and missed its
-  deadline again (at 64 connections of tiny requests: 965 connections for 1,078 calls in
-  8 s, and the circuit breaker open 17 times).
+  Closing it, as the lane did on every cancellation, cost every later call a new
+  connection and its handshake (HELLO, CLIENT SETNAME: more round trips, on a loop already
+  too slow for the deadline). With Redis paused three times for 0.3 s under 64 connections
+  of tiny requests: 484-642 connections made and 7 circuit-breaker openings in a minute
+  that way, 84 and 2 settling (docs/redis-schema.md, "Failure behaviour").
 * Connections in use are bounded (``max_connections``); a burst waits for a free one, and
   that wait is under the caller's deadline like everything else.
 * Errors are redis-py's own (ConnectionError, TimeoutError, ResponseError), so
