@@ -51,11 +51,16 @@ from proxy.gateway.stream import Break, StreamRelay
 from proxy.gateway.token_counts import TokenCounts
 from proxy.routing.policy import Policy
 from proxy.state.base import StateStore
+from proxy.state.deadline import lag_tolerant_timeout
 from proxy.state.fleet_cache import FleetCache
 from proxy.upstream.client import Upstream, header
 from proxy.upstream.health import ActiveChecker, BackendHealth
 
 log = logging.getLogger("kvroute.gateway")
+
+#: The HTTP client's own limit on a health probe, in ``health.active.timeout_s``: a backstop
+#: behind the lag-tolerant one (``Gateway._probe``).
+PROBE_BACKSTOP = 3.0
 
 
 def _then(
@@ -263,8 +268,15 @@ class Gateway:
             }
 
     async def _probe(self, url: str) -> bool:
+        """One active health check. Its time limit forgives this loop's own lateness, as a
+        store call's does (``proxy.state.deadline``): a probe needs several turns of the
+        loop, and on a busy gateway plain ``asyncio.timeout`` fired before the read of an
+        answer already waiting in the socket; ``fall`` of those in a row marked a healthy
+        backend unhealthy. The client's own limit is only a backstop."""
         headers = self._probe_headers.get(url)
-        status, _ = await self.upstream.get(url, self.cfg.health.active.timeout_s, headers)
+        timeout_s = self.cfg.health.active.timeout_s
+        async with lag_tolerant_timeout(timeout_s):
+            status, _ = await self.upstream.get(url, PROBE_BACKSTOP * timeout_s, headers)
         return 200 <= status < 300
 
     def auth_headers(self, backend: str) -> dict[str, str]:

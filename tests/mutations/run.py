@@ -301,6 +301,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "settle = False",
     ),
     Mutation(
+        "probe-timed-on-the-busy-loop",
+        "an active health probe times out by the busy gateway loop's timers, not the backend",
+        (
+            "tests/gateway/test_health_probe.py::test_a_busy_loop_does_not_fail_a_healthy_backends_probe",
+        ),
+        "Gateway._probe",
+        r"async with lag_tolerant_timeout\(timeout_s\):",
+        "async with __import__('asyncio').timeout(timeout_s):",
+    ),
+    Mutation(
         "long-body-left-behind",
         "a request body long enough to go beside its head is not sent at all",
         (
