@@ -270,9 +270,10 @@ class Gateway:
     async def _probe(self, url: str) -> bool:
         """One active health check. Its time limit forgives this loop's own lateness, as a
         store call's does (``proxy.state.deadline``): a probe needs several turns of the
-        loop, and on a busy gateway plain ``asyncio.timeout`` fired before the read of an
-        answer already waiting in the socket; ``fall`` of those in a row marked a healthy
-        backend unhealthy. The client's own limit is only a backstop."""
+        loop, and on a busy gateway plain ``asyncio.timeout`` fires before the read of an
+        answer already waiting in the socket (tests/gateway/test_health_probe.py); ``fall``
+        of those in a row would mark a healthy backend unhealthy. The client's own limit is
+        only a backstop."""
         headers = self._probe_headers.get(url)
         timeout_s = self.cfg.health.active.timeout_s
         async with lag_tolerant_timeout(timeout_s):
