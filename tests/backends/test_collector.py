@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from proxy.backends.parse import ScrapeError, parse_report
 from proxy.config import Config, StoreConfig
 from proxy.core.fleet import MemoryReport
 from proxy.state import InProcessStore, StateStore, open_store
+from tests.support.busy_loop import busy_turns
 
 NOW = 1_760_000_000.0
 
@@ -560,19 +560,10 @@ async def test_a_busy_gateway_loop_does_not_time_its_backends_out(
     )
     store = InProcessStore()
     collector = Collector(cfg, store, "gw-1")
-    loop = asyncio.get_running_loop()
-
-    def busy_turn(until: float) -> None:
-        turn_ends = time.perf_counter() + 2.5
-        while time.perf_counter() < turn_ends:
-            pass
-        if time.perf_counter() < until:
-            loop.call_soon(busy_turn, until)
-
     try:
         assert (await collector.scrape_once() or {})["e1"].report is not None  # idle: fine
         round_ = asyncio.ensure_future(collector.scrape_once())
-        loop.call_soon(busy_turn, time.perf_counter() + 5.0)
+        busy_turns(2.5, 5.0)
         outcomes = await asyncio.wait_for(round_, 15)
     finally:
         await collector.stop()

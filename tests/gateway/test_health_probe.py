@@ -13,6 +13,7 @@ from proxy.routing.registry import PolicySettings, make_policy
 from proxy.state import InProcessStore
 from proxy.state.fleet_cache import FleetCache
 from proxy.upstream.client import Upstream
+from tests.support.busy_loop import busy_turns
 from tests.support.gateway import gateway_cfg
 
 
@@ -38,20 +39,11 @@ async def test_a_busy_loop_does_not_fail_a_healthy_backends_probe(
         GatewayMetrics(),
     )
     await gw.upstream.start()
-    loop = asyncio.get_running_loop()
-
-    def busy_turn(until: float) -> None:
-        turn_ends = time.perf_counter() + 2.0
-        while time.perf_counter() < turn_ends:
-            pass
-        if time.perf_counter() < until:
-            loop.call_soon(busy_turn, until)
-
     try:
         health = engine.url + "/health"
         assert await gw._probe(health)  # idle: fine
         probe = asyncio.ensure_future(gw._probe(health))
-        loop.call_soon(busy_turn, time.perf_counter() + 4.0)
+        busy_turns(2.0, 4.0)
         assert await asyncio.wait_for(probe, 15)
 
         engine.pause()  # SIGSTOP: the connection is there, no answer comes
