@@ -30,6 +30,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "encode-pools": ("encode_pools", "new documents encoded serially, in threads, in processes"),
     "soak": ("soak", "a long run under the problem's mix: the gateway's memory, files, tasks"),
     "locust": ("locustfile", "locust users against a local fleet (arguments after --)"),
+    "store-forgotten": (
+        "store_forgotten",
+        "what forgotten reservations cost the Redis store's reserve",
+    ),
     "ab": ("tree_ab", "two checkouts of kvroute, alternating rounds: paired ratios"),
 }
 

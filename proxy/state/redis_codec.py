@@ -1,14 +1,15 @@
 """Key names and value encoding of the Redis store: what outside writers must match.
 
 Key schema (documented for outside writers in docs/redis-schema.md), with P = key_prefix and
-the braces literal: ``{name}`` is a Redis Cluster hash tag, so one backend's three hashes
+the braces literal: ``{name}`` is a Redis Cluster hash tag, so one backend's keys
 live in one slot and every Lua script touches one slot only (the same keys on a single
 server, Sentinel or Cluster):
 
     P:backend:{name}:state   HASH  report fields + status/status_reason, PEXPIRE report TTL
     P:backends               SET   every backend that ever reported
-    P:backend:{name}:res     HASH  reservation id -> "tokens created_at expires_at", key TTL refreshed on reserve;
-                                   "~<id>" -> "~ <until>": a forgotten id, refused by reserve until then
+    P:backend:{name}:res     HASH  reservation id -> "tokens created_at expires_at", key TTL refreshed on reserve
+                                   (older versions also wrote "~<id>" -> "~ <until>" here: still honoured)
+    P:backend:{name}:gone    ZSET  forgotten reservation id, score = until: refused by reserve until then
     P:backend:{name}:flags   HASH  draining, cooldown_until, ceiling_tokens, ceiling_set_at, ceiling_until
     P:retry:{key}            SET   backends a client retry already failed on, with TTL
     P:lock:{name}            STRING owner, PX
@@ -77,6 +78,9 @@ class RedisKeys:
 
     def res(self, name: str) -> str:
         return f"{self.prefix}:backend:{{{name}}}:res"
+
+    def gone(self, name: str) -> str:
+        return f"{self.prefix}:backend:{{{name}}}:gone"
 
     def flags(self, name: str) -> str:
         return f"{self.prefix}:backend:{{{name}}}:flags"

@@ -92,7 +92,10 @@ local function lazy_room(lazy, reserved, largest)
 end
 """
 
-# KEYS: state, res.  ARGV: id, tokens, now, expires_at, check_fit, headroom, grace_s, key_ttl_ms
+# KEYS: state, res, gone.  ARGV: id, tokens, now, expires_at, check_fit, headroom, grace_s,
+# key_ttl_ms.  The walk of ``res`` costs one step per live reservation: forgotten ids live in
+# ``gone`` (a sorted set, looked up and pruned by score), so they cost nothing here however
+# many pile up (docs/redis-schema.md).
 LUA_RESERVE = (
     _LUA_PRELUDE
     + r"""
@@ -103,7 +106,11 @@ local headroom = tonumber(ARGV[6])
 local grace = tonumber(ARGV[7])
 local key_ttl = tonumber(ARGV[8])
 
--- A forgotten id ("~" .. id, see forget): this reserve arrived after its release.
+-- A forgotten id (see forget): this reserve arrived after its release.
+local gone = tonumber(redis.call('ZSCORE', KEYS[3], id) or '')
+if gone ~= nil and gone > now then return 0 end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[3])
+-- The same, as versions before the gone set wrote it ("~" .. id in res), until those expire.
 local tomb = num(string.match(redis.call('HGET', KEYS[2], '~' .. id) or '', '^~ (%S+)$'))
 if tomb ~= nil and tomb > now then return 0 end
 local largest, reported_at, lazy = read_report(KEYS[1])
@@ -163,13 +170,17 @@ return 1
 """
 )
 
-# KEYS: res.  ARGV: id, until, key_ttl_ms.  Release, and leave "~id" = "~ <until>" so that
-# a reserve of that id arriving later is refused (proxy.state.base.StateStore.forget).
+# KEYS: res, gone.  ARGV: id, until, key_ttl_ms.  Release, and score the id ``until`` in the
+# gone set so that a reserve of it arriving later is refused
+# (proxy.state.base.StateStore.forget); a later ``until`` wins, an earlier one changes nothing.
 LUA_FORGET = r"""
 redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HSET', KEYS[1], '~' .. ARGV[1], '~ ' .. ARGV[2])
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local cur = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]) or '')
+if cur == nil or cur < tonumber(ARGV[2]) then
+  redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+end
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 return 1
 """

@@ -218,7 +218,7 @@ class RedisStore(StateStore):
         grace_s: float = 0.0,
     ) -> bool:
         check_reserve_args(tokens, now, ttl_s, headroom, grace_s)
-        keys = [self._keys.state(name), self._keys.res(name)]
+        keys = [self._keys.state(name), self._keys.res(name), self._keys.gone(name)]
         args = [
             reservation_id,
             str(tokens),
@@ -263,7 +263,7 @@ class RedisStore(StateStore):
 
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
         check_finite(until=until)
-        keys = [self._keys.res(name)]
+        keys = [self._keys.res(name), self._keys.gone(name)]
         # The key must outlive the tombstone (its until is on the store's clock, as the TTL is).
         key_ttl = ttl_ms(max(0.0, until - self.now())) + RES_KEY_SLACK_MS
         args = [reservation_id, redis_float(until), str(key_ttl)]

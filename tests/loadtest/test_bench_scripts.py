@@ -215,6 +215,18 @@ def test_bench_queueing_smoke(tmp_path: Path) -> None:
         assert r["output_tokens_per_s"] > 0
 
 
+def test_bench_store_forgotten_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "forgotten.json"
+    out = run_module(
+        "loadtest.bench", "store-forgotten", "--counts", "50", "--calls", "20",
+        "--json", str(out_json),
+    )  # fmt: skip
+    rows = json.loads(out_json.read_text())
+    assert [r["forgotten"] for r in rows] == [0, 50]  # the baseline is always measured
+    assert all(r["reserve_redis_us"] > 0 and r["read_p50_ms"] > 0 for r in rows), rows
+    assert "x none" in out.stdout
+
+
 def test_tree_ab_smoke() -> None:
     """Two checkouts (here the same one twice) measured in alternating rounds, paired ratio printed."""
     from loadtest.bench.overhead import find_wrk

@@ -301,6 +301,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "settle = False",
     ),
     Mutation(
+        "forgotten-ids-never-pruned",
+        "the Redis reserve never prunes lapsed forgotten ids: the gone set only grows",
+        ("tests/state/test_redis_store.py::test_forgotten_ids_stay_out_of_the_reservations_hash",),
+        "LUA_RESERVE",
+        r"^redis\.call\('ZREMRANGEBYSCORE', KEYS\[3\], '-inf', ARGV\[3\]\)$",
+        "-- MUTATION: no prune",
+        fast=True,
+    ),
+    Mutation(
+        "forget-shortens-a-refusal",
+        "a second forget of an id with an earlier until shortens its refusal (Redis)",
+        ("tests/state/test_redis_store.py::test_forgotten_ids_stay_out_of_the_reservations_hash",),
+        "LUA_FORGET",
+        r"if cur == nil or cur < tonumber\(ARGV\[2\]\) then",
+        "if true then",
+        fast=True,
+    ),
+    Mutation(
         "probe-timed-on-the-busy-loop",
         "an active health probe times out by the busy gateway loop's timers, not the backend",
         (
@@ -783,11 +801,22 @@ MUTATIONS: tuple[Mutation, ...] = (
 
 def functions(tree: Path) -> dict[str, list[tuple[Path, int, int]]]:
     """Every function under ``proxy/`` by qualified name (``Class.method``, ``outer.inner``),
-    also under ``module:qualname``: where it is (file, first and last line)."""
+    also under ``module:qualname``: where it is (file, first and last line). A module-level
+    constant (``NAME = ...``: the Redis store's Lua scripts) is found by its name the same way."""
     found: dict[str, list[tuple[Path, int, int]]] = {}
 
     def visit(node: ast.AST, prefix: str, path: Path) -> None:
         for child in ast.iter_child_nodes(node):
+            if (
+                not prefix
+                and isinstance(child, ast.Assign)
+                and len(child.targets) == 1
+                and isinstance(child.targets[0], ast.Name)
+                and child.targets[0].id.isupper()
+            ):
+                where = (path, child.lineno, child.end_lineno or child.lineno)
+                found.setdefault(child.targets[0].id, []).append(where)
+                found.setdefault(f"{path.stem}:{child.targets[0].id}", []).append(where)
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 qual = f"{prefix}{child.name}"
                 if not isinstance(child, ast.ClassDef):

@@ -267,6 +267,8 @@ async def test_keys_types_and_ttls_match_the_doc(admin: aioredis.Redis, redis_se
     try:
         await s.put_report("n1", rep(30_000), ttl_s=60)
         await s.reserve("n1", "r1", 1_000, T0, 900)
+        await s.reserve("n1", "r2", 1_000, T0, 900)
+        await s.forget("n1", "r2", T0 + 900)
         await s.set_draining("n1", True)
         await s.set_ceiling("n1", 5_000, T0, T0 + 30)
         await s.add_failed("req-9", "n1", ttl_s=300)
@@ -276,6 +278,7 @@ async def test_keys_types_and_ttls_match_the_doc(admin: aioredis.Redis, redis_se
             "kvroute:backend:{n1}:state": ("hash", 60_000),
             "kvroute:backends": ("set", None),
             "kvroute:backend:{n1}:res": ("hash", 900_000 + 60_000),
+            "kvroute:backend:{n1}:gone": ("zset", 900_000 + 60_000),
             "kvroute:backend:{n1}:flags": ("hash", None),
             "kvroute:retry:req-9": ("set", 300_000),
             "kvroute:lock:restart": ("string", 30_000),
@@ -289,7 +292,12 @@ async def test_keys_types_and_ttls_match_the_doc(admin: aioredis.Redis, redis_se
                 assert pttl == -1, key
             else:
                 assert 0 < pttl <= ttl_ms, key
-        assert await admin.hget("kvroute:backend:{n1}:res", "r1") == f"1000 {T0!r} {T0 + 900!r}"
+        assert await admin.hgetall("kvroute:backend:{n1}:res") == {
+            "r1": f"1000 {T0!r} {T0 + 900!r}"
+        }
+        assert await admin.zrange("kvroute:backend:{n1}:gone", 0, -1, withscores=True) == [
+            ("r2", T0 + 900)
+        ]
         flags = await admin.hgetall("kvroute:backend:{n1}:flags")
         assert flags == {
             "draining": "1",
@@ -327,6 +335,58 @@ async def test_reservations_key_expiry_only_grows(admin: aioredis.Redis, redis_s
         await s.reserve("n1", "long", 1, T0, 3_600)
         await s.reserve("n1", "short", 1, T0, 1)
         assert await admin.pttl("kvroute:backend:{n1}:res") > 3_000_000
+    finally:
+        await s.close()
+
+
+async def test_forgotten_ids_stay_out_of_the_reservations_hash(
+    admin: aioredis.Redis, redis_server: str
+) -> None:
+    """Every reserve walks the reservations hash: forgotten ids go to the gone set instead.
+
+    Cancelled and cut-off reserves each leave one for the reservation TTL (15 minutes); in
+    the hash, thousands of them made every reserve cost milliseconds of Redis CPU
+    (docs/redis-schema.md). In the gone set each is found by its id and pruned by its score.
+    """
+    s = store_for(redis_server)
+    res, gone = "kvroute:backend:{n1}:res", "kvroute:backend:{n1}:gone"
+    try:
+        await s.put_report("n1", rep(30_000), ttl_s=60)
+        assert await s.reserve("n1", "live", 1_000, T0, 900)
+        for i in range(300):
+            await s.forget("n1", f"cut-{i}", T0 + 10 + i % 2)
+        assert await admin.hkeys(res) == ["live"]
+        assert await admin.zcard(gone) == 300
+        assert [r.id for r in (await s.read(["n1"], T0))["n1"].reservations] == ["live"]
+        assert not await s.reserve("n1", "cut-7", 1_000, T0 + 5, 900)
+        # A later until wins, an earlier one changes nothing.
+        await s.forget("n1", "cut-8", T0 + 50)
+        await s.forget("n1", "cut-8", T0 + 20)
+        assert await admin.zscore(gone, "cut-8") == T0 + 50
+        # The first reserve after they lapse prunes them; cut-8 is still refused.
+        assert await s.reserve("n1", "next", 1_000, T0 + 10.5, 900)
+        assert await admin.zcard(gone) == 151
+        assert not await s.reserve("n1", "cut-8", 1_000, T0 + 12, 900)
+        assert await s.reserve("n1", "cut-7", 1_000, T0 + 12, 900)
+        assert await admin.zrange(gone, 0, -1) == ["cut-8"]
+        assert sorted(await admin.hkeys(res)) == ["cut-7", "live", "next"]
+    finally:
+        await s.close()
+
+
+async def test_an_older_versions_forgotten_ids_are_still_refused(
+    admin: aioredis.Redis, redis_server: str
+) -> None:
+    """During a rolling upgrade, ``~<id>`` markers in the reservations hash still count."""
+    s = store_for(redis_server)
+    res = "kvroute:backend:{n1}:res"
+    try:
+        await s.put_report("n1", rep(30_000), ttl_s=60)
+        await admin.hset(res, "~old", f"~ {T0 + 10!r}")
+        assert not await s.reserve("n1", "old", 1_000, T0, 900)
+        assert await s.reservations("n1", T0) == []
+        assert await s.reserve("n1", "old", 1_000, T0 + 11, 900)
+        assert await admin.hkeys(res) == ["old"]  # the lapsed marker was purged
     finally:
         await s.close()
 
@@ -404,10 +464,15 @@ async def test_redis_and_memory_agree_on_random_operations(
                 got = [await s.reserve(*args, **kw) for s in stores]  # type: ignore[arg-type]
                 assert got[0] == got[1], (step, args, kw)
                 outcomes.add(got[0])
-            elif op < 0.85:
+            elif op < 0.8:
                 rid = f"r{rng.randint(0, 40)}"
                 for s in stores:
                     await s.release(name, rid)
+            elif op < 0.87:
+                rid = f"r{rng.randint(0, 40)}"
+                until = now + rng.choice([-1.0, 0.0, 0.3, 5.0, 60.0])
+                for s in stores:
+                    await s.forget(name, rid, until)
             else:
                 tokens = rng.randint(1_000, 30_000)
                 until = now + rng.choice([1.0, 10.0, 30.0])
