@@ -139,12 +139,12 @@ def fill(
     row.routed_hit_rate = sum(r["cached"] for r in ok) / prompted if prompted else 0.0
     row.requests = len(routed)
     row.failed = len(routed) - len(ok)
+    if scenario == "restart":
+        row.note = "restart counters: hit rate from the engines' counters since start"
     if row.failed:
         # What the failures were: the status (-1: the connection broke) and kind.
         bad = sorted(f"{r['status']} {r['kind']}" for r in routed if r not in ok)
         row.note = (row.note + "; " if row.note else "") + "failed: " + ", ".join(bad)
-    if scenario == "restart":
-        row.note = "restart counters: hit rate from the engines' counters since start"
 
 
 @dataclass(frozen=True, slots=True)

@@ -224,7 +224,7 @@ async def _place(gw: ContinuationPorts, relay: StreamRelay) -> Resumed | Unplace
     ctx.exclude.add(relay.backend)
     ctx.exclude |= {b.name for b in ctx.cfg.backends if b.kind not in ctx.cfg.continuation.kinds}
     ctx.failed_on.append(relay.backend)
-    if not await _budget_slot(gw, ctx):
+    if not await placement.retry_slot(gw, ctx):
         return "budget_exhausted"
     # The slot is taken: this first placement is not charged again (later diverts are).
     ctx.failure = None
@@ -243,22 +243,6 @@ async def _place(gw: ContinuationPorts, relay: StreamRelay) -> Resumed | Unplace
             relay.counted = True
             return "refused"
         await placement.move_on(gw, ctx, placed)
-
-
-async def _budget_slot(gw: ContinuationPorts, ctx: RequestContext) -> bool:
-    """A retry-budget slot for the continuation, waited for within ``queue.max_wait_s``.
-
-    The budget caps retries in flight (each holds its slot until its answer starts); when a
-    backend dies, all its streams break at once, and refusing the ones over the cap would
-    lose them. Waiting a moment for a slot keeps the cap and loses nothing: slots free
-    within a first-event time. Only the final refusal counts as budget exhaustion.
-    """
-    wait_s = min(ctx.cfg.queue.max_wait_s, ctx.deadline - asyncio.get_running_loop().time())
-    if not await gw.budget.acquire_within(lambda: gw.active, wait_s):
-        gw.metrics.retries.labels("budget_exhausted").inc()
-        return False
-    ctx.retries += 1
-    return True
 
 
 async def _first_event(

@@ -84,7 +84,7 @@ async def _place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
             avoid |= ctx.exclude
         now = gw.clock()
         view, request, ranked = _rank(gw, ctx, avoid, now)
-        if ranked and ctx.failure is not None and not _retry_allowed(gw, ctx):
+        if ranked and ctx.failure is not None and not await retry_slot(gw, ctx):
             return give_up(gw, ctx)
         demands = (
             {n: gw.affinity.demand_on(request, view, n) for n in ranked} if request.cached else None
@@ -223,9 +223,19 @@ def _rank(
     return view, request, ranked
 
 
-def _retry_allowed(gw: PlacementPorts, ctx: RequestContext) -> bool:
-    """A retry of a failed attempt takes a slot of the retry budget, or is not made."""
-    if not gw.budget.try_acquire(gw.active):
+async def retry_slot(gw: PlacementPorts, ctx: RequestContext) -> bool:
+    """A retry-budget slot for a retry of a failed attempt, waited for within ``queue.max_wait_s``.
+
+    The budget caps retries in flight (each holds its slot until its answer starts). When a
+    backend dies, every request it held fails at once: the streams it was answering (their
+    continuations) and the ones it had queued before their first byte (their retries).
+    Refusing the ones over the cap at once lost requests that another backend could serve
+    (the KV-events benchmark's engine restart: 2 of 240). Waiting a moment keeps the cap and
+    loses nothing: slots free within a first-event time. Only the final refusal counts as
+    budget exhaustion; a budget of zero refuses at once.
+    """
+    wait_s = min(ctx.cfg.queue.max_wait_s, ctx.deadline - asyncio.get_running_loop().time())
+    if not await gw.budget.acquire_within(lambda: gw.active, wait_s):
         gw.metrics.retries.labels("budget_exhausted").inc()
         return False
     ctx.retries += 1

@@ -47,6 +47,8 @@ class RetryBudget:
         """``try_acquire``, waiting up to ``timeout_s`` for a slot to free; only a final
         refusal counts as exhaustion. For work that must not be dropped for being one of
         many at once (the streams of a backend that died), yet stays within the cap."""
+        if self.percent <= 0 and self.min_concurrency <= 0:
+            return self.try_acquire(active())  # retries are off: no slot will ever free
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout_s
         while self.in_flight >= self.limit(active()) and (left := until - loop.time()) > 0:

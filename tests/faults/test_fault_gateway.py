@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -59,6 +60,8 @@ class TinyBackend(ThreadedApp):
             return web.Response(status=500, text="Internal Server Error")
         if mode == "slow_headers":
             await asyncio.sleep(10)
+        if mode == "slow_ok":
+            await asyncio.sleep(0.4)
         extra = (
             {
                 "Connection": "x-secret",
@@ -164,6 +167,28 @@ def test_retry_budget_bounds_retries(backends: Callable[..., TinyBackend]) -> No
         )
     with run_gateway(cfg_for([bad, ok]), run_collector=False) as url:
         assert [post(url).status_code for _ in range(4)] == [200] * 4  # the default budget retries
+
+
+def test_retries_over_the_budget_wait_for_a_slot_instead_of_failing(
+    backends: Callable[..., TinyBackend],
+) -> None:
+    """A backend that fails all it holds at once: every request is still served elsewhere.
+
+    One retry slot, and each retry holds it until the other backend's answer starts (0.4 s):
+    the retries over the cap wait for the slot (within ``queue.max_wait_s``) instead of
+    answering the failure, and the cap still holds.
+    """
+    bad, ok = backends("a-bad", "error500"), backends("b-ok", "slow_ok")
+    one_slot = {"budget_percent": 0, "budget_min_concurrency": 1}
+    cfg = cfg_for([bad, ok], retry=one_slot, queue={"max_wait_s": 10.0})
+    with run_gateway(cfg, run_collector=False) as url:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: post(url), range(8)))
+            codes = [r.status_code for r in answers]
+        assert codes == [200] * 8
+        assert bad.hits >= 2  # several retries wanted the one slot at once
+        text = httpx.get(url + "/metrics").text
+        assert "kvroute_retry_budget_exhausted_total 0.0" in text
 
 
 def test_timeouts_are_each_answered_clearly(backends: Callable[..., TinyBackend]) -> None:

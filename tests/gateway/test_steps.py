@@ -6,6 +6,7 @@ and divert run against ``InProcessStore``; the end-to-end walk is tests/e2e/test
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -202,11 +203,29 @@ async def test_a_retry_beyond_the_budget_returns_the_last_failure(gw: Gateway) -
     ctx.snap = await gw.fleet.snapshot(force=True)
     failure = upstream_answer("connect_error", "backend a could not be reached")
     ctx.failure = failure
-    # Other requests' retries hold every slot of the budget.
+    # Other requests' retries hold every slot of the budget, and none frees in time.
     while gw.budget.try_acquire(gw.active):
         pass
+    ctx.deadline = asyncio.get_running_loop().time() + 0.2
     assert await placement.place(gw, ctx) is failure
     assert metric(gw, "kvroute_retries_total", {"reason": "budget_exhausted"}) == 1
+
+
+async def test_a_retry_waits_for_the_budget_slot_a_release_frees(gw: Gateway) -> None:
+    """A backend that dies fails all it held at once: the retries over the cap wait, not fail."""
+    await report(gw, "a", CAP, CAP)
+    ctx = await context(gw)
+    ctx.snap = await gw.fleet.snapshot(force=True)
+    ctx.failure = upstream_answer("connect_error", "backend a could not be reached")
+    while gw.budget.try_acquire(gw.active):
+        pass
+    placing = asyncio.create_task(placement.place(gw, ctx))
+    await asyncio.sleep(0.15)
+    assert not placing.done()  # waiting for a slot, within the cap
+    gw.budget.release()
+    assert await placing in ("a", "b")
+    assert ctx.retries == 1
+    assert metric(gw, "kvroute_retries_total", {"reason": "budget_exhausted"}) == 0
 
 
 # ------------------------------------------------------------------ divert

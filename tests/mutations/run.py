@@ -301,6 +301,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "settle = False",
     ),
     Mutation(
+        "retry-refused-at-once",
+        "a retry over the budget's cap answers the failure at once instead of waiting for a slot",
+        (
+            "tests/faults/test_fault_gateway.py::test_retries_over_the_budget_wait_for_a_slot_instead_of_failing",
+            "tests/gateway/test_steps.py::test_a_retry_waits_for_the_budget_slot_a_release_frees",
+        ),
+        "retry_slot",
+        r"if not await gw\.budget\.acquire_within\(lambda: gw\.active, wait_s\):",
+        "if not gw.budget.try_acquire(gw.active):",
+        fast=True,
+    ),
+    Mutation(
         "forgotten-ids-never-pruned",
         "the Redis reserve never prunes lapsed forgotten ids: the gone set only grows",
         ("tests/state/test_redis_store.py::test_forgotten_ids_stay_out_of_the_reservations_hash",),
