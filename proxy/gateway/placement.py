@@ -230,7 +230,8 @@ async def retry_slot(gw: PlacementPorts, ctx: RequestContext) -> bool:
     backend dies, every request it held fails at once: the streams it was answering (their
     continuations) and the ones it had queued before their first byte (their retries).
     Refusing the ones over the cap at once lost requests that another backend could serve
-    (the KV-events benchmark's engine restart: 2 of 240). Waiting a moment keeps the cap and
+    (section 11 of docs/benchmarks.md; likely also the 2 of 240 that the KV-events
+    benchmark's engine restart once lost). Waiting a moment keeps the cap and
     loses nothing: slots free within a first-event time. Only the final refusal counts as
     budget exhaustion; a budget of zero refuses at once.
     """
