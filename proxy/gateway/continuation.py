@@ -42,6 +42,7 @@ from proxy.gateway.continuation_metrics import BreakAction, ContinuationMetrics,
 from proxy.gateway.continuation_rules import kind_of
 from proxy.gateway.first_event import first_event
 from proxy.gateway.placement import PlacementPorts
+from proxy.gateway.retry_budget import retry_slot
 from proxy.gateway.send import SendPorts, send_attempt
 from proxy.gateway.sizing import size_request
 from proxy.gateway.stream import Break, StreamRelay
@@ -224,7 +225,7 @@ async def _place(gw: ContinuationPorts, relay: StreamRelay) -> Resumed | Unplace
     ctx.exclude.add(relay.backend)
     ctx.exclude |= {b.name for b in ctx.cfg.backends if b.kind not in ctx.cfg.continuation.kinds}
     ctx.failed_on.append(relay.backend)
-    if not await placement.retry_slot(gw, ctx):
+    if not await retry_slot(gw, ctx):
         return "budget_exhausted"
     # The slot is taken: this first placement is not charged again (later diverts are).
     ctx.failure = None

@@ -32,7 +32,7 @@ from proxy.gateway.divert import DivertPorts, record_allocation_failure, verdict
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.queueing import QueueingPorts
-from proxy.gateway.retry_budget import RetryBudget
+from proxy.gateway.retry_budget import RetryBudget, retry_slot
 from proxy.routing.nothing_fits import NothingFits
 from proxy.routing.policy import RouteRequest
 from proxy.state.base import StoreUnavailable
@@ -221,26 +221,6 @@ def _rank(
         gw.metrics.decision.observe(time.perf_counter() - ctx.started)
         ctx.decided = True
     return view, request, ranked
-
-
-async def retry_slot(gw: PlacementPorts, ctx: RequestContext) -> bool:
-    """A retry-budget slot for a retry of a failed attempt, waited for within ``queue.max_wait_s``.
-
-    The budget caps retries in flight (each holds its slot until its answer starts). When a
-    backend dies, every request it held fails at once: the streams it was answering (their
-    continuations) and the ones it had queued before their first byte (their retries).
-    Refusing the ones over the cap at once lost requests that another backend could serve
-    (section 11 of docs/benchmarks.md; likely also the 2 of 240 that the KV-events
-    benchmark's engine restart once lost). Waiting a moment keeps the cap and
-    loses nothing: slots free within a first-event time. Only the final refusal counts as
-    budget exhaustion; a budget of zero refuses at once.
-    """
-    wait_s = min(ctx.cfg.queue.max_wait_s, ctx.deadline - asyncio.get_running_loop().time())
-    if not await gw.budget.acquire_within(lambda: gw.active, wait_s):
-        gw.metrics.retries.labels("budget_exhausted").inc()
-        return False
-    ctx.retries += 1
-    return True
 
 
 def _store_reserve(

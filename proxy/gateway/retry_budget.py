@@ -13,6 +13,12 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from proxy.gateway.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from proxy.gateway.context import RequestContext
 
 
 class RetryBudget:
@@ -61,3 +67,31 @@ class RetryBudget:
             except TimeoutError:
                 pass
         return self.try_acquire(active())
+
+
+class RetryPorts(Protocol):
+    """What taking a retry slot uses: the budget, the replica's active requests, the counters."""
+
+    budget: RetryBudget
+    active: int
+    metrics: GatewayMetrics
+
+
+async def retry_slot(gw: RetryPorts, ctx: RequestContext) -> bool:
+    """A retry-budget slot for a retry of a failed attempt, waited for within ``queue.max_wait_s``.
+
+    The budget caps retries in flight (each holds its slot until its answer starts). When a
+    backend dies, every request it held fails at once: the streams it was answering (their
+    continuations) and the ones it had queued before their first byte (their retries).
+    Refusing the ones over the cap at once lost requests that another backend could serve
+    (section 11 of docs/benchmarks.md; likely also the 2 of 240 that the KV-events
+    benchmark's engine restart once lost). Waiting a moment keeps the cap and
+    loses nothing: slots free within a first-event time. Only the final refusal counts as
+    budget exhaustion; a budget of zero refuses at once.
+    """
+    wait_s = min(ctx.cfg.queue.max_wait_s, ctx.deadline - asyncio.get_running_loop().time())
+    if not await gw.budget.acquire_within(lambda: gw.active, wait_s):
+        gw.metrics.retries.labels("budget_exhausted").inc()
+        return False
+    ctx.retries += 1
+    return True
