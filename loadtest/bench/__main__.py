@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kv-events": ("kv_events", "prefix routing on vLLM's KV-cache events vs its own guess"),
     "pd": ("pd", "disaggregated prefill and decode: kvroute vs vllm-router's PD mode"),
     "pd-floor": ("pd_floor", "the pd run's lowest TTFT p99 with no preemption, offline (MILP)"),
+    "pd-online": ("pd_online", "the pd run's TTFT p99 per decode placement, none held back"),
     "continuation": ("continuation", "one engine of four killed under streaming load"),
     "big-prompts": ("big_prompts", "big prompts at high concurrency: sizing, the chunk cache"),
     "encode-pools": ("encode_pools", "new documents encoded serially, in threads, in processes"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.core.lazy import lazy_headroom
+from proxy.core.lazy import lazy_headroom, projected_headroom
 
 AllocatorKind = Literal["contiguous", "paged"]
 
@@ -153,14 +153,15 @@ class NodeView:
         Contiguous (allocates at admission): its report less the reservations newer than it.
         Lazily allocating servers (``report.queueing``): every live reservation counts at
         its full demand (``proxy.core.lazy``), since their reports show only what is
-        already cached.
+        already cached; where the memory-pressure projection is laid over the view, at its
+        projected peak with the unexplained usage added (``projected_headroom``).
         """
         if self.report is None:
             return 0
         if self.report.queueing:
             projected = self.overlay.projected_tokens
             if projected is not None:
-                return lazy_headroom(self.report, projected, self.overlay.engine)
+                return projected_headroom(self.report, projected, self.overlay.engine)
             return lazy_headroom(self.report, self.overlay.reserved_tokens)
         return max(0, self.report.largest_free_block_tokens - self.overlay.pending_tokens)
 

@@ -117,9 +117,11 @@ def choose_engine(
     projected from its own flights, not from a share of the node's: the split by reported
     usage (``busiest_engine_peak``) was a guess that let one engine grow into a preemption
     while the other stood idle (docs/benchmarks.md, section 12). A flight whose engine is
-    not known (placed while the server chose) counts on every engine. Room is what the
-    engine's capacity leaves above the larger of its usage now plus the new prompt and the
-    projected peak; ties go to the engine with fewer flights, then the lower rank.
+    not known (placed while the server chose) counts on every engine. The engine's usage
+    that its flights do not explain (another client, work ended since the report) is added
+    to the peak. Room is what the engine's capacity leaves above the larger of its usage now
+    plus the new prompt and that peak; ties go to the engine with fewer flights, then the
+    lower rank.
     """
     per_engine: list[list[Flight]] = [[] for _ in engine_used]
     for f in flights:
@@ -131,7 +133,9 @@ def choose_engine(
     best: tuple[float, int, int] | None = None
     choice = EngineChoice(0, 0)
     for e, (group, used) in enumerate(zip(per_engine, engine_used, strict=True)):
-        committed = math.ceil(projected_peak([*group, new], block_size) + extra)
+        # Usage the engine's flights do not explain stays under the peak.
+        unexplained = max(0, used - sum(f.now_tokens for f in group))
+        committed = math.ceil(projected_peak([*group, new], block_size) + extra + unexplained)
         room = engine_capacity - max(used + new.now_tokens, committed)
         key = (-room, len(group), e)
         if best is None or key < best:

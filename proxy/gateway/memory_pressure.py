@@ -177,8 +177,38 @@ class MemoryPressure:
                 return self._with_projection(n, max(0, choice.committed - ctx.demand), engine)
             held = sum(f.now_tokens for f in others)
             per_engine = busiest_engine_peak(used, held, alone)
+        else:
+            # Usage its flights do not explain (other clients, work ended since the report)
+            # stays: the peak is on top of it (``proxy.core.lazy.projected_headroom``).
+            used_now = r.capacity_tokens - r.free_tokens
+            per_engine += max(0, used_now - sum(f.now_tokens for f in others)) / engines
         committed = per_engine + foreign / engines + marginal + spare
         return self._with_projection(n, max(0, math.ceil(committed) - ctx.demand), engine)
+
+    def decided_here(self, view: FleetSnapshot, ranked: Iterable[str]) -> frozenset[str]:
+        """Of ``ranked``, the nodes where this projection decides the fit, not the store.
+
+        The store's atomic reserve checks a lazily allocating node with every live
+        reservation at its full demand (``proxy.state.base.reservation_fits``), the rule
+        without projection: it refused what the ranking had just found to fit on its
+        projected peak, and the request moved to a worse node or held (measured on the
+        disaggregation benchmark: a document held 5.5 s; docs/benchmarks.md, section 10).
+        Where every reservation on the node is this replica's, its flights are the whole
+        truth and the projection decides alone. Where another replica holds one there,
+        the store's check stays: it is what keeps two replicas from taking the same room at
+        once.
+        """
+        if not self.enabled:
+            return frozenset()
+        wanted = set(ranked)
+        out: set[str] = set()
+        for n in view.nodes:
+            if n.name not in wanted or n.overlay.projected_tokens is None:
+                continue
+            own = self.flights.get(n.name, {}).values()
+            if n.overlay.reserved_tokens <= sum(f.prompt_tokens + f.max_tokens for f in own):
+                out.add(n.name)
+        return frozenset(out)
 
     @staticmethod
     def _with_projection(n: NodeView, projected: int, engine: int | None) -> NodeView:

@@ -89,7 +89,8 @@ async def _place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
         demands = (
             {n: gw.affinity.demand_on(request, view, n) for n in ranked} if request.cached else None
         )
-        backend = await reserve_first(gw, ctx, ranked, now, demands)
+        unchecked = gw.pressure.decided_here(view, ranked)
+        backend = await reserve_first(gw, ctx, ranked, now, demands, unchecked=unchecked)
         if backend is not None:
             _begin_attempt(gw, ctx)
             return backend
@@ -247,13 +248,15 @@ async def reserve_first(
     now: float,
     demands: dict[str, int] | None = None,
     check_fit: bool = True,
+    unchecked: frozenset[str] = frozenset(),
 ) -> str | None:
     """Reserve on the best candidate that accepts; a lost race moves on to the next.
 
     ``demands``: what to reserve per node where it differs from the request's demand (a
     cached prefix that the server reuses, ``proxy.gateway.affinity``).
     ``check_fit=False``: the reservation is taken whatever the memory figures (a queueing
-    backend's own queue is where the request waits).
+    backend's own queue is where the request waits); ``unchecked``: the nodes where so
+    (the memory-pressure projection decided the fit, ``MemoryPressure.decided_here``).
     """
     for name in ranked:
         tokens = demands.get(name, ctx.demand) if demands else ctx.demand
@@ -261,7 +264,8 @@ async def reserve_first(
         # ranking meanwhile already see it.
         gw.local.add(name, ctx.reservation_id, tokens)
         try:
-            reserve = _store_reserve(gw, ctx, name, tokens, now, check_fit)
+            checked = check_fit and name not in unchecked
+            reserve = _store_reserve(gw, ctx, name, tokens, now, checked)
             # The ledger holds whatever the call may reserve, also when this request is
             # cancelled while the call is in flight or the store times out (it may still land).
             # The embedded store's call runs to its end at once (no await).

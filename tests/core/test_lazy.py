@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.fleet import MemoryReport, NodeView, Overlay
-from proxy.core.lazy import lazy_headroom
+from proxy.core.lazy import lazy_headroom, projected_headroom
 from proxy.core.pressure import (
     NodePressure,
     PressureConfig,
@@ -66,6 +66,30 @@ def test_a_request_pinned_to_one_engine_needs_room_only_there() -> None:
     pinned = NodeView("v", report=r, overlay=Overlay(projected_tokens=0, engine=1))
     assert pinned.fits(900, now=0.0)
     assert not NodeView("v", report=r, overlay=Overlay(projected_tokens=0)).fits(900, now=0.0)
+
+
+def test_a_projected_node_needs_room_for_the_peak_not_the_whole_demand_now() -> None:
+    # 600 held now, 400 free; the projection says the work there peaks at 300 besides the
+    # new request's own demand (its growth comes as others end). A 650-token request fits:
+    # the rule without projection asked all 650 of the 400 free now.
+    r = lazy_report(1_000, used=600)
+    assert lazy_headroom(r, inflight_demand=300) == 400
+    assert projected_headroom(r, committed=300) == 700
+    assert NodeView("v", report=r, overlay=Overlay(projected_tokens=300)).fits(650, now=0.0)
+    assert not NodeView("v", report=r, overlay=Overlay(projected_tokens=400)).fits(650, now=0.0)
+    # A full engine (no free block: asleep, or full) has no room whatever the projection says.
+    full = replace(r, largest_free_block_tokens=0)
+    assert projected_headroom(full, committed=0) == 0
+
+
+def test_projected_room_on_a_data_parallel_server() -> None:
+    r = lazy_report(2_000, used=1_000, engines=2, engine_free_tokens=(50, 950))
+    r = replace(r, largest_free_block_tokens=50)
+    # Pinned to engine 1: that engine's capacity less its projection.
+    assert projected_headroom(r, committed=200, engine=1) == 800
+    # The front end picks the engine: the worst split, as without projection.
+    assert projected_headroom(r, committed=200) == lazy_headroom(r, 200) == 50
+    assert projected_headroom(r, committed=200, engine=7) == 50
 
 
 def test_sleeping_node_has_no_headroom() -> None:

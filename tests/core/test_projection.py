@@ -165,6 +165,19 @@ def test_flights_of_unknown_engine_count_on_every_engine_and_ties_go_to_fewer_fl
     assert choose_engine([], new, [9_000, 0], 10_000).engine == 1
 
 
+def test_usage_an_engines_flights_do_not_explain_stays_under_its_peak() -> None:
+    # Engine 0 holds 3,000 tokens, of which its one flight explains 1,000 (another client,
+    # or work ended since the report): the other 2,000 stay while the flights grow.
+    mine = Flight(1_000, 500, 500, engine=0)
+    new = Flight(1_000, 500, 500)
+    choice = choose_engine([mine], new, engine_used=[3_000, 9_000], engine_capacity=10_000)
+    assert choice.engine == 0
+    assert choice.committed == projected_peak([mine, new]) + 2_000
+    # Flights that explain all of it add nothing.
+    exact = choose_engine([mine], new, engine_used=[1_000, 9_000], engine_capacity=10_000)
+    assert exact.committed == projected_peak([mine, new])
+
+
 def test_the_extra_reserve_is_added_to_the_chosen_engines_commitment() -> None:
     new = Flight(1_000, 500, 500)
     plain = choose_engine([], new, [0, 0], 10_000)

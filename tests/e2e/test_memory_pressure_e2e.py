@@ -244,3 +244,58 @@ def test_data_parallel_routing_server_leaves_the_engine_to_the_front_end() -> No
         # The client's own header passes through untouched when the gateway does not pin.
         assert r.status_code == 400 and "out of range" in r.text
         assert mp["data_parallel_routing"] == "server" and "inflight_per_engine" not in mp
+
+
+def second_document(max_tokens: int) -> tuple[list[tuple[int, int, str]], float, str]:
+    """Answers, preemptions and the gateway's metrics when a second document arrives.
+
+    2,048 tokens of KV. The first document (~1,040 tokens at its end) has written 600 of its
+    1,000 tokens (~650 held) when the second (``max_tokens``) arrives; asserted here: both
+    run together while the first is still writing (each then ends well).
+    """
+    slow = {**ENGINE, "speedup": 5}  # 150 tokens/s: the first document lasts ~6.7 s
+    with engines(("vllm", "v", {"capacity_tokens": 2048, **slow})) as urls:
+        bes = [{**b, "decode_tokens_per_s": 150} for b in backends(urls)]
+        cfg = gateway_cfg(bes, queue={"max_wait_s": 30}, memory_pressure={"max_hold_s": 60})
+        with run_gateway(cfg) as gw, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            wait_until(lambda: fleet(gw)["backends"][0]["report"] is not None, what="report")
+            first = pool.submit(stream, gw, 1000)
+            wait_until(
+                lambda: engine_state(urls["v"])[0]["used_tokens"] >= 650,
+                timeout_s=30,
+                what="the first document 600 tokens in",
+            )
+            second = pool.submit(stream, gw, max_tokens)
+            wait_until(
+                lambda: engine_state(urls["v"])[0]["running"] == 2,
+                timeout_s=30,
+                what="both documents running together",
+            )
+            answers = [first.result(), second.result()]
+            metrics = httpx.get(gw + "/metrics", timeout=10).text
+        return answers, preemptions(urls["v"]), metrics
+
+
+def test_a_request_that_fits_beside_the_projected_peak_starts_though_it_does_not_fit_now() -> None:
+    # The second document (~1,540 at its end) fits neither in what is free now (~1,400) nor
+    # beside the first at full demand, but never needs to: the first ends before the second
+    # has written 400 tokens (~1,500 together at most, so no preemption). Before: a lazily
+    # allocating node's room was the smaller of what the projection left and what was free
+    # now, so it was held until the first ended (both never ran together).
+    answers, preempted, _ = second_document(1500)
+    assert [(status, finish) for status, _, finish in answers] == [(200, "length")] * 2
+    assert preempted == 0
+
+
+def test_the_projection_decides_the_fit_not_the_rule_of_full_demands() -> None:
+    # The second document (~1,240) fits what is free now and the projected peak, not beside
+    # the first at full demand (2,280 > 2,048). Before: the ranking placed it on its
+    # projection, the store's reserve then refused it at full demand, and it reached the
+    # engine as a request that "fits nowhere now", sent to the backend's queue.
+    answers, preempted, metrics = second_document(1200)
+    assert [(status, finish) for status, _, finish in answers] == [(200, "length")] * 2
+    assert preempted == 0
+    queued = [
+        ln for ln in metrics.splitlines() if ln.startswith("kvroute_queued_at_backend_total{")
+    ]
+    assert all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in queued), queued

@@ -186,6 +186,38 @@ MUTATIONS: tuple[Mutation, ...] = (
         "lazy_headroom(self.report, 0)",
         fast=True,
     ),
+    Mutation(
+        "projected-room-asks-free-now",
+        "a projected lazily allocating node still asks the new request's whole demand of the KV free now",
+        (
+            "tests/core/test_lazy.py::test_a_projected_node_needs_room_for_the_peak_not_the_whole_demand_now",
+        ),
+        "NodeView.usable_block",
+        r"return projected_headroom\(self\.report, projected, self\.overlay\.engine\)",
+        "return lazy_headroom(self.report, projected, self.overlay.engine)",
+        fast=True,
+    ),
+    Mutation(
+        "unexplained-usage-dropped",
+        "a pinned engine's usage that its flights do not explain is left out of its peak",
+        (
+            "tests/core/test_projection.py::test_usage_an_engines_flights_do_not_explain_stays_under_its_peak",
+        ),
+        "choose_engine",
+        r"unexplained = max\(0, used - sum\(f\.now_tokens for f in group\)\)",
+        "unexplained = 0",
+        fast=True,
+    ),
+    Mutation(
+        "store-rechecks-projected-fit",
+        "the store's full-demand check overrules the projection on a node only this replica reserves",
+        (
+            "tests/e2e/test_memory_pressure_e2e.py::test_the_projection_decides_the_fit_not_the_rule_of_full_demands",
+        ),
+        "MemoryPressure.decided_here",
+        r"out\.add\(n\.name\)",
+        "pass",
+    ),
     # ---- the expected-wait model (queueing backends)
     Mutation(
         "wait-ignores-inflight",
