@@ -40,11 +40,10 @@ class DisaggregationConfig(_Strict):
         "0: never prefill during the hold",
     )
     decode_order: Literal["spread", "best_fit"] = Field(
-        default="spread",
-        description="long requests' decode step among the decode servers that fit: spread "
-        "(the order of one-step requests: queue, then load) or best_fit (the least room that "
-        "holds its projected peak: the largest room stays whole for the next long document; "
-        "measured: no steady TTFT gain, decode servers less balanced)",
+        default="best_fit",
+        description="long requests' decode step among the decode servers that fit: best_fit "
+        "(the least room that holds its projected peak: the largest room stays whole for the "
+        "next long document) or spread (the order of one-step requests: queue, then load)",
     )
 
 
