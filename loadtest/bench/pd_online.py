@@ -43,6 +43,8 @@ from proxy.core.projection import Flight, projected_peak
 
 @dataclass(frozen=True, slots=True)
 class Running:
+    """A request on a decode server: it holds its prompt plus what it has written so far."""
+
     start_s: float
     prompt_tokens: int
     output_tokens: int
