@@ -218,6 +218,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"out\.add\(n\.name\)",
         "pass",
     ),
+    Mutation(
+        "decided-ignores-other-replicas",
+        "the store's check is skipped on a node where another replica holds a reservation",
+        ("tests/gateway/test_projection_decides.py",),
+        "MemoryPressure.decided_here",
+        r"if n\.overlay\.reserved_tokens <= sum\(f\.prompt_tokens \+ f\.max_tokens for f in own\):",
+        "if True:",
+        fast=True,
+    ),
     # ---- the expected-wait model (queueing backends)
     Mutation(
         "wait-ignores-inflight",
