@@ -88,7 +88,7 @@ def begin(gw: TwoStepPorts, ctx: RequestContext) -> None:
     if "kv_transfer_params" in body or "bootstrap_room" in body:
         # The client drives the transfer itself (a proxy in front of us): one step.
         return
-    if ctx.cfg.disaggregation.decode_order == "best_fit":
+    if ctx.cfg.disaggregation.order() == "best_fit":
         ctx.policy = DecodeFitPolicy(ctx.policy)
     ctx.two_step = TwoStep(
         body=body,

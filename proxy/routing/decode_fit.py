@@ -8,7 +8,8 @@ server with the least room that still holds the request's projected peak, to kee
 largest room whole for the next long document (spreading can leave every decode server
 half full, and a long document then fits none of them until something ends).
 
-It is the default (``disaggregation.decode_order: best_fit``). Measured on the
+It is the default with vLLM's protocol (``disaggregation.decode_order: best_fit``; with
+SGLang's, where it cost one decode preemption a run, spread is). Measured on the
 disaggregation benchmark's heavy load (docs/benchmarks.md, section 10), once the fit was
 the projection's alone: TTFT p99 1.38 s against spread's 4.82 s on its own request list,
 0.30 s against 3.03 s on another, 9.11 s against 7.18 s on an overloaded third; decode

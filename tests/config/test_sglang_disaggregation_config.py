@@ -51,3 +51,15 @@ def test_errors_name_the_key_and_the_value(backends: list[dict[str, Any]], says:
 def test_an_unknown_protocol_is_refused() -> None:
     with pytest.raises(ValidationError, match=re.escape("disaggregation.protocol")):
         cfg([P, D], protocol="mooncake")
+
+
+def test_the_decode_order_defaults_by_protocol_and_a_set_one_wins() -> None:
+    # Measured (docs/benchmarks.md, section 10): best fit with vLLM's protocol; spread with
+    # SGLang's, where best fit cost a decode preemption a run.
+    assert cfg([P, D]).disaggregation.order() == "spread"
+    nixl = Config.model_validate({"backends": [{**P, "kind": "vllm"}, {**D, "kind": "vllm"}]})
+    assert nixl.disaggregation.order() == "best_fit"
+    chosen = Config.model_validate(
+        {"backends": [P, D], "disaggregation": {"protocol": "sglang", "decode_order": "best_fit"}}
+    )
+    assert chosen.disaggregation.order() == "best_fit"
