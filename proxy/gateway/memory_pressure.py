@@ -159,9 +159,7 @@ class MemoryPressure:
         engines = max(1, r.engines)
         alone = projected_peak(others, r.block_size)
         marginal = projected_peak([*others, new], r.block_size) - alone
-        # Reservations this replica does not hold (other gateway replicas): at full demand.
-        own_full = sum(f.prompt_tokens + f.max_tokens for f in mine.values())
-        foreign = max(0, n.overlay.reserved_tokens - own_full)
+        foreign = self._foreign(n)
         spare = (1.0 - budget) * r.capacity_tokens / engines
         per_engine = alone / engines
         engine: int | None = None
@@ -205,10 +203,17 @@ class MemoryPressure:
         for n in view.nodes:
             if n.name not in wanted or n.overlay.projected_tokens is None:
                 continue
-            own = self.flights.get(n.name, {}).values()
-            if n.overlay.reserved_tokens <= sum(f.prompt_tokens + f.max_tokens for f in own):
+            if self._foreign(n) == 0:
                 out.add(n.name)
         return frozenset(out)
+
+    def _foreign(self, n: NodeView) -> int:
+        """Tokens reserved on ``n`` that this replica does not hold (other gateway replicas'
+        requests, at full demand): what its flights cannot project."""
+        own_full = sum(
+            f.prompt_tokens + f.max_tokens for f in self.flights.get(n.name, {}).values()
+        )
+        return max(0, n.overlay.reserved_tokens - own_full)
 
     @staticmethod
     def _with_projection(n: NodeView, projected: int, engine: int | None) -> NodeView:
