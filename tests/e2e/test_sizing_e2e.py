@@ -110,4 +110,8 @@ def test_huge_fields_do_not_hold_the_event_loop(engine_factory: Callable[..., An
                 worst, status = _worst_health_gap(url, attack)
                 # Sized, then refused as too big for the fleet: an answer, not a stall.
                 assert status == 400, what
-                assert worst < inline_s / 5, (what, worst, inline_s)
+                # Counted on the loop, a probe would wait about the whole count (inline_s).
+                # Half of it tells the two apart; a fifth did not on a starved box: under
+                # two busy loops one probe waited 0.42 s against 1.95 / 5 = 0.39 (the OS's
+                # scheduling, the same attacks 7-19 ms on a quiet box).
+                assert worst < inline_s / 2, (what, worst, inline_s)
