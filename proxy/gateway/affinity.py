@@ -200,6 +200,10 @@ class Affinity:
         """``base`` with each node's expected saving and the session's last node filled in."""
         if key is None or not self.cfg.enabled:
             return base
+        if not key.hashes and key.session is None:
+            # Nothing to match or follow (a prompt shorter than one block, no session): the
+            # index's upkeep waits for a request that reads it.
+            return base
         self._observe(view, now)
         cached: dict[str, int] = {}
         exact: dict[str, int] = {}
@@ -283,6 +287,9 @@ class Affinity:
             return
         if key.later is not None:
             key.later.backend = backend
+        if not key.hashes and key.session is None:
+            # Nothing to learn, nor to tell other replicas.
+            return
         if len(key.hashes) >= _RECORD_LATER_BLOCKS and _loop() is not None:
             # A long prompt's blocks (~2 ms for 50k tokens) are written once the request has
             # gone upstream (the loop's next turn, while the backend works), not before.

@@ -7,15 +7,17 @@ leaving the ``with`` turns that cancellation back into ``watch.gone`` (the way
 ``asyncio.timeout`` turns its own cancellation into ``TimeoutError``). A cancellation from
 anywhere else (server shutdown) still propagates.
 
-The watcher starts only once the attempt has run ``WATCH_AFTER_S`` (a timer, not a task):
-most tiny answers come sooner and need no watcher at all, and a client that leaves is
-noticed at most that much later (a generation takes far longer, and the backend still sees
-the cancel).
+The watcher starts only once the attempt has run ``WATCH_AFTER_S``: most tiny answers come
+sooner and need no watcher at all, and a client that leaves is noticed at most that much
+later (a generation takes far longer, and the backend still sees the cancel). The watches
+of one loop wait in one line (``DueWatches``) behind one timer: a timer armed and cancelled
+per request was 3.5% of the gateway's CPU on tiny requests (docs/benchmarks.md, section 9).
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from types import TracebackType
 
 from starlette.types import Receive
@@ -34,18 +36,77 @@ async def client_gone(receive: Receive) -> None:
         await asyncio.get_running_loop().create_future()
 
 
+class DueWatches:
+    """The watches entered on one loop and not yet started, in the order they are due.
+
+    One timer, at the first one's time, starts every watch that is due by then; watches are
+    entered in time order, so that is a walk from the front of the line.
+    """
+
+    __slots__ = ("loop", "pending", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Weakly: the line is the value of a weak mapping keyed by its loop.
+        self.loop = weakref.proxy(loop)
+        self.pending: dict[ClientWatch, float] = {}
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, watch: ClientWatch) -> None:
+        due = self.loop.time() + WATCH_AFTER_S
+        self.pending[watch] = due
+        if self.timer is None:
+            self.timer = self.loop.call_at(due, self._start_due)
+
+    def discard(self, watch: ClientWatch) -> None:
+        self.pending.pop(watch, None)
+
+    def _start_due(self) -> None:
+        self.timer = None
+        # A timer may fire a little before its time (the loop's clock resolution).
+        now = self.loop.time() + 0.001
+        pending = self.pending
+        while pending:
+            watch, due = next(iter(pending.items()))
+            if due > now:
+                self.timer = self.loop.call_at(due, self._start_due)
+                return
+            del pending[watch]
+            watch._start()
+
+
+_lines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DueWatches] = (
+    weakref.WeakKeyDictionary()
+)
+# The loop and line used last: a gateway runs one loop, so the weak mapping is rarely read.
+_last: tuple[asyncio.AbstractEventLoop, DueWatches] | None = None
+
+
+def due_watches() -> DueWatches:
+    """The running loop's line of watches."""
+    global _last
+    loop = asyncio.get_running_loop()
+    last = _last
+    if last is not None and last[0] is loop:
+        return last[1]
+    line = _lines.get(loop)
+    if line is None:
+        line = _lines[loop] = DueWatches(loop)
+    _last = (loop, line)
+    return line
+
+
 class ClientWatch:
     """``with ClientWatch(receive) as watch``: the block is cancelled if the client goes.
 
     ``receive``: the request's ASGI receive, its body already read.
     """
 
-    __slots__ = ("_armed", "_receive", "_task", "_timer", "_watcher", "gone")
+    __slots__ = ("_armed", "_line", "_receive", "_task", "_watcher", "gone")
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._task: asyncio.Task[object] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._line: DueWatches | None = None
         self._watcher: asyncio.Task[None] | None = None
         # Only while the block runs: a disconnect noticed after it must not cancel what follows.
         self._armed = False
@@ -55,7 +116,8 @@ class ClientWatch:
     # request for either; ``async with`` (the relay's) does the same.
     def __enter__(self) -> ClientWatch:
         self._task = asyncio.current_task()
-        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+        self._line = line = due_watches()
+        line.add(self)
         self._armed = True
         return self
 
@@ -76,8 +138,8 @@ class ClientWatch:
         tb: TracebackType | None,
     ) -> bool:
         self._armed = False
-        if self._timer is not None:
-            self._timer.cancel()
+        if self._line is not None:
+            self._line.discard(self)
         if self._watcher is not None:
             self._watcher.cancel()
         if not self.gone or self._task is None:

@@ -16,6 +16,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView
+from proxy.gateway.loop_metrics import unlocked
 from proxy.gateway.sizing_metrics import SizingCollector
 
 M = TypeVar("M", bound=MetricWrapperBase)
@@ -176,11 +177,14 @@ class GatewayMetrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
-        self.decision = Histogram(
-            "kvroute_routing_decision_seconds",
-            "Time to size, classify and rank a request (incl. tokenization)",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        # Observed once per request, on the loop's thread (proxy.gateway.loop_metrics).
+        self.decision = unlocked(
+            Histogram(
+                "kvroute_routing_decision_seconds",
+                "Time to size, classify and rank a request (incl. tokenization)",
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
         )
         self.duration = Histogram(
             "kvroute_request_duration_seconds",
@@ -212,11 +216,12 @@ class GatewayMetrics:
 
     def labelled(self, metric: M, *values: str) -> M:
         """``metric.labels(*values)``, looked up once per label set: prometheus_client
-        checks and locks on every ``labels()`` call, three times per request."""
+        checks and locks on every ``labels()`` call, three times per request. The child is
+        updated without a lock: only on the loop's thread (proxy.gateway.loop_metrics)."""
         key = (id(metric), values)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(*values)
+            child = self._children[key] = unlocked(metric.labels(*values))
         return child  # type: ignore[return-value]
 
     def attach_fleet(

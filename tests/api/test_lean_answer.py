@@ -16,7 +16,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from proxy.api.entry import CYCLE_PARTS, missing_cycle_parts
-from proxy.api.socket_answer import answer
+from proxy.api.socket_answer import answer, head_of
 from proxy.gateway.relay import OnceCallback, RelayResponse
 
 
@@ -151,6 +151,31 @@ async def test_a_head_that_cannot_be_written_still_runs_the_clean_up() -> None:
     with pytest.raises(RuntimeError):
         await answer(cycle_on(wire), wire, bad)  # type: ignore[arg-type]
     assert closes.calls == 1 and wire.writes == []
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "refused"),
+    [
+        (b"x-ok", b"plain value\twith tab", None),
+        (b"x bad", b"v", "name"),
+        (b"x-bad:", b"v", "name"),
+        (b"x-ok", b"a\r\nset-cookie: s=1", "value"),
+        (b"x-ok", b"a\x7fb", "value"),
+    ],
+)
+def test_the_head_refuses_what_uvicorn_refuses(
+    name: bytes, value: bytes, refused: str | None
+) -> None:
+    """The names (values) are checked joined, once: the verdict is each header's own."""
+    response = Response(b"{}")
+    # After good headers, so a check of only the first one would miss it.
+    response.raw_headers = [*response.raw_headers, (b"x-before", b"fine"), (name, value)]
+    cycle = cycle_on(Recorder())
+    if refused is None:
+        assert name + b": " + value + b"\r\n" in head_of(cycle, response)
+        return
+    with pytest.raises(RuntimeError, match=f"Invalid HTTP header {refused}"):
+        head_of(cycle, response)
 
 
 async def test_this_uvicorn_has_every_part_of_the_cycle_the_lean_path_drives() -> None:
