@@ -61,7 +61,7 @@ def unlocked(child: M) -> M:
 
 def _unlock_counter(child: Counter) -> None:
     value = LoopValue(child._value.get())
-    child._value = value  # type: ignore[assignment]
+    child._value = value
     plain_inc = Counter.inc
 
     def inc(amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
@@ -78,8 +78,8 @@ def _unlock_histogram(child: Histogram) -> None:
     bounds = list(child._upper_bounds)
     total = LoopValue(child._sum.get())
     buckets = [LoopValue(b.get()) for b in child._buckets]
-    child._sum = total  # type: ignore[assignment]
-    child._buckets = buckets  # type: ignore[assignment]
+    child._sum = total
+    child._buckets = buckets
     plain_observe = Histogram.observe
     last = len(bounds) - 1
 

@@ -18,6 +18,7 @@ import pytest
 
 from proxy.api.entry import LeanPath
 from proxy.config import Config
+from proxy.gateway.walk import Gateway
 from tests.support.gateway import fleet_state, gateway_cfg, run_gateway, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -120,6 +121,34 @@ def test_the_access_log_line_is_the_same_on_both_paths(
         ok["id"] == "r1" and ok["model"] == "m" and ok["backend"] == "a" and ok["status"] == "200"
     )
     assert refused["id"] == "r2" and refused["status"] == "400"
+
+
+def test_forwarded_headers_are_honoured_alike_on_both_paths(
+    engine: Any, lean_runs: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uvicorn's proxy-header layer (127.0.0.1 trusted by default) on the lean path: run for a
+    request that carries X-Forwarded-*, skipped for one that does not, as the stack does."""
+    seen: list[tuple[str, str]] = []
+    real = Gateway.handle
+
+    async def recorded(self: Gateway, request: Any, endpoint: Any) -> Any:
+        client = request.client
+        seen.append((client.host if client else "-", request.url.scheme))
+        return await real(self, request, endpoint)
+
+    monkeypatch.setattr(Gateway, "handle", recorded)
+    forwarded = {"x-forwarded-for": "203.0.113.9", "x-forwarded-proto": "https"}
+    runs = []
+    for lean in ("1", "0"):
+        monkeypatch.setenv("KVROUTE_LEAN", lean)
+        seen.clear()
+        with run_gateway(_cfg(engine.url), run_collector=False) as url:
+            for headers in (forwarded, {}):
+                r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers=headers)
+                assert r.status_code == 200, r.text
+        runs.append(list(seen))
+    assert lean_runs == ["/v1/chat/completions"] * 2
+    assert runs[0] == runs[1] == [("203.0.113.9", "https"), ("127.0.0.1", "http")]
 
 
 def bad_requests() -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from starlette.types import Receive
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.gateway.affinity import Affinity, AffinityKey
-from proxy.gateway.client_watch import ClientWatch
+from proxy.gateway.client_watch import WATCH_AFTER_S, ClientWatch, due_watches
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.models import CatalogCache
 from proxy.routing.policy import RouteRequest
@@ -132,6 +132,37 @@ async def test_the_watch_lets_other_cancellations_through_and_ignores_a_late_dis
     left.set()
     await asyncio.sleep(0.01)
     assert not watch.gone
+
+
+async def test_watches_start_at_their_own_time_and_only_while_their_block_runs() -> None:
+    """One line of watches per loop: each starts WATCH_AFTER_S after its block began, one
+    that ended before that never starts, and a later one still starts after an earlier leaves."""
+    started: list[str] = []
+    first = asyncio.Event()
+
+    def watched(name: str) -> Receive:
+        async def receive() -> dict[str, object]:
+            started.append(name)
+            first.set()
+            await asyncio.sleep(10)
+            return {"type": "http.disconnect"}
+
+        return receive
+
+    loop = asyncio.get_running_loop()
+    short = ClientWatch(watched("short"))
+    long_ = ClientWatch(watched("long"))
+    began = loop.time()
+    with short:
+        await asyncio.sleep(WATCH_AFTER_S / 2)
+        long_.__enter__()
+    # ``short`` ended before its time: never watched. ``long`` is watched from its own time.
+    await asyncio.sleep(WATCH_AFTER_S * 0.6)
+    assert started == []
+    await asyncio.wait_for(first.wait(), 5)
+    assert started == ["long"] and loop.time() - began >= WATCH_AFTER_S * 1.5 - 0.002
+    long_.__exit__(None, None, None)
+    assert not long_.gone and due_watches().pending == {}
 
 
 class _Slow(InProcessStore):
