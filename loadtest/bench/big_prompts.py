@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also run `kvroute serve` from this source tree (e.g. a checkout of main) as "
         "kvroute-baseline: the before/after ratio measured in the same run",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="points per target and load case, the targets' order reversed each round; rows "
+        "show medians, and x router the median of each round's ratio (on a shared VM two "
+        "points a minute apart differ by more than the builds compared)",
     )
     p.add_argument("--quick", action="store_true", help="3 s per point, 10 lone prompts")
     p.add_argument(
@@ -138,6 +147,33 @@ def point(target: Target, run: Any) -> dict[str, Any]:
     }
 
 
+def rounds(targets: list[Target], run: Any, n: int) -> list[dict[str, Any]]:
+    """``n`` points per target, in order then reversed, alternately; one row per target."""
+    points: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+    for i in range(n):
+        for t in targets if i % 2 == 0 else targets[::-1]:
+            points[t.name].append(point(t, run))
+    router = points.get("vllm-router")
+    return [summary(points[t.name], router) for t in targets]
+
+
+def summary(points: list[dict[str, Any]], router: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """One target's points as one row: medians, errors and requests summed, and its ratio
+    to vllm-router's req/s taken round by round (the median of those)."""
+    row = dict(points[0])
+    if len(points) > 1:
+        for key in ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req"):
+            values = [p[key] for p in points if p[key] is not None]
+            row[key] = round(statistics.median(values), 3) if values else None
+        row["requests"] = sum(p["requests"] for p in points)
+        row["errors"] = sum(p["errors"] for p in points)
+        row["rounds_rps"] = [p["rps"] for p in points]
+    if router is not None:
+        ratios = [p["rps"] / r["rps"] for p, r in zip(points, router, strict=True) if r["rps"]]
+        row["x_router"] = round(statistics.median(ratios), 3) if ratios else None
+    return row
+
+
 def load_cases(args: argparse.Namespace, bench: Bench, targets: list[Target]) -> dict[str, Any]:
     wrk = find_wrk()
     if wrk is None:
@@ -150,31 +186,25 @@ def load_cases(args: argparse.Namespace, bench: Bench, targets: list[Target]) ->
             continue
         bodies = make(args.bodies, args.doc_chars)
         script = write_bodies(bodies, bench.workdir, case)
-        runs[case] = []
-        for t in targets:
-            if args.warm:
+        if args.warm:
+            for t in targets:
                 send_each(t.url, bodies)
-            runs[case].append(
-                point(
-                    t,
-                    lambda url, s=script: run_wrk_bodies(
-                        wrk, url, s, args.concurrency, args.duration
-                    ),
-                )
-            )
+        runs[case] = rounds(
+            targets,
+            lambda url, s=script: run_wrk_bodies(wrk, url, s, args.concurrency, args.duration),
+            args.rounds,
+        )
         print_rows(case, f"c={args.concurrency}", runs[case])
     if "tiny" in cases:
         for conc in (args.tiny_concurrency, 1):
             key = f"tiny_c{conc}"
-            runs[key] = [
-                point(
-                    t,
-                    lambda url, c=conc: run_wrk(
-                        wrk, url + CHAT_PATH, request_body(False), c, args.duration, bench.workdir
-                    ),
-                )
-                for t in targets
-            ]
+            runs[key] = rounds(
+                targets,
+                lambda url, c=conc: run_wrk(
+                    wrk, url + CHAT_PATH, request_body(False), c, args.duration, bench.workdir
+                ),
+                args.rounds,
+            )
             print_rows("tiny", f"c={conc}", runs[key])
     return runs
 
@@ -203,14 +233,16 @@ def lone_cases(args: argparse.Namespace, targets: list[Target]) -> dict[str, Any
 
 
 def print_rows(case: str, conc: str, rows: list[dict[str, Any]]) -> None:
-    router = next((r["rps"] for r in rows if r["target"] == "vllm-router"), None)
-    print(f"\n{case} ({conc})")
+    rounds_note = (
+        f", median of {len(rows[0]['rounds_rps'])} rounds" if "rounds_rps" in rows[0] else ""
+    )
+    print(f"\n{case} ({conc}{rounds_note})")
     print(
         f"{'target':14s} {'req/s':>8s} {'x router':>9s} {'p50 ms':>9s} {'p99 ms':>9s} "
         f"{'errors':>7s} {'cpu ms/req':>10s}"
     )
     for r in rows:
-        ratio = f"{r['rps'] / router:.2f}" if router else "-"
+        ratio = f"{r['x_router']:.2f}" if r.get("x_router") is not None else "-"
         print(
             f"{r['target']:14s} {r['rps']:8.1f} {ratio:>9s} {r['p50_ms']:9.2f} {r['p99_ms']:9.2f} "
             f"{r['errors']:7d} {r['cpu_ms_per_req'] or 0:10.3f}"
