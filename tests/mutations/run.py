@@ -227,6 +227,45 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if True:",
         fast=True,
     ),
+    # ---- the tiny path's shortcuts
+    Mutation(
+        "forwarded-headers-ignored",
+        "the lean path never runs the proxy-header layers, X-Forwarded-* or not",
+        ("tests/api/test_lean_path.py::test_forwarded_headers_are_honoured_alike_on_both_paths",),
+        "forwarded",
+        r"if name in FORWARDED_HEADERS:",
+        "if False:",
+        fast=True,
+    ),
+    Mutation(
+        "watch-starts-before-its-time",
+        "one timer starts every pending client watch, due or not",
+        (
+            "tests/gateway/test_hot_path.py::test_watches_start_at_their_own_time_and_only_while_their_block_runs",
+        ),
+        "DueWatches._start_due",
+        r"if due > now:",
+        "if False:",
+        fast=True,
+    ),
+    Mutation(
+        "unlocked-histogram-bucket-off-by-one",
+        "an amount equal to a bound is counted in the next bucket up",
+        ("tests/gateway/test_loop_metrics.py",),
+        "_unlock_histogram",
+        r"i = bisect_left\(bounds, amount\)",
+        "i = bisect_left(bounds, amount + 1e-12)",
+        fast=True,
+    ),
+    Mutation(
+        "young-generation-at-the-default",
+        "serving collects the young generation every 700 allocations, as CPython's default",
+        ("tests/api/test_heap.py::test_a_started_gateway_has_frozen_its_startup_heap",),
+        "freeze_startup_heap",
+        r"gc\.set_threshold\(YOUNG_THRESHOLD, older, oldest\)",
+        "gc.set_threshold(700, older, oldest)",
+        fast=True,
+    ),
     # ---- the expected-wait model (queueing backends)
     Mutation(
         "wait-ignores-inflight",
