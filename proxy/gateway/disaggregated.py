@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Protocol
 
 import orjson
@@ -288,11 +288,20 @@ def _no_prefill(gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, answer: Res
     two.skipped = True
 
 
-async def forward(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> Response | None:
-    """Step 6 on ``decode``: an ordinary attempt, or with SGLang's protocol both halves at once."""
+def forward(gw: TwoStepPorts, ctx: RequestContext, decode: str) -> Awaitable[Response | None]:
+    """Step 6 on ``decode``: an ordinary attempt, or with SGLang's protocol both halves at once.
+
+    A plain function handing back the attempt's own coroutine: one coroutine fewer on every
+    request's path (each level is entered again at every resumption)."""
     two = ctx.two_step
     if two is None or not _sglang(ctx):
-        return await attempt.forward(gw, ctx, decode)
+        return attempt.forward(gw, ctx, decode)
+    return _forward_pair(gw, ctx, two, decode)
+
+
+async def _forward_pair(
+    gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, decode: str
+) -> Response | None:
     sub = _prefill_context(gw, ctx, two)
     # Only a server in prefill mode serves a room (one found by discovery without a role
     # label is ``both``: it may take the decode half, never the prefill half).
