@@ -146,7 +146,7 @@ def add_behaviour_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
     )
-    # Imported here: the behaviours package imports this module's server (a cycle at import).
+    # Imported here: importing this module alone does not load the behaviours (aiohttp).
     from loadtest.engine.behaviours import disaggregation
 
     disaggregation.add_arguments(parser)
@@ -193,7 +193,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         log.info("starting engine %s", asdict(bconf))
         run_behaviour(bconf, args.host, args.port)
         return 0
-    from loadtest.engine.server import run
+    from loadtest.engine.serving import run
 
     config = config_from_args(args)
     log.info("starting engine %s", asdict(config))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from loadtest.engine.behaviours.app import FRONT_KEY, BehaviourConfig, Front, build_app
-from loadtest.engine.server import AppServer, serve_until_stopped
+from loadtest.engine.serving import AppServer, serve_until_stopped
 
 
 class BehaviourServer(AppServer):
