@@ -108,6 +108,21 @@ def _scrape_json(b: dict[str, Any]) -> dict[str, Any]:
         "latency_s": round(latency, 4) if latency is not None else None,
         "last_success_at": b["last_success_at"] or None,
         "consecutive_failures": b["consecutive_failures"],
+        # Queueing servers: where the report's ``max_num_seqs`` came from (exported by the
+        # server, configured, learned from pinned reports, or unknown) and the evidence
+        # being gathered for it (``proxy.core.slot_limit``).
+        "max_num_seqs": _slots_json(b),
+    }
+
+
+def _slots_json(b: dict[str, Any]) -> dict[str, Any]:
+    learning = b.get("slot_limit") or {}
+    return {
+        "source": b.get("slots_source", "unknown"),
+        "learned": learning.get("limit", 0),
+        "learned_at": learning.get("confirmed_at") or None,
+        "pinned_running": learning.get("candidate", 0),
+        "pinned_reports": learning.get("streak", 0),
     }
 
 

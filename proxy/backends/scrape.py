@@ -22,7 +22,7 @@ import httpx
 from proxy.backends.parse import ScrapeError, parse_report
 from proxy.config import BackendConfig, CollectorConfig
 from proxy.core.fleet import MemoryReport
-from proxy.core.pressure import learned_slots
+from proxy.core.slot_limit import SlotLimit, SlotSource, next_slot_limit
 
 log = logging.getLogger("kvroute.collector")
 
@@ -71,17 +71,30 @@ class BackendStatus:
     failures_total: int = 0
     # Scrapes by how they ended (``ScrapeCause``), for ``kvroute_scrapes_total``.
     results: dict[str, int] = dataclasses.field(default_factory=dict)
-    # Queueing servers: the running-request limit learned from reports (0: not yet).
-    slots: int = 0
+    # Queueing servers: the running-request limit as learned from reports
+    # (``proxy.core.slot_limit``), and where the figure in use came from.
+    slot_limit: SlotLimit = dataclasses.field(default_factory=SlotLimit)
+    slots_source: SlotSource = "unknown"
+
+    @property
+    def slots(self) -> int:
+        """The learned limit (0: not known)."""
+        return self.slot_limit.limit
 
     def with_slots(self, report: MemoryReport, configured: int | None) -> MemoryReport:
         """The report with ``max_num_seqs`` filled in: exported, configured, else learned."""
-        if not report.queueing or report.max_num_seqs:
+        if not report.queueing:
+            return report
+        if report.max_num_seqs:
+            self.slots_source = "exported"
             return report
         if configured:
+            self.slots_source = "configured"
             return dataclasses.replace(report, max_num_seqs=configured)
-        self.slots = learned_slots(self.slots, report)
-        return dataclasses.replace(report, max_num_seqs=self.slots) if self.slots else report
+        self.slot_limit = next_slot_limit(self.slot_limit, report, report.reported_at)
+        limit = self.slot_limit.limit
+        self.slots_source = "learned" if limit else "unknown"
+        return dataclasses.replace(report, max_num_seqs=limit) if limit else report
 
     def record(self, o: ScrapeOutcome, now: float, fall: int, rise: int) -> Write:
         """Count one scrape and say what to write (a mark_down carries ``self.reason``)."""

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.core.fleet import MemoryReport
+from proxy.core.slot_limit import SLOT_FREE_FRACTION
 
 Reason = Literal["", "queue", "slots", "preemption", "asleep"]
 """Why a node is full: requests waiting with little KV free (``queue``), waiting with KV to
 spare (``slots``: max_num_seqs ran out first), a rising preemption count, or sleep mode."""
-
-SLOT_FREE_FRACTION = 0.2  # waiting with more than this fraction free: slots, not KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,21 +53,6 @@ def trigger(report: MemoryReport, previous_preemptions: int | None) -> Reason:
     if report.waiting > 0:
         return "slots" if report.free_fraction > SLOT_FREE_FRACTION else "queue"
     return ""
-
-
-def learned_slots(previous: int, report: MemoryReport) -> int:
-    """The server's running-request limit (all engines), as its reports show it; 0: unknown.
-
-    vLLM does not export ``max_num_seqs``. Requests waiting while KV has room to spare means
-    the slots ran out: the running count then is the limit. Once known, no report's running
-    count can exceed the limit, so a larger one raises it (a data-parallel server may show
-    waiting on one engine while another still had slots: the first figure can be low).
-    """
-    if previous > 0:
-        return max(previous, report.running)
-    if report.waiting > 0 and report.free_fraction > SLOT_FREE_FRACTION:
-        return report.running
-    return 0
 
 
 def next_pressure(

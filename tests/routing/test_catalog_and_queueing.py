@@ -80,7 +80,7 @@ def test_long_pool_too_small_only_after_its_wait_stays_above_the_general_pools()
 
 from proxy.backends.scrape import BackendStatus  # noqa: E402
 from proxy.core.fleet import FleetSnapshot  # noqa: E402
-from proxy.core.pressure import learned_slots  # noqa: E402
+from proxy.core.slot_limit import CONFIRMATIONS, DECAY_S, SlotLimit, next_slot_limit  # noqa: E402
 from proxy.routing import KvroutePolicy, PolicySettings, RouteRequest  # noqa: E402
 
 
@@ -136,22 +136,71 @@ def test_a_burst_on_one_snapshot_spreads_by_the_gateways_own_in_flight_count() -
     assert ranked(busy("one", running=4, slots=0), dp) == ["dp", "one"]
 
 
-def test_the_slot_limit_is_learned_from_reports_or_configured() -> None:
-    def rep(running: int, waiting: int, free: int = 20_000, limit: int = 0) -> MemoryReport:
-        return MemoryReport(
-            24_000, free, free, "paged", 16, running=running, waiting=waiting,
-            max_num_seqs=limit, queueing=True,
-        )  # fmt: skip
+def _slot_report(
+    running: int, waiting: int, at: float, free: int = 20_000, limit: int = 0
+) -> MemoryReport:
+    return MemoryReport(
+        24_000, free, free, "paged", 16, running=running, waiting=waiting,
+        max_num_seqs=limit, queueing=True, reported_at=at,
+    )  # fmt: skip
 
-    assert learned_slots(0, rep(5, 0)) == 0  # nothing waits: the limit is not reached
-    assert learned_slots(0, rep(5, 2, free=1_000)) == 0  # waiting for KV, not for a slot
-    assert learned_slots(0, rep(6, 2)) == 6  # waiting with KV to spare: slots ran out
-    assert learned_slots(6, rep(8, 0)) == 8  # more ran since: the limit is at least that
+
+def _learn(reports: list[tuple[int, int]], start: float = 1.0, every: float = 1.0) -> SlotLimit:
+    state = SlotLimit()
+    for i, (running, waiting) in enumerate(reports):
+        at = start + i * every
+        state = next_slot_limit(state, _slot_report(running, waiting, at), at)
+    return state
+
+
+def test_the_slot_limit_is_learned_from_reports_or_configured() -> None:
+    pinned = [(6, 2)] * CONFIRMATIONS
+    assert _learn([(5, 0)] * 5).limit == 0  # nothing waits: the limit is not reached
+    assert _learn([(6, 2)] * (CONFIRMATIONS - 1)).limit == 0  # not yet pinned long enough
+    assert _learn(pinned).limit == 6  # waiting with KV to spare at one running count
+    assert _learn([*pinned, (8, 0)]).limit == 8  # more ran since: the limit is at least that
     st = BackendStatus()
-    assert st.with_slots(rep(6, 2), None).max_num_seqs == 6
-    assert st.with_slots(rep(3, 0), None).max_num_seqs == 6  # kept
-    assert st.with_slots(rep(3, 0), 16).max_num_seqs == 16  # configured wins
-    assert st.with_slots(rep(3, 0, limit=32), 16).max_num_seqs == 32  # exported wins
+    for i in range(CONFIRMATIONS):
+        learned = st.with_slots(_slot_report(6, 2, at=1.0 + i), None)
+    assert learned.max_num_seqs == 6 and st.slots_source == "learned"
+    assert st.with_slots(_slot_report(3, 0, at=9.0), None).max_num_seqs == 6  # kept
+    assert st.with_slots(_slot_report(3, 0, at=10.0), 16).max_num_seqs == 16  # configured wins
+    assert st.slots_source == "configured"
+    exported = st.with_slots(_slot_report(3, 0, at=11.0, limit=32), 16)
+    assert exported.max_num_seqs == 32 and st.slots_source == "exported"  # exported wins
+
+
+def test_waiting_for_kv_is_not_a_slot_limit() -> None:
+    state = SlotLimit()
+    for i in range(10):
+        report = _slot_report(5, 2, at=1.0 + i, free=1_000)
+        state = next_slot_limit(state, report, 1.0 + i)
+    assert state.limit == 0
+
+
+def test_a_learned_limit_cannot_stay_below_the_engines_while_the_gateway_keeps_it_there() -> None:
+    """Issue 53: an engine allowing 256 that prefills one prompt at a time shows requests
+    waiting with KV free at 26-30 running; the gateway, ranking by whatever it learned, keeps
+    it there. The old rule took the first such count as the limit and only ever raised it
+    (to 30 here), for good. Now a moving running count is a prefill queue, not a slot limit,
+    and a figure once learned lapses unless the engine shows it again."""
+    prefill_bound = [(26 + (i % 5), 3) for i in range(300)]  # 5 minutes, one report a second
+    assert _learn(prefill_bound).limit == 0
+    # A real limit of 8 is learned, and a gateway that then keeps the engine at 6 (never
+    # pinned, never more) does not keep the figure: it lapses within DECAY_S and a report.
+    learned = _learn([(8, 4)] * CONFIRMATIONS)
+    assert learned.limit == 8
+    state, at = learned, float(CONFIRMATIONS)
+    while at < CONFIRMATIONS + DECAY_S + 2:
+        at += 1.0
+        state = next_slot_limit(state, _slot_report(6, 0, at), at)
+    assert state.limit == 0
+    # Probed upward: the engine, no longer capped by the figure, runs more, and is pinned
+    # again only at its real limit.
+    for running in (10, 14, 20, 20, 20):
+        at += 1.0
+        state = next_slot_limit(state, _slot_report(running, 3, at), at)
+    assert state.limit == 20
 
 
 def test_expected_wait_counts_the_gateways_own_requests_in_flight() -> None:
