@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, d)
     add_model_arguments(parser, d)
     add_behaviour_arguments(parser)
+    add_scheduler_arguments(parser)
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
     parser.add_argument("--log-level", default="warning", help="logging level (default warning)")
 
@@ -159,6 +160,50 @@ def add_behaviour_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
+    """The scheduler model (classic or vLLM v1's) and how streams are paced (vllm/sglang/tgi)."""
+    parser.add_argument(
+        "--scheduler",
+        choices=("classic", "v1"),
+        default="classic",
+        help="vllm: classic (fixed decode steps, prefill beside them; the default) or v1 "
+        "(vLLM v1's: a token budget per step, running first, chunked prefill, step time "
+        "growing with the batch's tokens; docs/engine.md)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="v1: tokens scheduled per step, decodes and prefill chunks together (default 8192)",
+    )
+    parser.add_argument(
+        "--step-base-ms",
+        type=float,
+        default=10.0,
+        help="v1: a step's fixed time in ms before --speedup (default 10)",
+    )
+    parser.add_argument(
+        "--step-per-token-us",
+        type=float,
+        default=None,
+        help="v1: a step's time per scheduled token in us before --speedup "
+        "(default 1e6 / --prefill-tokens-per-s: a full-budget prefill step runs at that rate)",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="tokens per SSE event, as vLLM's --stream-interval (default 1 with --scheduler v1; "
+        "classic: 0, all tokens new since the last flush in one event)",
+    )
+    parser.add_argument(
+        "--flush-interval-s",
+        type=float,
+        default=0.0,
+        help="vllm/sglang/tgi: flush a stream at most every this many wall seconds (default 0)",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         name=args.name,
@@ -223,6 +268,12 @@ def behaviour_config_from_args(args: argparse.Namespace) -> BehaviourConfig:
         kv_events_config=getattr(args, "kv_events_config", None),
         pd=disaggregation.role_config_from_args(args),
         die_after_tokens=getattr(args, "die_after_tokens", None),
+        scheduler=getattr(args, "scheduler", "classic"),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 8192),
+        step_base_ms=getattr(args, "step_base_ms", 10.0),
+        step_per_token_us=getattr(args, "step_per_token_us", None),
+        stream_interval=getattr(args, "stream_interval", None),
+        flush_interval_s=getattr(args, "flush_interval_s", 0.0),
     )
 
 

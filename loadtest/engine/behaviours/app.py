@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import secrets
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from loadtest.engine.behaviours import disaggregation, vllm_cache_routes
+from loadtest.engine.behaviours.cores import SCHEDULERS, make_core
 from loadtest.engine.behaviours.dialects import DIALECTS, Dialect, ServerFacts, models_body
 from loadtest.engine.behaviours.eos import output_tokens
 from loadtest.engine.behaviours.faults import (
@@ -36,6 +38,7 @@ from loadtest.engine.behaviours.faults import (
 from loadtest.engine.behaviours.kv_publisher import KvEventsOptions, attach_publishers
 from loadtest.engine.behaviours.prefix_cache import prompt_blocks
 from loadtest.engine.behaviours.scheduler import PagedCore, SimRequest
+from loadtest.engine.behaviours.stream_pacing import Pacing
 from loadtest.engine.metrics import exposition
 from loadtest.engine.protocol import (
     SSE_DONE,
@@ -79,6 +82,15 @@ class BehaviourConfig:
     pd: disaggregation.RoleConfig = dataclasses.field(default_factory=disaggregation.RoleConfig)
     # Every stream's connection is reset after this many tokens (faults.py: ``die``).
     die_after_tokens: int | None = None
+    # The scheduler model (``cores.py``): ``classic`` (scheduler.py) or ``v1`` (v1_scheduler.py).
+    scheduler: str = "classic"
+    max_num_batched_tokens: int = 8192  # v1: the token budget of one step
+    step_base_ms: float = 10.0  # v1: a step's fixed time
+    step_per_token_us: float | None = None  # v1: per scheduled token; None: 1/prefill rate
+    # Tokens per SSE event (stream_pacing.py); None: 1 with v1 (vLLM's default), else 0
+    # (everything new in one event, the classic model's way).
+    stream_interval: int | None = None
+    flush_interval_s: float = 0.0  # at most one flush per this many (wall) seconds
 
     def __post_init__(self) -> None:
         if self.behaviour not in DIALECTS:
@@ -96,6 +108,7 @@ class BehaviourConfig:
             raise ValueError(f"tokenizer_ratio must be positive, got {self.tokenizer_ratio}")
         if self.kv_events_config is not None:
             KvEventsOptions.parse(self.kv_events_config)  # a bad flag fails at start, named
+        self._check_scheduler()
         if self.capacity_tokens < self.block_size:
             raise ValueError("capacity_tokens must hold at least one block")
         if self.max_model_len is not None and not 0 < self.max_model_len <= self.capacity_tokens:
@@ -104,6 +117,29 @@ class BehaviourConfig:
                 f"max_model_len ({self.max_model_len}) must be within 1..capacity_tokens "
                 f"({self.capacity_tokens})"
             )
+
+    def _check_scheduler(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}"
+            )
+        if self.scheduler == "v1" and self.behaviour != "vllm":
+            raise ValueError("--scheduler v1 models vLLM: it needs --behaviour vllm")
+        if self.max_num_batched_tokens < 1 or self.step_base_ms < 0:
+            raise ValueError("max_num_batched_tokens must be positive and step_base_ms >= 0")
+        if self.step_per_token_us is not None and self.step_per_token_us < 0:
+            raise ValueError(f"step_per_token_us must be >= 0, got {self.step_per_token_us}")
+        if (self.stream_interval is not None and self.stream_interval < 0) or (
+            self.flush_interval_s < 0
+        ):
+            raise ValueError("stream_interval and flush_interval_s must be >= 0")
+
+    @property
+    def pacing(self) -> Pacing:
+        interval = self.stream_interval
+        if interval is None:
+            interval = 1 if self.scheduler == "v1" else 0
+        return Pacing(interval, self.flush_interval_s)
 
 
 class _Families(Collector):
@@ -120,20 +156,8 @@ class Front:
     def __init__(self, config: BehaviourConfig) -> None:
         self.config = config
         self.dialect: Dialect = DIALECTS[config.behaviour]
-        step_s = 1.0 / (config.decode_tokens_per_s * config.speedup)
-        self.cores = [
-            PagedCore(
-                config.capacity_tokens // config.block_size,
-                config.block_size,
-                config.max_num_seqs,
-                step_s,
-                config.prefill_tokens_per_s * config.speedup,
-                reserve_full=config.behaviour == "tgi",
-                prefix_caching=config.behaviour == "vllm" and config.prefix_caching,
-                serial_prefill=config.serial_prefill,
-            )
-            for _ in range(config.data_parallel)
-        ]
+        self.cores = [make_core(config) for _ in range(config.data_parallel)]
+        self.pacing = config.pacing
         self.publishers = attach_publishers(config.kv_events_config, self.cores)
         self.max_model_len = config.max_model_len or self.cores[0].capacity_tokens
         self.started_at = time.time()
@@ -334,30 +358,36 @@ class Front:
     ) -> None:
         created = int(time.time())
         sent = 0
+        loop = asyncio.get_running_loop()
+        flushed_at = -math.inf
         with contextlib.suppress(ConnectionError, RuntimeError):
             while sent < req.max_tokens:
                 if fault is not None and sent >= fault.after_tokens:
                     await _strike(request, resp, fault, record)
                     return
                 req.changed.clear()
-                if req.generated <= sent:
+                if not self.pacing.ready(sent, req.generated, req.max_tokens):
                     await req.changed.wait()
+                    continue
+                wait = flushed_at + self.pacing.flush_interval_s - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
                 new = req.generated - sent
                 if fault is not None:
                     # Exactly ``after_tokens`` reach the client before the fault strikes.
                     new = min(new, fault.after_tokens - sent)
                 if new <= 0:
                     continue
-                if sent == 0 and p.chat:
-                    await resp.write(chunk(completion_id, created, p, None, None, role=True))
-                text = generated_text(self.config.seed + sent, new)
-                sent += new
-                await resp.write(
-                    chunk(
-                        completion_id, created, p, text, _finish(sent, req.max_tokens, p.max_tokens)
-                    )
-                )
-                record.text.append(text)
+                events = [chunk(completion_id, created, p, None, None, role=True)]
+                events = events if sent == 0 and p.chat else []
+                for size in self.pacing.pieces(new):
+                    text = generated_text(self.config.seed + sent, size)
+                    sent += size
+                    finish = _finish(sent, req.max_tokens, p.max_tokens)
+                    events.append(chunk(completion_id, created, p, text, finish))
+                    record.text.append(text)
+                await resp.write(b"".join(events))
+                flushed_at = loop.time()
             if p.include_usage:
                 written = dataclasses.replace(p, max_tokens=req.max_tokens)
                 cached = req.prompt_tokens - req.computed if req.scheduled_at is not None else 0

@@ -101,6 +101,9 @@ class SimRequest:
     # a remote decode; a decode's prompt pulled at this rate instead of prefilled.
     keep_blocks: bool = False
     transfer_tokens_per_s: float | None = None
+    # The v1 model (``v1_scheduler.py``): tokens whose KV is computed so far; prefill chunks
+    # and decode steps add to it, a preemption resets it to 0.
+    kv_computed: int = 0
 
     @property
     def tokens(self) -> int:
