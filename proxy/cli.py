@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("engine", "run a simulated inference engine whose KV cache fragments"),
         (
             "demo",
-            "run the demo: engines + gateway + a 70% chat / 30% document workload, vs round robin",
+            "run the demo: engines + gateway + a 70%% chat / 30%% document workload, vs round robin",
         ),
         ("local-fleet", "start the simulated engines a config file expects (one per backend)"),
         ("simulate", "simulate a fleet over days of uptime, per routing policy"),
