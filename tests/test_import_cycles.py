@@ -1,10 +1,14 @@
-"""No import circle inside any package of proxy/, read from the source with ``ast``.
+"""No import circle inside any package of proxy/ or loadtest/, nor across loadtest/, read
+from the source with ``ast``.
 
 A circle means no module of it can be read, tested or moved without the others: the
 gateway's steps once all imported ``walk.py`` (for the ``Gateway`` type) while ``walk.py``
-imported them. Imports under ``TYPE_CHECKING`` count too: a circle that only the type
-checker sees is still a circle for the reader. Between packages the layering test
-(``test_layering.py``) already forbids any import that runs back up.
+imported them. Imports under ``TYPE_CHECKING`` count too, and so do imports inside a
+function: a circle that only the type checker sees, or that a lazy import hides from the
+interpreter, is still a circle for the reader. Between proxy/'s packages the layering test
+(``test_layering.py``) already forbids any import that runs back up; loadtest/ has no layers,
+so its circles are also looked for across its packages (``loadtest.engine.cli`` ->
+``loadtest.engine.behaviours`` -> ... -> ``loadtest.engine.cli`` was one).
 """
 
 from __future__ import annotations
@@ -18,32 +22,39 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def packages() -> list[Path]:
-    """Every package directory under proxy/ (proxy itself included)."""
-    return sorted(p.parent for p in (ROOT / "proxy").rglob("__init__.py"))
+def packages(top: str = "proxy") -> list[Path]:
+    """Every package directory under ``top`` (``top`` itself included)."""
+    return sorted(p.parent for p in (ROOT / top).rglob("__init__.py"))
 
 
-def imported_names(path: Path, package: str) -> Iterator[str]:
-    """Every module name an import statement of ``path`` may refer to, relative ones resolved."""
+def import_statements(path: Path, package: str) -> Iterator[tuple[str, list[str]]]:
+    """Each import of ``path`` as (module, names): ``import a.b`` is ("a.b", []), ``from a
+    import b, c`` is ("a", ["b", "c"]); relative modules resolved against ``package``."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
+            yield from ((alias.name, []) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join([*parts, node.module] if node.module else parts)
-            # ``from pkg import name``: ``name`` may be a module of pkg, else it is in pkg.
-            yield from (f"{base}.{alias.name}" for alias in node.names)
-            yield base
+            yield base, [alias.name for alias in node.names]
+
+
+def imported_names(path: Path, package: str) -> Iterator[str]:
+    """Every module name an import statement of ``path`` may refer to, relative ones resolved."""
+    for base, names in import_statements(path, package):
+        # ``from pkg import name``: ``name`` may be a module of pkg, else it is in pkg.
+        yield from (f"{base}.{name}" for name in names)
+        yield base
 
 
 def graph_of(directory: Path) -> dict[str, set[str]]:
@@ -56,6 +67,26 @@ def graph_of(directory: Path) -> dict[str, set[str]]:
             target = imported if imported in modules else imported.rpartition(".")[0]
             if target in modules and target != name:
                 edges[name].add(target)
+    return edges
+
+
+def tree_graph(top: Path) -> dict[str, set[str]]:
+    """The imports between all the modules under the package ``top``, ``__init__``s included.
+
+    ``from pkg import name`` runs to the module ``pkg.name`` when there is one, else to
+    ``pkg`` itself (its ``__init__``, which runs whatever it imports). The parent packages
+    that Python imports first on the way to a module are not counted: every package whose
+    ``__init__`` gathers its modules' names would be a circle with each of them.
+    """
+    modules = {module_name(p, top.parent): p for p in sorted(top.rglob("*.py"))}
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for base, names in import_statements(path, package):
+            targets = [f"{base}.{n}" if f"{base}.{n}" in modules else base for n in names]
+            for target in targets or [base]:
+                if target in modules and target != name:
+                    edges[name].add(target)
     return edges
 
 
@@ -115,13 +146,26 @@ def a_path_around(part: list[str], edges: dict[str, set[str]]) -> str:
     return " -> ".join(part)
 
 
-@pytest.mark.parametrize("directory", packages(), ids=lambda p: module_name(p / "__init__.py"))
+def described(found: list[list[str]], edges: dict[str, set[str]]) -> str:
+    return "\n".join(f"circle of {len(part)}: {a_path_around(part, edges)}" for part in found)
+
+
+@pytest.mark.parametrize(
+    "directory",
+    packages("proxy") + packages("loadtest"),
+    ids=lambda p: module_name(p / "__init__.py"),
+)
 def test_no_import_circle_inside_the_package(directory: Path) -> None:
     edges = graph_of(directory)
     found = cycles(edges)
-    assert not found, "\n".join(
-        f"circle of {len(part)}: {a_path_around(part, edges)}" for part in found
-    )
+    assert not found, described(found, edges)
+
+
+def test_no_import_circle_across_loadtest() -> None:
+    edges = tree_graph(ROOT / "loadtest")
+    assert "loadtest.engine.behaviours.server" in edges["loadtest.engine.behaviours"]
+    found = cycles(edges)
+    assert not found, described(found, edges)
 
 
 def test_a_circle_is_found_and_named() -> None:
@@ -135,3 +179,17 @@ def test_type_checking_imports_count(tmp_path: Path) -> None:
     path = tmp_path / "a.py"
     path.write_text(source)
     assert "proxy.x.b" in set(imported_names(path, "proxy.x"))
+
+
+def test_tree_graph_follows_a_package_to_its_module_or_its_init(tmp_path: Path) -> None:
+    """``from pkg import mod`` reaches ``pkg.mod``; ``from pkg import Name`` reaches pkg's init."""
+    pkg = tmp_path / "lt" / "pkg"
+    pkg.mkdir(parents=True)
+    (tmp_path / "lt" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from lt.pkg.b import B\n")
+    (pkg / "a.py").write_text("def f() -> None:\n    from lt.pkg import b, B\n")
+    (pkg / "b.py").write_text("from . import a\nB = 1\n")
+    edges = tree_graph(tmp_path / "lt")
+    assert edges["lt.pkg.a"] == {"lt.pkg.b", "lt.pkg"}
+    assert edges["lt.pkg"] == {"lt.pkg.b"}
+    assert cycles(edges) == [["lt.pkg", "lt.pkg.a", "lt.pkg.b"]]

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from loadtest.bench.memory_pressure import Outcome
+
+class Timeline(Protocol):
+    """What the plot reads of a run (``memory_pressure.Outcome``, whose module imports this)."""
+
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def timeline(self) -> Sequence[tuple[float, int]]: ...
 
 
 def fmt(x: float | None) -> str:
@@ -112,7 +120,7 @@ def report(rows: list[dict[str, Any]]) -> str:
     return "\n".join([table(rows), *targets(rows), *targets_over_runs(rows)])
 
 
-def plot(outcomes: list[tuple[str, int, Outcome]], path: Path) -> None:
+def plot(outcomes: Sequence[tuple[str, int, Timeline]], path: Path) -> None:
     """One panel per workload: the fleet's preemption counter over time, each router."""
     import matplotlib
 

@@ -14,18 +14,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
 from loadtest.engine.behaviours.prefix_cache import prompt_ids
+from loadtest.engine.behaviours.scheduler import PagedCore
 from loadtest.engine.protocol import BadRequest, error_body, parse_body
 
-if TYPE_CHECKING:
-    from loadtest.engine.behaviours.app import Front
-
 JSON = "application/json"
+
+
+class Cores(Protocol):
+    """What the routes read of the server (``app.Front``, which imports this module)."""
+
+    @property
+    def cores(self) -> Sequence[PagedCore]: ...
 
 
 def _rendered(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
@@ -56,7 +62,7 @@ async def render_completion(request: web.Request) -> web.Response:
     return await _render(request, chat=False)
 
 
-def reset_handler(front: Front) -> Any:
+def reset_handler(front: Cores) -> Any:
     async def reset_prefix_cache(request: web.Request) -> web.Response:
         for core in front.cores:
             if core.prefix is not None:
@@ -67,7 +73,7 @@ def reset_handler(front: Front) -> Any:
     return reset_prefix_cache
 
 
-def add_routes(app: web.Application, front: Front) -> None:
+def add_routes(app: web.Application, front: Cores) -> None:
     app.router.add_post("/v1/chat/completions/render", render_chat)
     app.router.add_post("/v1/completions/render", render_completion)
     app.router.add_post("/reset_prefix_cache", reset_handler(front))
