@@ -6,18 +6,47 @@ streams never know which one they drive; this is the one place that picks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from loadtest.engine.behaviours.scheduler import PagedCore
 from loadtest.engine.behaviours.v1_scheduler import V1Core
 
-if TYPE_CHECKING:
-    from loadtest.engine.behaviours.app import BehaviourConfig
-
 SCHEDULERS = ("classic", "v1")
 
 
-def make_core(config: BehaviourConfig) -> PagedCore:
+class CoreConfig(Protocol):
+    """What a core is made from: ``app.BehaviourConfig``'s fields (app.py imports this module,
+    so the type is named by its fields here, not imported: no import circle)."""
+
+    @property
+    def behaviour(self) -> str: ...
+    @property
+    def scheduler(self) -> str: ...
+    @property
+    def capacity_tokens(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def prefill_tokens_per_s(self) -> float: ...
+    @property
+    def decode_tokens_per_s(self) -> float: ...
+    @property
+    def speedup(self) -> float: ...
+    @property
+    def prefix_caching(self) -> bool: ...
+    @property
+    def serial_prefill(self) -> bool: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def step_base_ms(self) -> float: ...
+    @property
+    def step_per_token_us(self) -> float | None: ...
+
+
+def make_core(config: CoreConfig) -> PagedCore:
     """One engine core as ``config`` describes it; simulated times divided by ``speedup``."""
     num_blocks = config.capacity_tokens // config.block_size
     if config.scheduler == "v1":
