@@ -18,11 +18,13 @@ The collector picks the adapter by the backend's configured ``kind``
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import orjson
 
+from proxy.config.base import KvLayout
 from proxy.core.fleet import MemoryReport
 
 ErrorClass = Literal["allocation", "overload", "client_error", "server_error"]
@@ -66,6 +68,22 @@ class Adapter(Protocol):
     def parse_models(self, body: bytes) -> ModelsInfo: ...
 
     def classify_error(self, status: int, body: bytes) -> ErrorClass: ...
+
+
+@runtime_checkable
+class PagesAdapter(Adapter, Protocol):
+    """A kind whose state takes more than ``/metrics``: the scrape also reads ``pages``."""
+
+    pages: tuple[str, ...]
+
+    def parse_pages(
+        self,
+        text: str,
+        pages: Mapping[str, bytes],
+        layout: KvLayout,
+        now: float,
+        capacity_override: int | None = None,
+    ) -> MemoryReport: ...
 
 
 # --- shared readers ---------------------------------------------------------------------------

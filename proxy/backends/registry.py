@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from proxy.backends.base import Adapter
 from proxy.backends.kvroute import KvrouteAdapter
+from proxy.backends.llamacpp import LlamacppAdapter
 from proxy.backends.sglang import SglangAdapter
 from proxy.backends.tgi import TgiAdapter
 from proxy.backends.vllm import PagedAdapter, VllmAdapter
@@ -14,6 +15,7 @@ _ADAPTERS: dict[str, Adapter] = {
     "vllm": VllmAdapter(),
     "sglang": SglangAdapter(),
     "tgi": TgiAdapter(),
+    "llamacpp": LlamacppAdapter(),
 }
 
 

@@ -19,7 +19,8 @@ from typing import Literal, get_args
 
 import httpx
 
-from proxy.backends.parse import ScrapeError, parse_report
+from proxy.backends.parse import ScrapeError, pages_for, parse_report
+from proxy.backends.scrape_pages import read_pages
 from proxy.config import BackendConfig, CollectorConfig
 from proxy.core.fleet import MemoryReport
 from proxy.core.slot_limit import SlotLimit, SlotSource, next_slot_limit
@@ -182,7 +183,11 @@ async def scrape(
                         f"timeout after {timeout_s:g}s (body still arriving)", "timeout"
                     )
         text = body.decode("utf-8", errors="replace")  # the text format is UTF-8 by definition
-        report = parse_report(backend.kind, text, taken_at, backend.capacity_tokens)
+        # Kinds that need more than /metrics (llama.cpp's /props, /slots), same deadline.
+        pages = await read_pages(client, backend, pages_for(backend.kind), deadline, timeout_s)
+        report = parse_report(
+            backend.kind, text, taken_at, backend.capacity_tokens, pages, backend.kv_layout
+        )
     except ScrapeError as exc:
         cause = exc.cause if exc.cause in CAUSES else "bad_metrics"
         return _failed(backend, exc.reason, started, cause)

@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import Field, HttpUrl, model_validator
 
-from proxy.config.base import BackendKind, PoolRole, ServingRole, _Strict
+from proxy.config.base import BackendKind, KvLayout, PoolRole, ServingRole, _Strict
 from proxy.config.kv_events import KvEventsEndpoint
 
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
@@ -74,6 +74,12 @@ class BackendConfig(_Strict):
         description="a server with several data-parallel engines behind its URL: gateway "
         "(pick the engine by projected KV room and pin it with the X-data-parallel-rank "
         "header, which vLLM and SGLang honour) or server (its front end picks by queue length)",
+    )
+    kv_layout: KvLayout = Field(
+        default="unified",
+        description="kind llamacpp: how the slots share the KV cache: unified (one pool; "
+        "--kv-unified, and llama-server's default with -np auto) or partitioned (-np N without "
+        "--kv-unified: each slot n_ctx/N of its own); no page of the server shows which",
     )
     kv_events: KvEventsEndpoint | None = Field(
         default=None, description="where the server publishes KV-cache events (docs/kv-events.md)"

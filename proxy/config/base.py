@@ -9,7 +9,9 @@ from pydantic import BaseModel, ConfigDict
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import ConfigError as ConfigError
 
-BackendKind = Literal["vllm", "sglang", "tgi", "contiguous", "paged"]
+BackendKind = Literal["vllm", "sglang", "tgi", "llamacpp", "contiguous", "paged"]
+# How a llama.cpp server's slots share its KV cache (proxy.backends.llamacpp).
+KvLayout = Literal["unified", "partitioned"]
 PoolRole = Literal["general", "long"]
 # Disaggregated serving (docs/disaggregation.md): which step of a request a backend takes.
 ServingRole = Literal["prefill", "decode", "both"]
