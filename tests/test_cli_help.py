@@ -40,10 +40,11 @@ def help_of(
     capsys: pytest.CaptureFixture[str],
 ) -> str:
     """What ``main(argv)`` prints to stdout; it must end with exit status 0."""
+    code: object
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse's --help exits
-        code = exc.code  # type: ignore[assignment]
+        code = exc.code
     out, err = capsys.readouterr()
     assert code in (0, None), f"{argv}: exit {code!r}\n{err}"
     return out
