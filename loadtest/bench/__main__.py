@@ -36,6 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "what forgotten reservations cost the Redis store's reserve",
     ),
     "ab": ("tree_ab", "two checkouts of kvroute, alternating rounds: paired ratios"),
+    "do-no-harm": ("do_no_harm", "kvroute vs vllm-router's policies, two engine models, verdicts"),
 }
 
 
