@@ -15,13 +15,16 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from proxy.core.fleet import MemoryReport, Overlay
 from proxy.core.lazy import lazy_headroom
 
 # The error tree lives in proxy.errors; re-exported where callers have always found it.
 from proxy.errors import StoreUnavailable as StoreUnavailable
+
+if TYPE_CHECKING:
+    from proxy.state.lease import Lease, LeaseRound
 
 Status = Literal["up", "down", "unknown"]
 
@@ -34,6 +37,8 @@ class Reservation:
     tokens: int
     created_at: float
     expires_at: float
+    #: The lease id of the replica that holds it ("" for none: counts until it expires).
+    replica: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +229,8 @@ class StateStore(abc.ABC):
 
     #: Seconds to add to this host's clock to get the store's clock (see ``now``).
     clock_offset: float = 0.0
+    #: This replica's lease (``hold_lease``); None: reservations carry no replica id.
+    lease: Lease | None = None
 
     # --- the shared clock ---
     def now(self) -> float:
@@ -341,6 +348,19 @@ class StateStore(abc.ABC):
     @abc.abstractmethod
     async def events(self, limit: int = 100) -> list[dict[str, Any]]:
         """Newest first."""
+
+    # --- replica leases (proxy.state.lease) ---
+    def hold_lease(self, lease: Lease) -> None:
+        """From now on every reservation carries ``lease``'s id and counts while it is renewed."""
+        self.lease = lease
+
+    async def renew_lease(self, now: float) -> LeaseRound:
+        """Renew this replica's lease (register anew if it lapsed), sweep lapsed ones."""
+        raise NotImplementedError(f"{type(self).__name__} holds no leases")
+
+    async def live_leases(self, now: float) -> dict[str, float]:
+        """Every replica's lease still live at ``now``: id -> the time it runs to."""
+        return {}
 
     # --- lifecycle ---
     @abc.abstractmethod

@@ -39,6 +39,7 @@ from proxy.core.fleet import MemoryReport
 from proxy.state.base import BackendState, Reservation, StateStore, StoreUnavailable
 from proxy.state.breaker import CircuitBreaker, CircuitOpen
 from proxy.state.degraded_replay import Key, LocalReplay, SyncState
+from proxy.state.lease import Lease, LeaseRound
 from proxy.state.memory import InProcessStore
 
 log = logging.getLogger("kvroute.store")
@@ -250,6 +251,17 @@ class DegradedStore(StateStore):
             return await self.local.reservations(name, now)
         mine = await self.local.reservations(name, now)
         return self._replay.merge_reservations(name, shared, mine, now)
+
+    # --- replica leases: the shared store's (the local mirror holds none) ---
+    def hold_lease(self, lease: Lease) -> None:
+        super().hold_lease(lease)
+        self.shared.hold_lease(lease)
+
+    async def renew_lease(self, now: float) -> LeaseRound:
+        return await self._shared("lease", lambda: self.shared.renew_lease(now))
+
+    async def live_leases(self, now: float) -> dict[str, float]:
+        return await self._shared("leases", lambda: self.shared.live_leases(now))
 
     # --- flags: applied here at once, shared best effort (a cooldown or ceiling is advice) ---
     async def set_draining(self, name: str, draining: bool) -> None:

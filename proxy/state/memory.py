@@ -9,9 +9,10 @@ passed in by the caller, exactly as the Redis store does.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -33,6 +34,7 @@ from proxy.state.base import (
     pending_and_reserved,
     reservation_fits,
 )
+from proxy.state.lease import LeaseRound, counting, lease_field
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -74,6 +76,21 @@ class InProcessStore(StateStore):
         self._locks: dict[str, tuple[str, float]] = {}
         self._events: deque[bytes] = deque()
         self._retry_sweep_at = 1024  # sweep expired retry keys when the dict grows past this
+        # Replica leases (proxy.state.lease), as the Redis store keeps them: the lease set, and
+        # per backend the time each lease runs to. Reservations are keyed by their field
+        # (``<id>@<lease>``); with no lease ever held, nothing is filtered on the request path.
+        self._leases: dict[str, float] = {}
+        self._backend_leases: dict[str, dict[str, float]] = {}
+
+    def _field(self, reservation_id: str) -> str:
+        lease = self.lease
+        return lease_field(reservation_id, lease.id) if lease is not None else reservation_id
+
+    def _counting(self, name: str, res: Iterable[Reservation], now: float) -> Iterable[Reservation]:
+        """The reservations that count (proxy.state.lease.counting); all when no lease was held."""
+        if not self._backend_leases and not self._leases:
+            return res
+        return counting(res, self._backend_leases.get(name, {}), now)
 
     # --- helpers (no awaits) ---
     def _state(self, name: str) -> _Entry | None:
@@ -118,7 +135,7 @@ class InProcessStore(StateStore):
                 status=entry.status if entry is not None else "unknown",
                 status_reason=entry.reason if entry is not None else "",
                 report=entry.report if entry is not None else None,
-                reservations=live_reservations(res.values(), now),
+                reservations=live_reservations(self._counting(name, res.values(), now), now),
                 flags=self._flags.get(name, Flags()),
             )
         return out
@@ -186,9 +203,12 @@ class InProcessStore(StateStore):
     ) -> bool:
         """``reserve`` with arguments already checked (``check_reserve_args``), no coroutine:
         the degraded store's mirror of what Redis just accepted (checked before it was sent)."""
+        lease = self.lease
+        owner = lease.current(now) if lease is not None else ""
+        field = lease_field(reservation_id, owner)
         tombs = self._tombs.get(name)
         if tombs:
-            if tombs.get(reservation_id, float("-inf")) > now:
+            if tombs.get(field, float("-inf")) > now:
                 return False  # forgotten: a reserve that arrives after its release
             for rid in [r for r, until in tombs.items() if until <= now]:
                 del tombs[rid]
@@ -198,17 +218,19 @@ class InProcessStore(StateStore):
             report = entry.report if entry is not None else None
             # The id's own earlier reservation (a reserve sent again) is being replaced.
             others = (
-                [r for rid, r in live.items() if rid != reservation_id]
-                if reservation_id in live
-                else live.values()
+                [r for rid, r in live.items() if rid != field] if field in live else live.values()
             )
-            pending, reserved = pending_and_reserved(report, others, now, grace_s)
+            counted = self._counting(name, others, now)
+            pending, reserved = pending_and_reserved(report, counted, now, grace_s)
             if not reservation_fits(report, pending, tokens, headroom, reserved):
                 return False
         now = float(now)
-        self._res.setdefault(name, live)[reservation_id] = Reservation(
-            reservation_id, tokens, now, now + ttl_s
+        self._res.setdefault(name, live)[field] = Reservation(
+            reservation_id, tokens, now, now + ttl_s, owner
         )
+        if lease is not None:
+            held = self._backend_leases.setdefault(name, {})
+            held[owner] = max(held.get(owner, -math.inf), lease.until)
         return True
 
     async def release(self, name: str, reservation_id: str) -> None:
@@ -218,7 +240,7 @@ class InProcessStore(StateStore):
         """``release`` without a coroutine (the ledger's per-request path: no task needed)."""
         res = self._res.get(name)
         if res is not None:
-            res.pop(reservation_id, None)
+            res.pop(self._field(reservation_id), None)
             if not res:
                 del self._res[name]
 
@@ -228,10 +250,11 @@ class InProcessStore(StateStore):
     def shrink_now(self, name: str, reservation_id: str, tokens: int) -> bool:
         """``shrink`` without a coroutine (the ledger's path on the embedded store)."""
         check_tokens(tokens)
-        held = self._res.get(name, {}).get(reservation_id)
+        field = self._field(reservation_id)
+        held = self._res.get(name, {}).get(field)
         if held is None or held.tokens <= tokens:
             return False
-        self._res[name][reservation_id] = replace(held, tokens=tokens)
+        self._res[name][field] = replace(held, tokens=tokens)
         return True
 
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
@@ -241,11 +264,53 @@ class InProcessStore(StateStore):
         check_finite(until=until)
         self.release_now(name, reservation_id)
         tombs = self._tombs.setdefault(name, {})
+        field = self._field(reservation_id)
         # Expired ones are swept by the next reserve on this backend.
-        tombs[reservation_id] = max(float(until), tombs.get(reservation_id, float("-inf")))
+        tombs[field] = max(float(until), tombs.get(field, float("-inf")))
 
     async def reservations(self, name: str, now: float) -> list[Reservation]:
-        return list(live_reservations(self._live(name, now).values(), now))
+        live = self._live(name, now).values()
+        return list(live_reservations(self._counting(name, live, now), now))
+
+    # --- replica leases ---
+    async def renew_lease(self, now: float) -> LeaseRound:
+        lease = self.lease
+        if lease is None:
+            raise RuntimeError("renew_lease before hold_lease")
+        lease.current(now)
+        if lease.registered and self._leases.get(lease.id, -math.inf) <= now:
+            lease.next_epoch(now)  # lapsed (and perhaps swept) while we were away
+        new = not lease.registered
+        lapsed = tuple(i for i, until in self._leases.items() if until <= now)
+        for i in lapsed:
+            del self._leases[i]
+        self._leases[lease.id] = now + lease.ttl_s
+        lease.renewed(now)
+        for held in self._backend_leases.values():
+            if lease.id in held:
+                held[lease.id] = lease.until
+        dropped, tokens = self._sweep(set(lapsed), now)
+        return LeaseRound(lease.id, new, lapsed, dropped, tokens)
+
+    def _sweep(self, lapsed: set[str], now: float) -> tuple[int, int]:
+        """Remove the reservations and backend entries of lapsed leases; (live ones, tokens)."""
+        dropped = tokens = 0
+        if not lapsed:
+            return 0, 0
+        for name, res in list(self._res.items()):
+            for field in [f for f, r in res.items() if r.replica in lapsed]:
+                r = res.pop(field)
+                if r.expires_at > now:
+                    dropped, tokens = dropped + 1, tokens + r.tokens
+            if not res:
+                del self._res[name]
+        for held in self._backend_leases.values():
+            for i in lapsed & held.keys():
+                del held[i]
+        return dropped, tokens
+
+    async def live_leases(self, now: float) -> dict[str, float]:
+        return {i: until for i, until in self._leases.items() if until > now}
 
     # --- flags ---
     async def set_draining(self, name: str, draining: bool) -> None:

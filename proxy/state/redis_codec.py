@@ -11,6 +11,9 @@ server, Sentinel or Cluster):
                                    (older versions also wrote "~<id>" -> "~ <until>" here: still honoured)
     P:backend:{name}:gone    ZSET  forgotten reservation id, score = until: refused by reserve until then
     P:backend:{name}:flags   HASH  draining, cooldown_until, ceiling_tokens, ceiling_set_at, ceiling_until
+    P:backend:{name}:leases  HASH  replica lease id -> the time it runs to (a reservation field
+                                   "<id>@<lease id>" counts only while its lease runs)
+    P:leases                 ZSET  every replica's lease id, scored by the time it runs to
     P:retry:{key}            SET   backends a client retry already failed on, with TTL
     P:lock:{name}            STRING owner, PX
     P:events                 LIST  JSON maintenance events, newest first, trimmed
@@ -31,6 +34,7 @@ from typing import Any, cast
 
 from proxy.core.fleet import AllocatorKind, MemoryReport
 from proxy.state.base import BackendState, Flags, Reservation, Status, live_reservations
+from proxy.state.lease import counting, split_field
 
 # The reservations key outlives its newest reservation by this much (clock skew between
 # gateways and the Redis server); each reservation still expires on its own expires_at.
@@ -69,6 +73,7 @@ class RedisKeys:
         self.prefix = prefix
         self.backends = f"{prefix}:backends"
         self.events = f"{prefix}:events"
+        self.leases_set = f"{prefix}:leases"
         # A backend's state key is ``state_head + name + state_tail`` (found by SCAN too).
         self.state_head = f"{prefix}:backend:{{"
         self.state_tail = "}:state"
@@ -85,15 +90,18 @@ class RedisKeys:
     def flags(self, name: str) -> str:
         return f"{self.prefix}:backend:{{{name}}}:flags"
 
+    def leases(self, name: str) -> str:
+        return f"{self.prefix}:backend:{{{name}}}:leases"
+
     def retry(self, retry_key: str) -> str:
         return f"{self.prefix}:retry:{retry_key}"
 
     def lock(self, lock: str) -> str:
         return f"{self.prefix}:lock:{lock}"
 
-    def backend_hashes(self, name: str) -> tuple[str, str, str]:
-        """The three keys read() fetches for a backend, in reply order."""
-        return self.state(name), self.res(name), self.flags(name)
+    def backend_hashes(self, name: str) -> tuple[str, str, str, str]:
+        """The four keys read() fetches for a backend, in reply order."""
+        return self.state(name), self.res(name), self.flags(name), self.leases(name)
 
 
 # Parsing is memoised: read() runs every few ms and sees the same strings until the next
@@ -242,12 +250,26 @@ def _res_value(value: str) -> tuple[int, float, float] | None:
 
 
 def parse_reservations(h: dict[str, str]) -> list[Reservation]:
+    """Every well-formed reservation, with its lease id split off its field."""
     out: list[Reservation] = []
-    for rid, value in h.items():
+    for field, value in h.items():
         parsed = _res_value(value)
         if parsed is not None:
-            out.append(Reservation(rid, *parsed))
+            rid, lease = split_field(field)
+            out.append(Reservation(rid, *parsed, lease))
     return out
+
+
+def parse_leases(h: dict[str, str]) -> dict[str, float]:
+    """A backend's ``:leases`` hash: lease id -> the time it runs to (malformed: lapsed)."""
+    return {lease: _num(v) or 0.0 for lease, v in h.items()}
+
+
+def counting_reservations(
+    res: dict[str, str], leases: dict[str, str], now: float
+) -> list[Reservation]:
+    """The reservations of a ``:res`` hash that count at ``now`` (live, and their lease too)."""
+    return counting(parse_reservations(res), parse_leases(leases), now)
 
 
 def _parse_flags(h: dict[str, str]) -> Flags:
@@ -261,7 +283,12 @@ def _parse_flags(h: dict[str, str]) -> Flags:
 
 
 def parse_state(
-    name: str, state: dict[str, str], res: dict[str, str], flags: dict[str, str], now: float
+    name: str,
+    state: dict[str, str],
+    res: dict[str, str],
+    flags: dict[str, str],
+    now: float,
+    leases: dict[str, str] | None = None,
 ) -> BackendState:
     report, bad = report_from_hash(state)
     raw_status = state.get("status")
@@ -278,7 +305,7 @@ def parse_state(
         status=status,
         status_reason=reason,
         report=report,
-        reservations=live_reservations(parse_reservations(res), now),
+        reservations=live_reservations(counting_reservations(res, leases or {}, now), now),
         flags=_parse_flags(flags),
     )
 
@@ -294,7 +321,7 @@ def glob_escape(s: str) -> str:
 def states_from_replies(
     names: list[str], results: list[Any], now: float
 ) -> dict[str, BackendState]:
-    """Each backend's state from the read script's reply: three flat HGETALLs per name.
+    """Each backend's state from the read script's reply: four flat HGETALLs per name.
 
     A key of the wrong type comes back as its error text: that backend gets the error in its
     status_reason, the others are unaffected.
@@ -303,14 +330,15 @@ def states_from_replies(
     for i, n in enumerate(names):
         parts: list[dict[str, str]] = []
         errors: list[str] = []
-        for label, value in zip(("state", "res", "flags"), results[3 * i : 3 * i + 3], strict=True):
+        labels = ("state", "res", "flags", "leases")
+        for label, value in zip(labels, results[4 * i : 4 * i + 4], strict=True):
             if isinstance(value, list):
                 it = iter(value)
                 parts.append(dict(zip(it, it, strict=True)))
             else:  # the error text for a key of the wrong type
                 errors.append(f"{label} key unreadable: {value}")
                 parts.append({})
-        st = parse_state(n, parts[0], parts[1], parts[2], now)
+        st = parse_state(n, parts[0], parts[1], parts[2], now, parts[3])
         if errors:
             extra = "; ".join(errors)
             reason = f"{st.status_reason}; {extra}" if st.status_reason else extra

@@ -92,8 +92,11 @@ local function lazy_room(lazy, reserved, largest)
 end
 """
 
-# KEYS: state, res, gone.  ARGV: id, tokens, now, expires_at, check_fit, headroom, grace_s,
-# key_ttl_ms.  The walk of ``res`` costs one step per live reservation: forgotten ids live in
+# KEYS: state, res, gone, leases.  ARGV: id, tokens, now, expires_at, check_fit, headroom,
+# grace_s, key_ttl_ms, lease id ('' for none), the time that lease runs to.  A reservation
+# whose field names a lease ("<id>@<lease>") counts only while ``leases`` says that lease runs
+# past now (proxy.state.lease); a lapsed one is skipped, not deleted: the sweep that finds the
+# lapse removes it and counts it (LUA_LEASE_SWEEP).  The walk of ``res`` costs one step per live reservation: forgotten ids live in
 # ``gone`` (a sorted set, looked up and pruned by score), so they cost nothing here however
 # many pile up (docs/redis-schema.md).
 LUA_RESERVE = (
@@ -114,6 +117,9 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[3])
 local tomb = num(string.match(redis.call('HGET', KEYS[2], '~' .. id) or '', '^~ (%S+)$'))
 if tomb ~= nil and tomb > now then return 0 end
 local largest, reported_at, lazy = read_report(KEYS[1])
+local leases = {}
+local lf = redis.call('HGETALL', KEYS[4])
+for i = 1, #lf, 2 do leases[lf[i]] = num(lf[i + 1]) or 0 end
 local pending = 0
 local reserved = 0
 local dead = {}
@@ -126,8 +132,11 @@ for i = 1, #flat, 2 do
   else
     local t, c, e = string.match(v, '^(%S+) (%S+) (%S+)$')
     t, c, e = count(t, 0), num(c), num(e)
+    local owner = string.match(rid, '.@([%w%._%-]+)$')
     if t == nil or c == nil or e == nil or e <= now then
       dead[#dead + 1] = rid
+    elseif owner ~= nil and (leases[owner] or 0) <= now then
+      -- its replica's lease lapsed: it counts no more
     elseif rid ~= id then
       reserved = reserved + t
       if largest == nil or c >= reported_at - grace then
@@ -150,6 +159,14 @@ end
 redis.call('HSET', KEYS[2], id, ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4])
 if redis.call('PTTL', KEYS[2]) < key_ttl then
   redis.call('PEXPIRE', KEYS[2], key_ttl)
+end
+if ARGV[9] ~= '' then
+  if (leases[ARGV[9]] or 0) < tonumber(ARGV[10]) then
+    redis.call('HSET', KEYS[4], ARGV[9], ARGV[10])
+  end
+  if redis.call('PTTL', KEYS[4]) < key_ttl then
+    redis.call('PEXPIRE', KEYS[4], key_ttl)
+  end
 end
 return 1
 """
@@ -215,6 +232,48 @@ if tokens == cur then
   return 2
 end
 return 0
+"""
+)
+
+# KEYS: the lease set.  ARGV: lease id, now, until, fresh ('1': a new id).  Renew a lease
+# still live at now (or register a fresh one) to ``until``, and take every lease that lapsed
+# out of the set: returns {1, lapsed ids...}, or {0} when ours had lapsed (or was swept): the
+# caller then registers anew. One atomic script, so each lapse is found by one replica only.
+LUA_LEASE = r"""
+local cur = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or '')
+if ARGV[4] ~= '1' and (cur == nil or cur <= tonumber(ARGV[2])) then return {0} end
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
+if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2]) end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+return {1, unpack(gone)}
+"""
+
+# KEYS: res, leases.  ARGV: now, lapsed lease ids...  Delete the reservations of lapsed
+# leases and their lease entries; returns {live reservations deleted, their tokens}.
+LUA_LEASE_SWEEP = (
+    _LUA_PRELUDE
+    + r"""
+local now = tonumber(ARGV[1])
+local lapsed = {}
+for i = 2, #ARGV do lapsed[ARGV[i]] = true end
+local flat = redis.call('HGETALL', KEYS[1])
+local dead, n, tokens = {}, 0, 0
+for i = 1, #flat, 2 do
+  local owner = string.match(flat[i], '.@([%w%._%-]+)$')
+  if owner ~= nil and lapsed[owner] then
+    dead[#dead + 1] = flat[i]
+    local t, e = string.match(flat[i + 1], '^(%S+) %S+ (%S+)$')
+    t, e = count(t, 0), num(e)
+    if t ~= nil and e ~= nil and e > now then n, tokens = n + 1, tokens + t end
+  end
+end
+for i = 1, #dead, 500 do
+  redis.call('HDEL', KEYS[1], unpack(dead, i, math.min(i + 499, #dead)))
+end
+for i = 2, #ARGV, 500 do
+  redis.call('HDEL', KEYS[2], unpack(ARGV, i, math.min(i + 499, #ARGV)))
+end
+return {n, tokens}
 """
 )
 

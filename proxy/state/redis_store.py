@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import orjson
-from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -41,11 +40,12 @@ from proxy.state.base import (
     live_reservations,
 )
 from proxy.state.deadline import lag_tolerant_timeout
+from proxy.state.lease import Lease, LeaseRound, lease_field
 from proxy.state.redis_codec import (
     RES_KEY_SLACK_MS,
     RedisKeys,
+    counting_reservations,
     glob_escape,
-    parse_reservations,
     redis_float,
     report_fields,
     states_from_replies,
@@ -53,6 +53,7 @@ from proxy.state.redis_codec import (
 )
 from proxy.state.redis_connect import connect
 from proxy.state.redis_lane import RedisLane
+from proxy.state.redis_lease import RedisLeases
 from proxy.state.redis_scripts import (
     LUA_FORGET,
     LUA_READ,
@@ -62,6 +63,7 @@ from proxy.state.redis_scripts import (
     LUA_TRY_LOCK,
     LUA_UNLOCK,
 )
+from proxy.state.redis_slots import read_per_slot, scan_keys
 
 T = TypeVar("T")
 
@@ -89,6 +91,7 @@ class RedisStore(StateStore):
         # The per-request reserve and release skip redis-py's command machinery (see
         # redis_lane.py); a Cluster keeps redis-py's slot routing.
         self._lane = None if self._cluster else RedisLane(self._r.connection_pool, max_connections)
+        self._leases = RedisLeases(self._r, self._keys, self._call, cfg.reservation_ttl_s)
 
     # --- the deadline ---
     async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
@@ -145,53 +148,10 @@ class RedisStore(StateStore):
             return {}
         keys = [k for n in unique for k in self._keys.backend_hashes(n)]
         if self._cluster:
-            unique, results = await self._read_per_slot(unique)
+            unique, results = await read_per_slot(self._r, self._keys, self._call, unique)
         else:
             results = await self._call("read", lambda: self._read(keys=keys))
         return states_from_replies(unique, results, now)
-
-    async def _read_per_slot(self, names: list[str]) -> tuple[list[str], list[Any]]:
-        """Cluster: one read script per hash slot, pipelined (one batch per node).
-
-        Returns the names in reply order with the flat per-key replies, like the single call.
-        """
-        by_slot: dict[int, list[str]] = {}
-        for n in names:
-            by_slot.setdefault(key_slot(self._keys.state(n).encode()), []).append(n)
-        groups = list(by_slot.values())
-
-        async def op() -> list[Any]:
-            async with self._r.pipeline() as pipe:
-                for group in groups:
-                    keys = [k for n in group for k in self._keys.backend_hashes(n)]
-                    pipe.eval(LUA_READ, len(keys), *keys)
-                return cast(list[Any], await pipe.execute())
-
-        replies = await self._call("read", op)
-        return [n for g in groups for n in g], [r for reply in replies for r in reply]
-
-    async def _scan(self, pattern: str) -> list[str]:
-        """Every key matching ``pattern``; each SCAN page under its own deadline, every primary."""
-        found: list[str] = []
-        nodes: list[Any] = self._r.get_primaries() if self._cluster else [None]
-        for node in nodes:
-            target = {} if node is None else {"target_nodes": node}
-            cursor: int = 0
-            while True:
-                reply = await self._call(
-                    "known_backends",
-                    lambda c=cursor, t=target: self._r.scan(c, match=pattern, count=1000, **t),  # type: ignore[misc]
-                )
-                if self._cluster:
-                    # redis-py answers a cluster SCAN as ({node name: cursor}, keys).
-                    cursors, keys = reply
-                    cursor = int(next(iter(cursors.values()), 0))
-                else:
-                    cursor, keys = reply
-                found.extend(cast(list[str], keys))
-                if int(cursor) == 0:
-                    break
-        return found
 
     async def known_backends(self) -> set[str]:
         members = await self._call("known_backends", lambda: self._smembers(self._keys.backends))
@@ -199,7 +159,7 @@ class RedisStore(StateStore):
         # Custom servers that push a state hash but forget the SADD are found by their key.
         head, tail = self._keys.state_head, self._keys.state_tail
         pattern = f"{glob_escape(head)}*{glob_escape(tail)}"
-        for key in await self._scan(pattern):
+        for key in await scan_keys(self._r, self._call, self._cluster, pattern):
             if key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail):
                 names.add(key[len(head) : -len(tail)])
         return names
@@ -218,9 +178,11 @@ class RedisStore(StateStore):
         grace_s: float = 0.0,
     ) -> bool:
         check_reserve_args(tokens, now, ttl_s, headroom, grace_s)
-        keys = [self._keys.state(name), self._keys.res(name), self._keys.gone(name)]
+        k = self._keys
+        keys = [k.state(name), k.res(name), k.gone(name), k.leases(name)]
+        lease_args = self._leases.reserve_args(self.lease, name, now)
         args = [
-            reservation_id,
+            lease_field(reservation_id, lease_args[0]),
             str(tokens),
             redis_float(now),
             redis_float(now + ttl_s),
@@ -228,6 +190,7 @@ class RedisStore(StateStore):
             redis_float(headroom),
             redis_float(grace_s),
             str(ttl_ms(ttl_s) + RES_KEY_SLACK_MS),
+            *lease_args,
         ]
         lane = self._lane
         if lane is not None:
@@ -237,8 +200,13 @@ class RedisStore(StateStore):
             result = await self._call("reserve", lambda: self._reserve(keys=keys, args=args))
         return int(result) == 1
 
+    def _field(self, reservation_id: str) -> str:
+        """The reservation's field: under our lease's id when we hold one (proxy.state.lease)."""
+        lease = self.lease
+        return lease_field(reservation_id, lease.id) if lease is not None else reservation_id
+
     async def release(self, name: str, reservation_id: str) -> None:
-        key = self._keys.res(name)
+        key, reservation_id = self._keys.res(name), self._field(reservation_id)
         lane = self._lane
         if lane is not None:
             await self._call("release", lambda: lane.command("HDEL", key, reservation_id))
@@ -253,12 +221,12 @@ class RedisStore(StateStore):
             for name, reservation_id in items:
                 await self.release(name, reservation_id)
             return
-        commands = [("HDEL", self._keys.res(name), rid) for name, rid in items]
+        commands = [("HDEL", self._keys.res(name), self._field(rid)) for name, rid in items]
         await self._call("release", lambda: lane.pipeline(commands))
 
     async def shrink(self, name: str, reservation_id: str, tokens: int) -> bool:
         check_tokens(tokens)
-        keys, args = [self._keys.res(name)], [reservation_id, str(tokens)]
+        keys, args = [self._keys.res(name)], [self._field(reservation_id), str(tokens)]
         return int(await self._call("shrink", lambda: self._shrink(keys=keys, args=args))) == 1
 
     async def forget(self, name: str, reservation_id: str, until: float) -> None:
@@ -266,12 +234,31 @@ class RedisStore(StateStore):
         keys = [self._keys.res(name), self._keys.gone(name)]
         # The key must outlive the tombstone (its until is on the store's clock, as the TTL is).
         key_ttl = ttl_ms(max(0.0, until - self.now())) + RES_KEY_SLACK_MS
-        args = [reservation_id, redis_float(until), str(key_ttl)]
+        args = [self._field(reservation_id), redis_float(until), str(key_ttl)]
         await self._call("forget", lambda: self._forget(keys=keys, args=args))
 
     async def reservations(self, name: str, now: float) -> list[Reservation]:
-        h = await self._call("reservations", lambda: self._r.hgetall(self._keys.res(name)))
-        return list(live_reservations(parse_reservations(cast(dict[str, str], h)), now))
+        async def op() -> list[Any]:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self._keys.res(name))
+                pipe.hgetall(self._keys.leases(name))
+                return cast(list[Any], await pipe.execute())
+
+        res, leases = await self._call("reservations", op)
+        return list(live_reservations(counting_reservations(res, leases, now), now))
+
+    # --- replica leases (proxy.state.lease, proxy.state.redis_lease) ---
+    def hold_lease(self, lease: Lease) -> None:
+        super().hold_lease(lease)
+        lease.on_new.append(self._leases.on_new)
+
+    async def renew_lease(self, now: float) -> LeaseRound:
+        if self.lease is None:
+            raise RuntimeError("renew_lease before hold_lease")
+        return await self._leases.renew(self.lease, now, self.known_backends)
+
+    async def live_leases(self, now: float) -> dict[str, float]:
+        return await self._leases.live(now)
 
     # --- flags ---
     async def set_draining(self, name: str, draining: bool) -> None:
