@@ -1,0 +1,201 @@
+"""Through the real gateway, in front of real llama.cpp servers running a real model.
+
+Three ``llama-server`` processes (SmolLM2-135M, one thread each, ``tests/support/llama_servers``):
+
+* ``u``: one unified pool, ``-c 1024 -np 4 --kv-unified`` (four slots, each of 1,024, over
+  1,024 cells in all);
+* ``p1``: partitioned, ``-c 2048 -np 2`` (two slots of 1,024);
+* ``p2``: partitioned, ``-c 2048 -np 4`` (four slots of 512).
+
+The issue's case (three ~1,000-token prompts, ``max_tokens`` 300, on ``-c 2048``) at half
+scale, so that it runs in seconds on two shared cores: three ~450-token prompts with
+``max_tokens`` 200 on 1,024 cells. Sent at once straight to ``u`` they overfill its pool and
+all three fail; through kvroute each is reserved at prompt + max tokens, so they run one
+after another and all succeed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.gateway import all_reported, gateway_cfg, run_gateway, wait_until
+from tests.support.llama_servers import MODEL_ALIAS, LlamaServer, llama_servers
+
+UNIFIED = ("-c", "1024", "-np", "4", "--kv-unified")
+TWO_SLOTS = ("-c", "2048", "-np", "2")
+FOUR_SLOTS = ("-c", "2048", "-np", "4")
+# Words that the model's tokenizer and the gateway's default (cl100k) count alike: one
+# token each with their leading space.
+WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an have which "
+    "not but they we you he she his her their one all would there what so up out if about who "
+    "get go me when make can like time no just him know take people into year your good some"
+).split()
+
+
+def prose(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[dict[str, LlamaServer]]:
+    with llama_servers(UNIFIED, TWO_SLOTS, FOUR_SLOTS) as (u, p1, p2):
+        yield {"u": u, "p1": p1, "p2": p2}
+
+
+def backend(name: str, server: LlamaServer, layout: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "url": server.url, "kind": "llamacpp", "kv_layout": layout, **extra}
+
+
+def config(*backends: dict[str, Any]) -> Any:
+    return gateway_cfg(
+        list(backends),
+        # One llama-server step (up to -b 512 tokens) runs before /slots is answered.
+        collector={"scrape_interval_s": 0.2, "timeout_s": 10.0, "stale_after_s": 30.0},
+        queue={"max_wait_s": 120.0},
+        routing={"unknown_model": "reject"},
+    )
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> httpx.Response:
+    body = {"model": MODEL_ALIAS, "prompt": prompt, "max_tokens": max_tokens}
+    return httpx.post(url + "/v1/completions", json=body, timeout=180)
+
+
+def at_once(url: str, prompts: list[str], max_tokens: int) -> list[httpx.Response]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(url, p, max_tokens), prompts))
+
+
+def tasks_started(server: LlamaServer) -> int:
+    """Requests the server put in a slot so far (its log's ``launch_slot_`` lines)."""
+    return len(re.findall(r"launch_slot_.*processing task", server.log_tail(10**7)))
+
+
+def gateway_metric(gw: str, name: str, **labels: str) -> float:
+    text = httpx.get(gw + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_unified_pool_overfilled_directly_fails_every_request(
+    fleet: dict[str, LlamaServer],
+) -> None:
+    prompts = [prose(450, seed) for seed in (1, 2, 3)]
+    answers = at_once(fleet["u"].url, prompts, 200)
+    assert [r.status_code for r in answers] == [500, 500, 500]
+    for r in answers:
+        assert r.json()["error"]["message"] == "Context size has been exceeded."
+
+
+def test_unified_pool_through_kvroute_holds_and_all_succeed(
+    fleet: dict[str, LlamaServer],
+) -> None:
+    with run_gateway(config(backend("u", fleet["u"], "unified"))) as gw:
+        wait_until(lambda: all_reported(gw, 1), 30, "u scraped")
+        prompts = [prose(450, seed) for seed in (11, 12, 13)]
+        answers = at_once(gw, prompts, 200)
+        assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+        for r in answers:
+            assert r.headers["x-kvroute-backend"] == "u"
+            # The server's own count of each prompt (BOS included) is what the gateway sized.
+            assert 440 <= r.json()["usage"]["prompt_tokens"] <= 460
+
+
+def test_context_exceeded_500_is_diverted_and_never_retried_on_that_node(
+    fleet: dict[str, LlamaServer],
+) -> None:
+    """``u`` declared partitioned: kvroute believes it has four free slots of 1,024, sends it
+    all three, and the server fails them all with its 500. Each is diverted to ``p1`` (long
+    pool), whose two real slots of 1,024 serve them; none goes back to ``u``."""
+    u = backend("u", fleet["u"], "partitioned")
+    p1 = backend("p1", fleet["p1"], "partitioned", pool="long")
+    before = tasks_started(fleet["u"])
+    with run_gateway(config(u, p1)) as gw:
+        wait_until(lambda: all_reported(gw, 2), 30, "both scraped")
+        prompts = [prose(450, seed) for seed in (21, 22, 23)]
+        answers = at_once(gw, prompts, 200)
+        assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+        assert {r.headers["x-kvroute-backend"] for r in answers} == {"p1"}
+        failed_on_u = gateway_metric(gw, "kvroute_allocation_failures_total", backend="u")
+    started_on_u = tasks_started(fleet["u"]) - before
+    # u failed at least one (the first wave went there) and saw each request at most once.
+    assert failed_on_u >= 1
+    assert 1 <= started_on_u <= 3
+
+
+def test_a_long_prompt_goes_to_the_slot_that_holds_it(fleet: dict[str, LlamaServer]) -> None:
+    cfg = config(
+        backend("p1", fleet["p1"], "partitioned"), backend("p2", fleet["p2"], "partitioned")
+    )
+    with run_gateway(cfg) as gw:
+        wait_until(lambda: all_reported(gw, 2), 30, "both scraped")
+        # 700 + 50 tokens: more than p2's slots of 512, within p1's of 1,024.
+        for seed in (31, 32):
+            r = complete(gw, prose(700, seed), 50)
+            assert r.status_code == 200 and r.headers["x-kvroute-backend"] == "p1"
+        # Short ones may go anywhere, and do not fail.
+        r = complete(gw, prose(60, 33), 20)
+        assert r.status_code == 200
+
+
+def test_a_prompt_no_slot_holds_gets_the_gateways_400(fleet: dict[str, LlamaServer]) -> None:
+    cfg = config(
+        backend("p1", fleet["p1"], "partitioned"), backend("p2", fleet["p2"], "partitioned")
+    )
+    with run_gateway(cfg) as gw:
+        models = lambda: httpx.get(gw + "/v1/models", timeout=5).json()["data"]  # noqa: E731
+        wait_until(lambda: any("backends" in m for m in models()), 30, "models discovered")
+        listed = {m["id"]: m for m in models()}
+        # The largest slot in the fleet, not a server's whole cache (2,048 on each).
+        assert listed[MODEL_ALIAS]["max_model_len"] == 1024
+        before = [tasks_started(fleet[n]) for n in ("p1", "p2")]
+        r = complete(gw, prose(1200, 41), 50)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+        assert "maximum context length is 1024 tokens" in err["message"]
+        # Refused at the gateway: neither server saw it.
+        assert [tasks_started(fleet[n]) for n in ("p1", "p2")] == before
+
+
+def test_streamed_chat_through_the_gateway_with_the_openai_client(
+    fleet: dict[str, LlamaServer],
+) -> None:
+    cfg = config(backend("p1", fleet["p1"], "partitioned"), backend("u", fleet["u"], "unified"))
+    with run_gateway(cfg) as gw:
+        wait_until(lambda: all_reported(gw, 2), 30, "both scraped")
+        client = openai.OpenAI(base_url=gw + "/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(
+            model=MODEL_ALIAS,
+            messages=[{"role": "user", "content": "Name three colours."}],
+            max_tokens=30,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, usage = "", None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert text.strip()
+        assert usage is not None and 0 < usage.completion_tokens <= 30
+        answer = client.chat.completions.create(
+            model=MODEL_ALIAS,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=20,
+        )
+        assert answer.choices[0].message.content
+        assert answer.usage is not None and answer.usage.prompt_tokens > 5
