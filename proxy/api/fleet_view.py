@@ -12,6 +12,7 @@ from typing import Any
 from proxy.api.kind_check import kind_mismatch
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
+from proxy.state.base import StateStore, StoreUnavailable
 
 
 def snapshot_json(
@@ -139,3 +140,25 @@ def collector_json(status: dict[str, Any] | None) -> dict[str, Any] | None:
         "last_round_at",
     )
     return {k: status[k] for k in keys}
+
+
+async def replicas_json(store: StateStore, names: list[str], now: float) -> dict[str, Any]:
+    """``/fleet``'s ``replicas``: the gateway replicas whose leases are live (seconds left)
+    and the tokens each reserves per backend (``""``: reservations without a lease)."""
+    lease = store.lease
+    this = lease.id if lease is not None else None
+    try:
+        live = await store.live_leases(now)
+        states = await store.read(names, now)
+    except StoreUnavailable as exc:
+        return {"this": this, "error": f"store unavailable: {exc}"}
+    reserved: dict[str, dict[str, int]] = {}
+    for name, st in states.items():
+        for r in st.reservations:
+            per = reserved.setdefault(r.replica, {})
+            per[name] = per.get(name, 0) + r.tokens
+    return {
+        "this": this,
+        "live": {i: round(until - now, 3) for i, until in sorted(live.items())},
+        "reserved_tokens": reserved,
+    }

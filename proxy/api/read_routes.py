@@ -18,7 +18,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.api.cache import Coalesced
-from proxy.api.fleet_view import collector_json, snapshot_json, with_health, with_scrapes
+from proxy.api.fleet_view import (
+    collector_json,
+    replicas_json,
+    snapshot_json,
+    with_health,
+    with_scrapes,
+)
 from proxy.api.kv_events_view import with_prefix_source
 from proxy.api.model_listing import fleet_models
 from proxy.api.node_counts import node_counts, with_counts
@@ -109,6 +115,8 @@ async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
                 "held": len(r.gateway.ledger.held),
                 "pending_releases": len(r.gateway.ledger.pending),
             },
+            # Gateway replicas with a live lease, and what each reserves (proxy.state.lease).
+            "replicas": await replicas_json(r.store, r.fleet.names, r.store.now()),
             # Each lazily allocating backend's KV projection (proxy.gateway.memory_pressure).
             "backends": r.gateway.pressure.annotate(
                 with_counts(

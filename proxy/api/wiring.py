@@ -36,9 +36,10 @@ from proxy.gateway.sizing import load_sizer
 from proxy.gateway.walk import Gateway
 from proxy.ops.maintenance import Maintenance
 from proxy.ops.metrics import OpsCollector
-from proxy.state import open_store, with_local_fallback
+from proxy.state import InProcessStore, open_store, with_local_fallback
 from proxy.state.base import StateStore
 from proxy.state.fleet_cache import FleetCache
+from proxy.state.lease_task import LeaseKeeper, LeaseMetrics
 from proxy.state.prefix_share import PrefixShare
 from proxy.upstream.client import Upstream
 
@@ -74,6 +75,7 @@ class Wiring:
     upstream: Upstream
     gateway: Gateway
     share: PrefixShare | None
+    lease: LeaseKeeper | None
     kv_events: KvEventFeeds
     collector: Collector | None
     runtime: Runtime
@@ -177,6 +179,25 @@ async def start_gateway(w: Wiring) -> None:
 async def close_gateway(w: Wiring) -> None:
     # Stops health checks, releases every reservation still held.
     await w.gateway.close()
+
+
+async def start_lease(w: Wiring) -> None:
+    # A replica that dies takes its reservations with it (proxy.state.lease): a shared store only.
+    st, cfg = w.store, w.cfg.store
+    shared = not isinstance(st, InProcessStore)
+    w.lease = keeper = (
+        LeaseKeeper(st, cfg.lease_ttl_s, w.gateway.ledger.mark_unsure)
+        if shared and cfg.uses_redis and cfg.leases
+        else None
+    )
+    if keeper is not None:
+        w.metrics.registry.register(LeaseMetrics(keeper))
+        await keeper.start()
+
+
+async def stop_lease(w: Wiring) -> None:
+    if w.lease is not None:
+        await w.lease.stop()
 
 
 async def start_prefix_share(w: Wiring) -> None:
@@ -296,6 +317,7 @@ GATEWAY_COMPONENTS: list[Component[Wiring]] = [
     Component("fleet view", start_fleet_view),
     Component("upstream pool", start_upstream, close_upstream),
     Component("gateway", start_gateway, close_gateway),
+    Component("replica lease", start_lease, stop_lease),
     Component("prefix share", start_prefix_share, close_prefix_share),
     Component("kv events", start_kv_events, stop_kv_events),
     Component("collector", start_collector, stop_collector),

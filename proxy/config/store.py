@@ -44,6 +44,18 @@ class StoreConfig(_Strict):
     key_prefix: str = "kvroute"
     op_timeout_s: float = Field(default=0.1, gt=0)
     reservation_ttl_s: float = Field(default=900.0, gt=0)
+    leases: bool = Field(
+        default=True,
+        description="each replica holds a lease in Redis; its reservations stop counting "
+        "lease_ttl_s after it stops renewing (killed, frozen, cut off)",
+    )
+    lease_ttl_s: float = Field(
+        default=5.0,
+        ge=0.3,
+        le=60.0,
+        description="a replica's lease, renewed every third of it: how long a dead replica's "
+        "reservations still count",
+    )
     report_grace_s: float = Field(
         default=0.25,
         ge=0,
