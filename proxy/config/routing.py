@@ -127,7 +127,9 @@ class SizingConfig(_Strict):
 
     tokenizer: str = Field(default="cl100k_base", description="tiktoken encoding name")
     tokenizer_file: Path | None = Field(
-        default=None, description="a Hugging Face tokenizer.json (offline; wins over tokenizer)"
+        default=None,
+        description="a Hugging Face tokenizer.json, or a llama.cpp model's .gguf (its own "
+        "vocabulary); offline; wins over tokenizer",
     )
     default_max_tokens: int | Literal["server"] | None = Field(
         default=None, description="output assumed without max_tokens; none: routing's"

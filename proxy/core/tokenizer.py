@@ -190,15 +190,27 @@ def _tiktoken_lengths(enc: tiktoken.Encoding) -> npt.NDArray[np.int64]:
 
 
 class HFCounter:
-    """A Hugging Face ``tokenizer.json`` read from disk; no special tokens are added."""
+    """A Hugging Face ``tokenizer.json`` read from disk; no special tokens are added.
+
+    A ``.gguf`` model file instead gives the vocabulary stored in it (llama.cpp's models:
+    ``proxy.core.gguf_tokenizer``), which counts as the server does.
+    """
 
     def __init__(self, path: str | Path) -> None:
         # Imported here: only deployments that name a tokenizer file pay its import time.
         from tokenizers import Tokenizer
 
         p = Path(path)
-        self._tok = Tokenizer.from_file(str(p))
-        digest = hashlib.blake2b(p.read_bytes(), digest_size=8).hexdigest()
+        if p.suffix.lower() == ".gguf":
+            from proxy.core.gguf_tokenizer import gguf_tokenizer
+
+            self._tok = gguf_tokenizer(p)
+            # The vocabulary it built, not the (large) model file, names the counts.
+            source = self._tok.to_str().encode()
+        else:
+            self._tok = Tokenizer.from_file(str(p))
+            source = p.read_bytes()
+        digest = hashlib.blake2b(source, digest_size=8).hexdigest()
         # The file's digest, not its path: a replaced file must not reuse the old counts.
         self._id = f"hf:{p.name}:{digest}"
 

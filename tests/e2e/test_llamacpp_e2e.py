@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from tests.support.gateway import all_reported, gateway_cfg, run_gateway, wait_until
-from tests.support.llama_servers import MODEL_ALIAS, LlamaServer, llama_servers
+from tests.support.llama_servers import MODEL_ALIAS, LlamaServer, llama_servers, model_path
 
 UNIFIED = ("-c", "1024", "-np", "4", "--kv-unified")
 TWO_SLOTS = ("-c", "2048", "-np", "2")
@@ -63,6 +63,8 @@ def config(*backends: dict[str, Any]) -> Any:
         collector={"scrape_interval_s": 0.2, "timeout_s": 10.0, "stale_after_s": 30.0},
         queue={"max_wait_s": 120.0},
         routing={"unknown_model": "reject"},
+        # Counted with the model's own vocabulary, read from its GGUF file.
+        sizing={"tokenizer_file": str(model_path())},
     )
 
 
@@ -110,8 +112,9 @@ def test_unified_pool_through_kvroute_holds_and_all_succeed(
         assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
         for r in answers:
             assert r.headers["x-kvroute-backend"] == "u"
-            # The server's own count of each prompt (BOS included) is what the gateway sized.
-            assert 440 <= r.json()["usage"]["prompt_tokens"] <= 460
+            # The gateway's count is the server's: demand = usage.prompt_tokens + max_tokens.
+            prompt_tokens = r.json()["usage"]["prompt_tokens"]
+            assert int(r.headers["x-kvroute-demand-tokens"]) == prompt_tokens + 200
 
 
 def test_context_exceeded_500_is_diverted_and_never_retried_on_that_node(
@@ -146,6 +149,7 @@ def test_a_long_prompt_goes_to_the_slot_that_holds_it(fleet: dict[str, LlamaServ
         for seed in (31, 32):
             r = complete(gw, prose(700, seed), 50)
             assert r.status_code == 200 and r.headers["x-kvroute-backend"] == "p1"
+            assert r.json()["usage"]["prompt_tokens"] == 700
         # Short ones may go anywhere, and do not fail.
         r = complete(gw, prose(60, 33), 20)
         assert r.status_code == 200
