@@ -83,13 +83,15 @@ def test_check_config_names_vllm_models_without_a_tokenizer() -> None:
         },
         {"name": "b", "url": "http://127.0.0.1:2", "kind": "sglang", "models": ["qwen"]},
         {"name": "c", "url": "http://127.0.0.1:3", "kind": "tgi", "models": ["mistral"]},
+        {"name": "d", "url": "http://127.0.0.1:4", "kind": "llamacpp", "models": ["smollm2"]},
     ]
     cfg = parse_config(
         {"backends": backends, "models": {"qwen": {"tokenizer": "o200k_base"}}}, "t", environ={}
     )
     warnings = tokenizer_warnings(cfg)
-    assert len(warnings) == 1 and "'meta-llama/Llama-3.1-8B' (backend a)" in warnings[0]
+    assert len(warnings) == 2 and "'meta-llama/Llama-3.1-8B' (backend a)" in warnings[0]
     assert "models.meta-llama/Llama-3.1-8B.tokenizer_file" in warnings[0]
+    assert "'smollm2' (backend d)" in warnings[1] and "its .gguf file" in warnings[1]
     assert is_openai_model("openai/gpt-4o-mini") and not is_openai_model("llama-3")
 
 
