@@ -888,6 +888,39 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"\1parent = None  # MUTATION",
         fast=True,
     ),
+    # ---- llama.cpp: slots are regions too
+    Mutation(
+        "llamacpp-slot-holds-only-what-it-has",
+        "a busy slot counts only what it holds now, not prompt + max tokens (the unified pool overfills)",
+        (
+            "tests/backends/test_llamacpp.py::test_unified_free_is_the_pool_less_what_busy_slots_will_grow_to",
+            "tests/backends/test_llamacpp.py::test_captured_unified_pool_counts_busy_slots_at_prompt_plus_max_tokens",
+        ),
+        "Slot.holds",
+        r"self\.prompt_tokens \+ max\(self\.n_predict, self\.decoded\)",
+        "self.prompt_tokens + self.decoded  # MUTATION",
+        fast=True,
+    ),
+    Mutation(
+        "llamacpp-partition-is-one-pool",
+        "a partitioned server's largest block is its free cells, not its largest idle slot",
+        (
+            "tests/backends/test_llamacpp.py::test_partitioned_largest_block_is_the_largest_idle_slot_and_the_rest_is_fragmentation",
+        ),
+        "llamacpp:memory_report",
+        r"^(\s*)largest = max\(idle, default=0\)$",
+        r"\1largest = free  # MUTATION",
+        fast=True,
+    ),
+    Mutation(
+        "llamacpp-context-failure-is-the-clients",
+        "llama-server's context failures read as the client's or the server's, not this node's capacity",
+        ("tests/backends/test_llamacpp.py::test_context_failures_are_this_nodes_capacity",),
+        "llamacpp:classify",
+        r"^(\s*)return \"allocation\"$",
+        r"\1return generic_class(status)  # MUTATION",
+        fast=True,
+    ),
 )
 
 
