@@ -26,7 +26,9 @@ How the slots share the KV cache is not shown by any page (the server only logs
 
 Both are contiguous allocators in kvroute's terms (``queueing`` off): the report is exact at
 admission, and the gateway's reservations newer than it are subtracted from it. With no idle
-slot, or requests already deferred, nothing fits now. No I/O, no clock.
+slot, or requests already deferred, nothing fits now and nothing counts as free. A
+partitioned server's free cells are split by its configuration, not by use: the restart
+advice leaves it out (``proxy.ops.maintenance.partitioned_slots``). No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -168,8 +170,9 @@ def memory_report(
         free = sum(s.n_ctx - s.holds() for s in slots)
         largest = max(idle, default=0)
     if not idle or deferred:
-        # A new request would wait for a slot: nothing fits now.
-        largest = 0
+        # A new request would wait for a slot: nothing fits now, and nothing is free for it
+        # (a full node, not a fragmented one).
+        free = largest = 0
     capacity, free, largest = sm.clamped(capacity, free, largest, capacity_override)
     return MemoryReport(
         capacity_tokens=capacity,

@@ -51,6 +51,14 @@ EVENTS_READ = 500  # how far back the event log is read for in-progress restarts
 END_TYPES = ("restart_done", "restart_failed", "restart_aborted")
 
 
+def partitioned_slots(cfg: Config) -> frozenset[str]:
+    """llama.cpp servers with partitioned slots: their free cells lie in one slot each by
+    configuration (``-np`` without ``--kv-unified``), which no restart joins."""
+    return frozenset(
+        b.name for b in cfg.backends if b.kind == "llamacpp" and b.kv_layout == "partitioned"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Bookkeeping:
     """What the shared event log says about restarts (any gateway's)."""
@@ -227,7 +235,9 @@ class Maintenance(RestartRunner):
                 self.on_report(n.name, n.report)
         books = await self._read_books(now)
         await self._count_observed(books)
-        self.below_since = update_below_since(self.below_since, snap, now, self.settings)
+        self.below_since = update_below_since(
+            self.below_since, snap, now, self.settings, partitioned_slots(self.cfg)
+        )
         self.failures.prune(now)
         advice = self._advise(snap, now, books)
         self.advice = advice

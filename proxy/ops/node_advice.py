@@ -8,7 +8,7 @@ each rule short enough to read against docs/operations.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -121,13 +121,21 @@ def can_take_out(
 
 
 def update_below_since(
-    previous: Mapping[str, float], snapshot: FleetSnapshot, now: float, cfg: MaintenanceConfig
+    previous: Mapping[str, float],
+    snapshot: FleetSnapshot,
+    now: float,
+    cfg: MaintenanceConfig,
+    split_by_config: Collection[str] = (),
 ) -> dict[str, float]:
-    """Since when each node has been below ``restart_below_ratio`` (nodes above it drop out)."""
+    """Since when each node has been below ``restart_below_ratio`` (nodes above it drop out).
+
+    ``split_by_config``: nodes whose free memory is split by how they were started, not by
+    use (llama.cpp's partitioned slots): a restart joins nothing there, so they never count.
+    """
     out: dict[str, float] = {}
     for n in snapshot.nodes:
         r = n.report
-        if r is None or not n.up:
+        if r is None or not n.up or n.name in split_by_config:
             continue
         if (
             r.free_fraction > cfg.min_free_fraction

@@ -98,7 +98,9 @@ def test_partitioned_largest_block_is_the_largest_idle_slot_and_the_rest_is_frag
 @pytest.mark.parametrize("layout", ["unified", "partitioned"])
 def test_no_idle_slot_or_deferred_requests_means_nothing_fits_now(layout: str) -> None:
     full = slots_body(busy(2048, 10, 10), busy(2048, 10, 10))
-    assert report(props_body(2, 2048), full, layout).largest_free_block_tokens == 0
+    r = report(props_body(2, 2048), full, layout)
+    # Full, not fragmented: no free cells shown where no request could use them.
+    assert (r.free_tokens, r.largest_free_block_tokens, r.fragmentation) == (0, 0, 0.0)
     idle = slots_body(busy(2048, 10, 10), {"n_ctx": 2048, "is_processing": False})
     deferred = "llamacpp:requests_deferred 3\n"
     r = report(props_body(2, 2048), idle, layout, deferred)
