@@ -138,6 +138,9 @@ async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
             "token_counts": r.gateway.token_counts.view(),
             # Output lengths learned for the KV projection.
             "memory_pressure": {"learned_output": r.gateway.pressure.learned_json()},
+            # Predicted against observed TTFT per backend, and whether the ranking runs blind
+            # (proxy.routing.prediction_check).
+            "ttft_model": r.gateway.ttft_check.check.to_json(),
         }
     )
 

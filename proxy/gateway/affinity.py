@@ -224,7 +224,15 @@ class Affinity:
         )
         # Field by field, not ``dataclasses.replace`` (per request; replace inspects the fields).
         return RouteRequest(
-            base.demand, base.cls, base.exclude, cached, session_node, indexed, ttft, slack
+            base.demand,
+            base.cls,
+            base.exclude,
+            cached,
+            session_node,
+            indexed,
+            ttft,
+            slack,
+            base.blind,
         )
 
     def _ttft_costs(

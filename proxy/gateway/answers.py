@@ -26,6 +26,7 @@ from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.memory_pressure import MemoryPressure
 from proxy.gateway.models import KindErrors
 from proxy.gateway.token_counts import TokenCounts
+from proxy.gateway.ttft_check import TtftCheck
 from proxy.upstream.classify import (
     UpstreamVerdict,
     Verdict,
@@ -53,6 +54,8 @@ class AnswerPorts(DivertPorts, Protocol):
     local: LocalReservations
     ledger: ReservationLedger
     pressure: MemoryPressure
+    # Predicted against observed TTFT (checked at a stream's first event).
+    ttft_check: TtftCheck
     token_counts: TokenCounts
     # What the two learn from whole answers, at most so many a second per model.
     answer_samples: SampleGate

@@ -120,6 +120,9 @@ class RequestContext:
     # (max new tokens, expected output) as a ranking projected it (``MemoryPressure.flight_for``):
     # placement reuses it. None: no ranking projected this request.
     expected_output: tuple[int, int] | None = None
+    # (backend, predicted TTFT in seconds, the loop's time at placement) for a stream placed
+    # on a queueing backend: checked at its first event (``proxy.gateway.ttft_check``).
+    predicted_ttft: tuple[str, float, float] | None = None
 
     def answer_headers(
         self,

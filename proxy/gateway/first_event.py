@@ -36,4 +36,5 @@ async def first_event(
         broken_answer(gw, ctx, backend, resp, "bad_response", message)
         return None
     gw.metrics.labelled(gw.metrics.attempts, backend, "ok").inc()
+    gw.ttft_check.first_event(ctx, backend)
     return first

@@ -93,6 +93,7 @@ async def _place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
         backend = await reserve_first(gw, ctx, ranked, now, demands, unchecked=unchecked)
         if backend is not None:
             _begin_attempt(gw, ctx)
+            queueing.predict_ttft(gw, ctx, view, backend)
             return backend
         if ctx.failure is not None:
             # No other backend can serve: the last failure is the answer.
@@ -213,7 +214,8 @@ def _rank(
     """The view ranked (in-flight reservations and projected KV peaks laid over the cached
     snapshot), the request as ranked (affinity may lower its demand), and the candidates."""
     view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
-    request = RouteRequest(ctx.demand, ctx.cls, avoid)
+    # While the model's TTFT predictions miss, queueing nodes rank as a blind router ranks.
+    request = RouteRequest(ctx.demand, ctx.cls, avoid, blind=gw.ttft_check.blind)
     request = gw.affinity.route_request(ctx.affinity, request, view, now)
     # An older held request that reached its overtake limit: the room is kept for it.
     fair = gw.pressure.order.may_place(ctx.reservation_id)
@@ -312,6 +314,7 @@ async def join_queue(
     if backend is not None:
         gw.queues.handed.labels(backend, "hold_over").inc()
         _begin_attempt(gw, ctx)
+        queueing.predict_ttft(gw, ctx, view, backend)
     return backend
 
 

@@ -11,7 +11,8 @@ a valid place to wait, never a reason for a 503:
   short-request TTFT worse, docs/benchmarks.md section 6);
 * it is short of KV (sending now risks preemption): hold, but only as long as its expected
   wait (ski rental: the hold never costs more than twice the better of the two choices) and
-  at most ``queue.max_wait_s``; then join it, with an unchecked reservation.
+  at most ``queue.max_wait_s``; then join it, with an unchecked reservation;
+* the model's TTFT predictions miss (``proxy.routing.prediction_check``): join at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.gateway.context import RequestContext
 from proxy.gateway.memory_pressure import MemoryPressure
+from proxy.gateway.ttft_check import TtftCheck
 from proxy.routing.policy import PolicySettings, RouteRequest, eligible
 from proxy.routing.pool_sizing import PoolSizing
 from proxy.routing.prefill_rate import PrefillRates
@@ -97,6 +99,12 @@ class BackendQueues:
                 self.rate_in_use.labels(n.name).set(rate.prefill_tokens_per_s)
         return QueueingSettings(self.settings.spill_margin_s, rates)
 
+    def rates_for(self, name: str) -> Rates:
+        """The rates the model uses for ``name`` now: its learned prefill rate where known."""
+        base = self.settings.rates.get(name, Rates())
+        learned = self.prefill.rate(name)
+        return Rates(learned, base.decode_tokens_per_s) if learned is not None else base
+
     def pool_advice(self, snap: FleetSnapshot, now: float) -> dict[str, object]:
         verdict = self.sizing.observe(
             snap,
@@ -123,6 +131,7 @@ class QueueingPorts(Protocol):
 
     queues: BackendQueues
     pressure: MemoryPressure
+    ttft_check: TtftCheck
     clock: Callable[[], float]
 
 
@@ -142,6 +151,10 @@ def hold_over(
     ranked = gw.queues.ranked(ctx, snap, avoid, gw.clock())
     if not ranked:
         return False
+    if gw.ttft_check.blind:
+        # The model's TTFT predictions miss (``proxy.routing.prediction_check``): nothing is
+        # held on them; a blind router would have sent the request.
+        return True
     best = snap.by_name()[ranked[0][0]]
     if best.usable_block() >= ctx.demand:
         return True
@@ -152,3 +165,11 @@ def hold_over(
     held = time.monotonic() - ctx.hold_started if ctx.hold_started is not None else 0.0
     rate = gw.queues.settings.rates.get(best.name, Rates()).decode_tokens_per_s
     return gw.pressure.hand_over(ctx, best, held, ranked[0][1], rate)
+
+
+def predict_ttft(gw: QueueingPorts, ctx: RequestContext, view: FleetSnapshot, backend: str) -> None:
+    """Record the TTFT the model predicts for this stream on ``backend`` (queueing nodes only),
+    checked at its first event (``proxy.gateway.ttft_check``)."""
+    node = view.by_name().get(backend)
+    if node is not None:
+        gw.ttft_check.predict(ctx, node, gw.queues.rates_for(backend))

@@ -49,6 +49,7 @@ from proxy.gateway.resilience_metrics import ResilienceCollector
 from proxy.gateway.retry_budget import RetryBudget
 from proxy.gateway.stream import Break, StreamRelay
 from proxy.gateway.token_counts import TokenCounts
+from proxy.gateway.ttft_check import TtftCheck
 from proxy.routing.policy import Policy
 from proxy.state.base import StateStore
 from proxy.state.deadline import lag_tolerant_timeout
@@ -161,6 +162,8 @@ class Gateway:
         self.early_prefills = EarlyPrefillBook(metrics.registry)
         # Projected KV peaks, learned output lengths, held-request fairness (paged engines).
         self.pressure = MemoryPressure(cfg, metrics.registry)
+        # The model checks itself: predicted against observed TTFT; blind ranking while it misses.
+        self.ttft_check = TtftCheck(metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.
         self.token_counts = TokenCounts(cfg, metrics.registry)
         # Both learn from JSON answers at a bounded rate (proxy.core.sample_gate).

@@ -48,6 +48,12 @@ def _queue_key(n: NodeView, cls: RequestClass) -> tuple[float, bool, float, floa
     return (slot_turns(n), n.role != own, queue_load(n), _utilisation(n), n.name)
 
 
+def _blind_key(n: NodeView) -> tuple[int, int, str]:
+    """Least outstanding requests, then tokens, on this replica's own count: what vllm-router's
+    blind policies compare, and what the ranking falls back to while its predictions miss."""
+    return (n.overlay.inflight, n.overlay.reserved_tokens, n.name)
+
+
 def _takes(n: NodeView, demand: int, now: float, margin: float) -> bool:
     """Fit, except that a queueing node whose slots alone are full still takes work.
 
@@ -115,9 +121,9 @@ class KvroutePolicy(Policy):
 
         queued = [n for n in fit if _queueing(n)]
         if queued:
-            # Queueing nodes by their queues (``_queue_key``), after any that allocate at
-            # admission (a mixed fleet keeps the contiguous order for those).
-            queued.sort(key=lambda n: _queue_key(n, req.cls))
+            # Queueing nodes by their queues (``_queue_key``; ``_blind_key`` while the model
+            # misses), after any that allocate at admission (contiguous order kept for those).
+            queued.sort(key=_blind_key if req.blind else lambda n: _queue_key(n, req.cls))
             fit = [n for n in fit if not _queueing(n)]
         if req.cls == "long":
             # Long pool first; in each, the tightest block that holds it (the largest blocks
@@ -145,9 +151,10 @@ class KvroutePolicy(Policy):
                 key=lambda n: (-n.usable_block(), n.name)
             )  # spill: least harm where most room
             ordered = general + long_pool + queued
-        if cached or req.session_node is not None or req.indexed is not None:
+        # No affinity or expected-TTFT reordering while the model misses (``req.blind``).
+        if not req.blind and (cached or req.session_node is not None or req.indexed is not None):
             ordered = prefer_cached(ordered, cached, req.session_node, affinity, req.indexed)
-        if req.ttft is not None:
+        if req.ttft is not None and not req.blind:
             # A cached node whose prefill queue costs more than recomputing elsewhere yields.
             ordered = by_expected_ttft(ordered, req.ttft, req.ttft_slack_s)
         # Nodes with no report: nothing to fit against, so last; by length only (pool role).

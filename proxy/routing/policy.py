@@ -54,6 +54,9 @@ class RouteRequest:
     # of expected TTFT within which the affinity order stands.
     ttft: Mapping[str, NodeCost] | None = None
     ttft_slack_s: float = 0.0
+    # The model's TTFT predictions miss (``proxy.routing.prediction_check``): queueing nodes
+    # rank by least outstanding requests, then tokens, as a blind router does (fit kept).
+    blind: bool = False
 
 
 _NOTHING_CACHED: Mapping[str, int] = MappingProxyType({})

@@ -262,6 +262,7 @@ def test_route_request_keeps_every_field_it_does_not_set() -> None:
         "indexed",
         "ttft",
         "ttft_slack_s",
+        "blind",
     }, "a new RouteRequest field: add it to Affinity.route_request"
     affinity = Affinity(_cfg("a", "b"))
     base = RouteRequest(700, "long", frozenset({"b"}))
