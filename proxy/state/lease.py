@@ -80,6 +80,9 @@ class Lease:
         # The current id is in the store's lease set (a renewal extends it rather than adds it).
         self.registered = False
         self.on_new: list[Callable[[str], None]] = []
+        # Our own ids of earlier epochs, whose reservations the next renewal sweeps (the
+        # ledger re-asserts what is still held under the new id; a release finds only that).
+        self.retired: list[str] = []
 
     def current(self, now: float) -> str:
         """The id a reservation made ``now`` carries: a new one when the lease has lapsed."""
@@ -89,6 +92,8 @@ class Lease:
 
     def next_epoch(self, now: float) -> None:
         """Register anew: reservations of the old id stop counting, ours are re-asserted."""
+        if self.id:
+            self.retired.append(self.id)
         self.epoch += 1
         self.id = f"{self.base}.{self.epoch}"
         self.until = now + self.ttl_s

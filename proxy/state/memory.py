@@ -290,6 +290,8 @@ class InProcessStore(StateStore):
             if lease.id in held:
                 held[lease.id] = lease.until
         dropped, tokens = self._sweep(set(lapsed), now)
+        self._sweep(set(lease.retired), now)
+        lease.retired.clear()
         return LeaseRound(lease.id, new, lapsed, dropped, tokens)
 
     def _sweep(self, lapsed: set[str], now: float) -> tuple[int, int]:

@@ -32,10 +32,12 @@ class RedisLeases:
         self._entry_ttl_ms = ttl_ms(entry_ttl_s) + RES_KEY_SLACK_MS
         self._lease = client.register_script(LUA_LEASE)
         self.leased: set[str] = set()
+        self._retired_on: set[str] = set()  # where our earlier ids had entries
 
     def on_new(self, _lease_id: str) -> None:
         """A new id has entries nowhere yet."""
-        self.leased.clear()
+        self._retired_on |= self.leased
+        self.leased = set()
 
     def reserve_args(self, lease: Lease | None, name: str, now: float) -> list[str]:
         """The reserve script's lease arguments (and ``name`` noted for the renewals)."""
@@ -59,6 +61,16 @@ class RedisLeases:
         lease.renewed(now)
         await self._extend(lease)
         dropped, tokens = await self._sweep_all(lapsed, now, backends) if lapsed else (0, 0)
+        if lease.retired:
+            # Our own earlier lives: re-asserted under the new id, their fields are garbage.
+            retired_on = set(self._retired_on)
+
+            async def where() -> set[str]:
+                return retired_on | await backends()
+
+            await self._sweep_all(tuple(lease.retired), now, where)
+            lease.retired.clear()
+            self._retired_on -= retired_on
         return LeaseRound(lease.id, new, lapsed, dropped, tokens)
 
     async def _register(self, lease: Lease, now: float, *, fresh: bool) -> tuple[str, ...] | None:

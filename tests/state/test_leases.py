@@ -207,3 +207,24 @@ async def test_a_replica_frozen_past_its_lease_reasserts_under_a_new_epoch(
     assert await a.reserve("e0", "ra", 20_000, T0 + 10, 900, check_fit=False)
     assert not await b.reserve("e0", "rb", 20_000, T0 + 10, 900)
     assert {r.id: r.replica for r in await b.reservations("e0", T0 + 10)} == {"ra": "a.2"}
+
+
+async def test_a_lease_lost_with_redis_sweeps_its_own_old_life(
+    pair: tuple[RedisStore, RedisStore], deployment: StoreConfig
+) -> None:
+    """Redis restarted empty: the lease set is gone, so the next renewal registers anew;
+    what was reserved meanwhile under the old id is swept (the ledger re-asserts what is
+    still held), so its releases, which now name the new id, leave nothing behind."""
+    a, _ = pair
+    held(a)
+    await a.renew_lease(T0)
+    assert await a.reserve("e0", "r1", 1_000, T0 + 1, 900)
+    raw = a._r  # the deployment's client (Cluster: routed by slot)
+    await raw.delete(a._keys.leases_set)  # what a restart without persistence loses
+    assert await a.reserve("e0", "r2", 1_000, T0 + 2, 900)  # still under a.1, as a thinks
+    back = await a.renew_lease(T0 + 3)
+    assert (back.lease, back.new) == ("a.2", True)
+    assert await raw.hkeys(a._keys.res("e0")) == []
+    assert await a.reserve("e0", "r2", 1_000, T0 + 3, 900, check_fit=False)  # re-asserted
+    await a.release("e0", "r2")
+    assert await raw.hkeys(a._keys.res("e0")) == []
