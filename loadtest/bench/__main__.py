@@ -37,6 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "ab": ("tree_ab", "two checkouts of kvroute, alternating rounds: paired ratios"),
     "do-no-harm": ("do_no_harm", "kvroute vs vllm-router's policies, two engine models, verdicts"),
+    "llamacpp": ("llamacpp", "real llama.cpp servers, mixed slot layouts: failures, TTFT, goodput"),
 }
 
 
