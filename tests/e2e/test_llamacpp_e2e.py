@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.gateway import all_reported, gateway_cfg, run_gateway, wait_until
+from tests.support.gateway import all_reported, fleet_backends, gateway_cfg, run_gateway, wait_until
 from tests.support.llama_servers import MODEL_ALIAS, LlamaServer, llama_servers, model_path
 
 UNIFIED = ("-c", "1024", "-np", "4", "--kv-unified")
@@ -68,8 +68,8 @@ def config(*backends: dict[str, Any]) -> Any:
     )
 
 
-def complete(url: str, prompt: str, max_tokens: int) -> httpx.Response:
-    body = {"model": MODEL_ALIAS, "prompt": prompt, "max_tokens": max_tokens}
+def complete(url: str, prompt: str, max_tokens: int, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL_ALIAS, "prompt": prompt, "max_tokens": max_tokens, **extra}
     return httpx.post(url + "/v1/completions", json=body, timeout=180)
 
 
@@ -117,26 +117,40 @@ def test_unified_pool_through_kvroute_holds_and_all_succeed(
             assert int(r.headers["x-kvroute-demand-tokens"]) == prompt_tokens + 200
 
 
+def running_on(gw: str, name: str) -> int:
+    """Requests in ``name``'s slots, by the gateway's latest report of it."""
+    report = next(b for b in fleet_backends(gw) if b["name"] == name)["report"] or {}
+    return int(report.get("running", 0))
+
+
 def test_context_exceeded_500_is_diverted_and_never_retried_on_that_node(
     fleet: dict[str, LlamaServer],
 ) -> None:
-    """``u`` declared partitioned: kvroute believes it has four free slots of 1,024, sends it
-    all three, and the server fails them all with its 500. Each is diverted to ``p1`` (long
-    pool), whose two real slots of 1,024 serve them; none goes back to ``u``."""
+    """``u`` declared partitioned: kvroute reads four slots of 1,024 where one pool of 1,024
+    lies, and sends it one request after another while slots look idle. The third overfills
+    the pool and the server fails all three with its 500; each is diverted to ``p1`` (long
+    pool, two real slots of 1,024), which serves them, and none goes back to ``u``."""
     u = backend("u", fleet["u"], "partitioned")
     p1 = backend("p1", fleet["p1"], "partitioned", pool="long")
     before = tasks_started(fleet["u"])
     with run_gateway(config(u, p1)) as gw:
         wait_until(lambda: all_reported(gw, 2), 30, "both scraped")
         prompts = [prose(450, seed) for seed in (21, 22, 23)]
-        answers = at_once(gw, prompts, 200)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            sent: list[concurrent.futures.Future[httpx.Response]] = []
+            for i, prompt in enumerate(prompts):
+                # ignore_eos: each runs its 200 tokens, so all three are in u at once.
+                sent.append(pool.submit(complete, gw, prompt, 200, ignore_eos=True))
+                if i < len(prompts) - 1:
+                    wait_until(lambda i=i: running_on(gw, "u") > i, 30, f"{i + 1} running on u")
+            answers = [f.result() for f in sent]
         assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
-        assert {r.headers["x-kvroute-backend"] for r in answers} == {"p1"}
+        # Each was tried on u once, then on p1, which answered.
+        assert [r.headers["x-kvroute-backend"] for r in answers] == ["p1", "p1", "p1"]
+        assert [r.headers["x-kvroute-attempts"] for r in answers] == ["2", "2", "2"]
         failed_on_u = gateway_metric(gw, "kvroute_allocation_failures_total", backend="u")
-    started_on_u = tasks_started(fleet["u"]) - before
-    # u failed at least one (the first wave went there) and saw each request at most once.
-    assert failed_on_u >= 1
-    assert 1 <= started_on_u <= 3
+    assert failed_on_u == 3
+    assert tasks_started(fleet["u"]) - before == 3
 
 
 def test_a_long_prompt_goes_to_the_slot_that_holds_it(fleet: dict[str, LlamaServer]) -> None:
