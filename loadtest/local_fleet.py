@@ -24,6 +24,7 @@ import httpx
 import yaml
 
 from loadtest.children import die_with_parent_hook, log_tail, port_in_use
+from loadtest.llama_fleet import MODEL_ALIAS, find_llama
 
 
 def free_port() -> int:
@@ -311,15 +312,54 @@ def specs_from_config(
         parts = urlsplit(b.base_url)
         if parts.hostname not in LOCAL_HOSTS or parts.port is None:
             raise ValueError(f"backend {b.name}: {b.base_url} is not a 127.0.0.1:PORT address")
+        if b.kind == "llamacpp":
+            out.append((llama_spec(b.name, b.pool, b.kv_layout, b.capacity_tokens), parts.port))
+            continue
         if b.kind not in ("contiguous", "paged"):
             raise ValueError(
                 f"backend {b.name}: kind {b.kind!r}; the simulated engine serves kind "
-                "'contiguous' or 'paged' (kvroute's gauges)"
+                "'contiguous' or 'paged' (kvroute's gauges), a real llama-server kind 'llamacpp'"
             )
         cap = b.capacity_tokens or capacity_tokens
         spec = EngineSpec(b.name, b.pool, b.kind, capacity_tokens=cap, speedup=speedup)
         out.append((spec, parts.port))
     return out
+
+
+#: A real llama-server's context where the config gives no capacity_tokens, and its slots.
+LLAMA_CONTEXT, LLAMA_SLOTS = 4096, 4
+
+
+def llama_spec(name: str, pool: str, layout: str, capacity_tokens: int | None) -> EngineSpec:
+    """A ``kind: llamacpp`` backend: a real llama-server with the config's slot layout."""
+    cap = capacity_tokens or LLAMA_CONTEXT
+    flags = ["-c", str(cap), "-np", str(LLAMA_SLOTS)]
+    if layout == "unified":
+        flags.append("--kv-unified")
+    return EngineSpec(name, pool, "llamacpp", capacity_tokens=cap, extra=tuple(flags))
+
+
+def llama_proc(spec: EngineSpec, port: int, binary: str, model: Path) -> Proc:
+    """llama-server (``loadtest.llama_fleet``'s model and settings) on ``port``."""
+    argv = [binary, "-m", str(model), "--alias", MODEL_ALIAS, "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "-t", "1", "-tb", "1", "-b", "512", "-ub", "512"]
+    argv += ["--metrics", "--no-webui", *spec.extra]
+    return Proc(spec.name, argv, f"http://127.0.0.1:{port}")
+
+
+def fleet_procs(wanted: Sequence[tuple[EngineSpec, int]]) -> list[Proc] | str:
+    """One process per backend; for llama.cpp backends, or what to install when it is missing."""
+    llama: tuple[str, Path] | str | None = None
+    procs = []
+    for spec, port in wanted:
+        if spec.allocator != "llamacpp":
+            procs.append(engine_proc(spec, port))
+            continue
+        llama = find_llama() if llama is None else llama
+        if isinstance(llama, str):
+            return f"backend {spec.name} is kind llamacpp, but {llama}"
+        procs.append(llama_proc(spec, port, *llama))
+    return procs
 
 
 def busy_ports(wanted: Sequence[tuple[EngineSpec, int]]) -> list[str]:
@@ -351,9 +391,9 @@ def _parse_args(argv: Sequence[str] | None) -> Any:
     p = argparse.ArgumentParser(
         prog="kvroute local-fleet",
         description="Start one simulated engine per backend of a config file (on the backend's "
-        "port, with its kind as the allocator), so `kvroute serve --config FILE` has every "
-        "backend it expects. Runs until Ctrl-C, SIGTERM or a hangup (closing the terminal); "
-        "the engines never outlive it.",
+        "port, with its kind as the allocator; a real llama-server for kind llamacpp, with its "
+        "kv_layout), so `kvroute serve --config FILE` has every backend it expects. Runs until "
+        "Ctrl-C, SIGTERM or a hangup (closing the terminal); the engines never outlive it.",
     )
     p.add_argument("--config", default="config/kvroute.yaml")
     p.add_argument(
@@ -383,9 +423,13 @@ def _run_engines(
     for proc in procs:
         proc.wait_ready()
     for (spec, _), proc in zip(wanted, procs, strict=True):
+        what = (
+            f"llama-server {' '.join(spec.extra)}"
+            if spec.allocator == "llamacpp"
+            else f"{spec.capacity_tokens:,} tokens, speedup {spec.speedup:g}"
+        )
         print(
-            f"engine {spec.name}: {proc.url} ({spec.allocator}, pool {spec.pool}, "
-            f"{spec.capacity_tokens:,} tokens, speedup {spec.speedup:g})",
+            f"engine {spec.name}: {proc.url} ({spec.allocator}, pool {spec.pool}, {what})",
             flush=True,
         )
     print(f"ready: now run `kvroute serve --config {config}`; Ctrl-C stops the engines", flush=True)
@@ -412,8 +456,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    procs = fleet_procs(wanted)
+    if isinstance(procs, str):
+        print(f"kvroute local-fleet: {procs}", file=sys.stderr)
+        return 2
     logs = Path(tempfile.mkdtemp(prefix="kvroute-local-fleet-"))
-    procs = [engine_proc(spec, port) for spec, port in wanted]
     try:
         return _run_engines(procs, wanted, args.config, logs)
     except (RuntimeError, TimeoutError) as exc:
