@@ -67,9 +67,9 @@ ROUTERS = (
     "vllm-router:cache_aware",
 )
 SYSTEM = "Answer in one short paragraph."
-# SmolLM2's chat template: <|im_start|>ROLE\n ... <|im_end|>\n per message, and
-# <|im_start|>assistant\n to prime the reply (the server's own counts, measured).
-TOKENS_PER_MESSAGE, REPLY_PRIMING = 5, 3
+# SmolLM2's chat template: <|im_start|>ROLE\n ... <|im_end|>\n per message (4 tokens and the
+# role, which the gateway counts), <|im_start|>assistant\n (4 tokens) to prime the reply.
+TOKENS_PER_MESSAGE, REPLY_PRIMING = 4, 4
 
 
 @dataclass(frozen=True, slots=True)

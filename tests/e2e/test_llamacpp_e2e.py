@@ -63,8 +63,12 @@ def config(*backends: dict[str, Any]) -> Any:
         collector={"scrape_interval_s": 0.2, "timeout_s": 10.0, "stale_after_s": 30.0},
         queue={"max_wait_s": 120.0},
         routing={"unknown_model": "reject"},
-        # Counted with the model's own vocabulary, read from its GGUF file.
+        # Counted with the model's own vocabulary, read from its GGUF file; SmolLM2's chat
+        # template wraps each message in <|im_start|>ROLE\n ... <|im_end|>\n (4 tokens and
+        # the role, which the gateway counts) and primes the reply with
+        # <|im_start|>assistant\n (4 tokens).
         sizing={"tokenizer_file": str(model_path())},
+        models={MODEL_ALIAS: {"tokens_per_message": 4, "reply_priming": 4}},
     )
 
 
@@ -210,10 +214,17 @@ def test_streamed_chat_through_the_gateway_with_the_openai_client(
                 usage = chunk.usage
         assert text.strip()
         assert usage is not None and 0 < usage.completion_tokens <= 30
-        answer = client.chat.completions.create(
+        raw = client.chat.completions.with_raw_response.create(
             model=MODEL_ALIAS,
-            messages=[{"role": "user", "content": "Say hello."}],
+            messages=[
+                {"role": "system", "content": "You are brief."},
+                {"role": "user", "content": "Say hello to the reader of this test."},
+            ],
             max_tokens=20,
         )
+        answer = raw.parse()
         assert answer.choices[0].message.content
-        assert answer.usage is not None and answer.usage.prompt_tokens > 5
+        # With a system message of its own (the template adds one otherwise), the gateway's
+        # count of the chat is the server's.
+        assert answer.usage is not None
+        assert int(raw.headers["x-kvroute-demand-tokens"]) == answer.usage.prompt_tokens + 20
