@@ -186,7 +186,7 @@ async def start_lease(w: Wiring) -> None:
     st, cfg = w.store, w.cfg.store
     shared = not isinstance(st, InProcessStore)
     w.lease = keeper = (
-        LeaseKeeper(st, cfg.lease_ttl_s, w.gateway.ledger.mark_unsure)
+        LeaseKeeper(st, cfg.lease_ttl_s, w.gateway.ledger.mark_unsure, w.gateway.ledger.reassert)
         if shared and cfg.uses_redis and cfg.leases
         else None
     )

@@ -3,8 +3,9 @@
 Renews every third of ``store.lease_ttl_s``: two renewals in a row may fail (a Redis
 blip, a busy loop) before the lease lapses. Each round also removes the leases that lapsed
 and sweeps their reservations (one replica finds each lapse), counted here. A lease of our
-own that lapsed makes a new epoch; ``on_new_epoch`` then has the ledger re-assert what this
-replica still holds, under the new id.
+own that lapsed makes a new epoch: ``on_new_epoch`` marks the ledger unsure (its next
+reserve re-asserts first) and ``reassert`` re-asserts at once what this replica still holds,
+under the new id, so a replica that was only slow counts again without waiting for a request.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PrometheusCollector
@@ -35,9 +36,14 @@ class LeaseKeeper:
     """Holds ``store``'s lease: registers it, renews it, counts what the rounds find."""
 
     def __init__(
-        self, store: StateStore, ttl_s: float, on_new_epoch: Callable[[], None] = lambda: None
+        self,
+        store: StateStore,
+        ttl_s: float,
+        on_new_epoch: Callable[[], None] = lambda: None,
+        reassert: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
+        self._reassert = reassert
         self.lease = Lease(replica_base_id(), ttl_s)
         store.hold_lease(self.lease)
         self.lease.on_new.append(lambda _id: on_new_epoch())
@@ -55,6 +61,8 @@ class LeaseKeeper:
         self.registrations += int(round_.new)
         if round_.new and self.registrations > 1:
             log.warning("lease lapsed; registered anew as %s", round_.lease)
+            if self._reassert is not None:
+                await self._reassert()
         if round_.lapsed:
             self.lapsed += len(round_.lapsed)
             self.dropped += round_.dropped

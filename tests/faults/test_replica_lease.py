@@ -182,14 +182,15 @@ def test_a_killed_replicas_reservation_stops_counting_within_the_lease_ttl(
         assert list(replicas["live"]) == [replicas["this"]], replicas
         assert replicas["reserved_tokens"] == {}, replicas
         # B's next renewal (every TTL/3) found the lapse and swept A's reservation out of Redis.
+        # (More than one lapse only if A, starved on a busy machine, had re-registered.)
         wait(
             lambda: (
-                lease_metrics(b.url).get("kvroute_leases_lapsed_total") == 1.0,
+                lease_metrics(b.url).get("kvroute_lease_reserved_tokens_dropped_total") == still,
                 lease_metrics(b.url),
             ),
             LEASE_TTL_S / 3 + SLACK_S,
             "B's sweep of A's lease",
         )
-        assert lease_metrics(b.url)["kvroute_lease_reserved_tokens_dropped_total"] == still
+        assert lease_metrics(b.url)["kvroute_leases_lapsed_total"] >= 1
         assert live_reservations_in_redis(redis_url) == {}, "the sweep leaves nothing behind"
         print(f"[{kind}] swept from Redis {time.monotonic() - killed_at:.2f} s after SIGKILL")

@@ -68,3 +68,24 @@ async def test_a_stopped_keeper_loses_its_reservations_within_one_ttl(
         assert epochs == {"a": 1, "b": 1} and kb.failures == 0
     finally:
         await kb.stop()
+
+
+async def test_a_keeper_whose_lease_lapsed_registers_anew_and_reasserts(
+    stores: tuple[RedisStore, RedisStore],
+) -> None:
+    a, _ = stores
+    calls: list[str] = []
+
+    async def reassert() -> None:
+        calls.append("reassert")
+
+    keeper = LeaseKeeper(a, TTL, lambda: calls.append("unsure"), reassert)
+    await keeper.start()
+    await keeper.stop()  # a replica starved (or cut off from Redis) past its TTL
+    first = keeper.lease.id
+    await asyncio.sleep(TTL + 0.1)
+    round_ = await keeper.renew()
+    assert round_.new and round_.lease != first and keeper.registrations == 2
+    # Marked unsure for the request path, and re-asserted at once by the keeper itself.
+    assert calls == ["unsure", "unsure", "reassert"]
+    assert (await keeper.renew()).new is False and calls[-1] == "reassert" and len(calls) == 3
