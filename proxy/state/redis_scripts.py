@@ -76,6 +76,15 @@ local function read_report(key)
   return largest, reported_at, lazy
 end
 
+-- The lease id of a reservation field "<id>@<lease>" (after its first "@", not at the start),
+-- or nil: the twin of proxy.state.lease.split_field. A plain find, not a pattern: it runs
+-- on every reservation the reserve walks.
+local function lease_of(field)
+  local at = string.find(field, '@', 2, true)
+  if at == nil or at == #field then return nil end
+  return string.sub(field, at + 1)
+end
+
 -- The twin of proxy.core.lazy.lazy_headroom: the smallest engine's capacity less
 -- max(its used, all reserved), never above the report's largest block.
 local function lazy_room(lazy, reserved, largest)
@@ -132,7 +141,7 @@ for i = 1, #flat, 2 do
   else
     local t, c, e = string.match(v, '^(%S+) (%S+) (%S+)$')
     t, c, e = count(t, 0), num(c), num(e)
-    local owner = string.match(rid, '.@([%w%._%-]+)$')
+    local owner = lease_of(rid)
     if t == nil or c == nil or e == nil or e <= now then
       dead[#dead + 1] = rid
     elseif owner ~= nil and (leases[owner] or 0) <= now then
@@ -259,7 +268,7 @@ for i = 2, #ARGV do lapsed[ARGV[i]] = true end
 local flat = redis.call('HGETALL', KEYS[1])
 local dead, n, tokens = {}, 0, 0
 for i = 1, #flat, 2 do
-  local owner = string.match(flat[i], '.@([%w%._%-]+)$')
+  local owner = lease_of(flat[i])
   if owner ~= nil and lapsed[owner] then
     dead[#dead + 1] = flat[i]
     local t, e = string.match(flat[i + 1], '^(%S+) %S+ (%S+)$')

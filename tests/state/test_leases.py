@@ -104,10 +104,10 @@ async def test_release_forget_and_shrink_reach_the_leased_reservation(store: Sta
 def test_lease_field_round_trip() -> None:
     assert split_field(lease_field("0af3", "host-1.3")) == ("0af3", "host-1.3")
     assert split_field("0af3") == ("0af3", "")
-    # Only the last "@" separates, and only before a well-formed id.
-    assert split_field("a@b@c.1") == ("a@b", "c.1")
-    assert split_field("a@b c") == ("a@b c", "")
+    # The first "@" separates (the scripts' plain find), neither first nor last.
+    assert split_field("a@b@c.1") == ("a", "b@c.1")
     assert split_field("@x") == ("@x", "")
+    assert split_field("x@") == ("x@", "")
     with pytest.raises(ValueError):
         Lease("no spaces", TTL)
 
