@@ -115,10 +115,13 @@ def run_router(
             samples = asyncio.run(q.drive(gw_url, requests, args.seed))
             outcome = q.PolicyRun(router, samples, wall_s=time.monotonic() - started)
             outcome.preemptions = int(sum(counter(u, "vllm:num_preemptions") for u in urls))
+            # How evenly the router spread the prompt work (recomputes included).
+            spread = [int(counter(u, "vllm:prompt_tokens")) for u in urls]
             row = outcome.summary()
             row["ttft_p99"] = all_p99(samples)
             row["goodput"] = row.pop("output_tokens_per_s")
             row.pop("handed_to_queue")
+            row["engine_prompt_tokens"] = spread
             if router == "kvroute":
                 row |= hold_figures(gw_url)
         return row
@@ -181,7 +184,8 @@ def progress_line(r: dict[str, Any]) -> str:
         f"{r['model']}/{r['cell']} run {r['run']} {r['router']}: failed {r['failed']}/"
         f"{r['requests']}, short TTFT p50 {f(r['short_ttft_p50'])} p99 {f(r['short_ttft_p99'])}, "
         f"long p50 {f(r['long_ttft_p50'])} p99 {f(r['long_ttft_p99'])}, preemptions "
-        f"{r['preemptions']}, goodput {r['goodput']:.0f} tok/s"
+        f"{r['preemptions']}, goodput {r['goodput']:.0f} tok/s, prompt tokens per engine "
+        f"{r['engine_prompt_tokens']}"
     )
 
 

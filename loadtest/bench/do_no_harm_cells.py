@@ -12,8 +12,9 @@ tokens/s, decode 30 tokens/s per request, mean sizes below):
 * ``slots``: 4 running requests per engine (16 in all) of ~5 s each: 2.9 arrivals/s fill 0.9
   of them, the rest wait in the engines' queues;
 * ``memory``: 40,000 KV tokens per engine, documents 6k-12k writing 300-600 tokens: the KV
-  in flight (~42,000 tokens per engine at 4 arrivals/s) outgrows the cache as outputs grow,
-  so a placement that piles documents up preempts;
+  in flight (~32,000 tokens per engine at 3 arrivals/s) leaves little room as outputs grow,
+  so a placement that piles documents up preempts (at 4 arrivals/s every router thrashed
+  on the v1 model: over a thousand preemptions, TTFT p99 of 30-60 wall seconds);
 * ``overload``: the prefill cell at 1.25x the fleet's prefill rate: queues grow all run;
 * ``smoke``: a tiny cell for the test (a few requests, nothing binds).
 
@@ -68,7 +69,7 @@ CELLS: dict[str, Cell] = {
         Cell("prefill", "prefill", 4.9, (15_000, 30_000), (16, 64), (16, 64)),
         Cell("decode", "decode", 1.5, (2_000, 4_000), (200, 600), (600, 1_200)),
         Cell("slots", "slots", 2.9, (1_000, 3_000), (50, 200), (100, 300), max_num_seqs=4),
-        Cell("memory", "memory", 4.0, (6_000, 12_000), (50, 200), (300, 600), capacity=40_000),
+        Cell("memory", "memory", 3.0, (6_000, 12_000), (50, 200), (300, 600), capacity=40_000),
         Cell("overload", "overload", 7.2, (15_000, 30_000), (16, 64), (16, 64)),
         Cell("smoke", "nothing", 1.0, (1_000, 2_000), (8, 16), (8, 16), capacity=20_000),
     )
