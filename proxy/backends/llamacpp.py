@@ -46,8 +46,12 @@ from proxy.core.fleet import MemoryReport
 
 PROPS_PATH = "/props"
 SLOTS_PATH = "/slots"
-#: What a scrape reads besides the backend's ``metrics_path``.
-PAGES: tuple[str, ...] = (PROPS_PATH, SLOTS_PATH)
+#: What a scrape reads besides the backend's ``metrics_path``, before it. ``/slots`` first:
+#: the server answers it (and ``/metrics``) between two steps of its loop, seconds apart on
+#: a CPU, and the report is taken as of the scrape's start: a request the gateway sends
+#: after that start and the server puts in a slot before answering counts twice until the
+#: next report (its reservation is newer than the report), so that window is kept short.
+PAGES: tuple[str, ...] = (SLOTS_PATH, PROPS_PATH)
 
 DEFERRED = "llamacpp:requests_deferred"
 PROCESSING = "llamacpp:requests_processing"

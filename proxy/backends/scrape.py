@@ -165,6 +165,9 @@ async def scrape(
     started = time.perf_counter()
     deadline = started + timeout_s
     try:
+        # Kinds that need more than /metrics (llama.cpp's /slots, /props), same deadline;
+        # first, so that what they show is as near as can be to ``taken_at``.
+        pages = await read_pages(client, backend, pages_for(backend.kind), deadline, timeout_s)
         # Bounded by httpx's own per-phase timeouts (connect, send, each read) plus the
         # deadline checked per chunk, which stops a server that drips its body. Not by
         # asyncio.timeout: a native cancellation racing httpx's timeouts can be lost.
@@ -183,8 +186,6 @@ async def scrape(
                         f"timeout after {timeout_s:g}s (body still arriving)", "timeout"
                     )
         text = body.decode("utf-8", errors="replace")  # the text format is UTF-8 by definition
-        # Kinds that need more than /metrics (llama.cpp's /props, /slots), same deadline.
-        pages = await read_pages(client, backend, pages_for(backend.kind), deadline, timeout_s)
         report = parse_report(
             backend.kind, text, taken_at, backend.capacity_tokens, pages, backend.kv_layout
         )

@@ -52,7 +52,7 @@ def report(props: bytes, slots: bytes, layout: str, metrics: str = IDLE_METRICS)
 
 
 def test_the_scrape_reads_props_and_slots_only_for_llamacpp() -> None:
-    assert pages_for("llamacpp") == ("/props", "/slots")
+    assert pages_for("llamacpp") == ("/slots", "/props")
     assert pages_for("vllm") == ()
 
 
