@@ -6,9 +6,13 @@ kernel spreads connections across them; they share nothing but the store. That i
 than one worker needs Redis: with the embedded store each process would hold its own
 reservations and fleet view, and each would overcommit the backends the others fill.
 
-The parent only supervises: it forwards SIGINT/SIGTERM to every worker and, when one exits,
-stops the others and exits with its status (a supervisor such as systemd or Kubernetes
-restarts the whole set, which keeps "one port, N equal workers" simple to reason about).
+The parent only supervises: it forwards SIGINT/SIGTERM to every worker. A worker killed by
+a signal (the OOM killer, a stray SIGKILL) is started again in its place: it comes back as a
+new replica with a new lease, and what the killed one had reserved stops counting when its
+lease lapses (``store.lease_ttl_s``, proxy.state.lease). More than ``MAX_RESTARTS`` such
+deaths within ``RESTART_WINDOW_S`` is a crash loop: the set stops. A worker that exits by
+itself (a config error at start, a clean exit) stops the others and the parent exits with
+its status, as before (a supervisor such as systemd or Kubernetes restarts the whole set).
 SIGHUP means what it means to one process (proxy.api.hangup): reload, passed on to every
 worker, or stop. Each worker also listens on a Unix socket in a private directory, so a
 ``POST /admin/reload`` taken by one worker reaches the others (proxy.api.worker_peers).
@@ -24,7 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from proxy.api.drain import CLOSE_GRACE_S
@@ -76,11 +81,67 @@ def sockets_directory() -> str:
     return tempfile.mkdtemp(prefix="kvroute-workers-", dir="/tmp")
 
 
+#: Workers killed by a signal are restarted, at most this many within the window.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+
+
+class Restarts:
+    """The restart budget: a worker killed by a signal is restarted unless deaths crowd."""
+
+    def __init__(self, limit: int = MAX_RESTARTS, window_s: float = RESTART_WINDOW_S) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.at: deque[float] = deque()
+
+    def allow(self, returncode: int, now: float) -> bool:
+        """Restart a worker that ended with ``returncode``? Only one killed by a signal."""
+        if returncode >= 0:
+            return False
+        while self.at and now - self.at[0] > self.window_s:
+            self.at.popleft()
+        if len(self.at) >= self.limit:
+            return False
+        self.at.append(now)
+        return True
+
+
+def _watch(
+    procs: list[subprocess.Popen[bytes]],
+    start: Callable[[], subprocess.Popen[bytes]],
+    stopping: Callable[[], bool],
+    restarts: Restarts,
+) -> int:
+    """Wait until a worker ends for good; restart those killed by a signal meanwhile.
+
+    Returns the status of the one that ended the set."""
+    while True:
+        time.sleep(0.2)
+        for i, p in enumerate(procs):
+            rc = p.poll()
+            if rc is None:
+                continue
+            if stopping() or not restarts.allow(rc, time.monotonic()):
+                return rc
+            procs[i] = start()
+            print(
+                f"kvroute: worker {p.pid} killed by signal {-rc}; restarted as {procs[i].pid} "
+                "(its reservations stop counting when its lease lapses)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def supervise(argv: Sequence[str], workers: int, reloads: bool, drain_s: float) -> int:
-    """Start ``workers`` copies of this serve command and wait; the first to exit ends them all."""
+    """Start ``workers`` copies of this serve command; restart any killed by a signal; the
+    first to exit by itself (or a crash loop) ends them all."""
     sockets_dir = sockets_directory()
     env = {**os.environ, WORKER_DIR_ENV: sockets_dir}
-    procs = [subprocess.Popen(worker_argv(argv, reloads), env=env) for _ in range(workers)]
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(worker_argv(argv, reloads), env=env)
+
+    procs = [start() for _ in range(workers)]
     stopping = False
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -97,10 +158,8 @@ def supervise(argv: Sequence[str], workers: int, reloads: bool, drain_s: float) 
         signal.signal(sig, forward)
     rc = 0
     try:
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.2)
-        first = next(p for p in procs if p.poll() is not None)
-        rc = first.returncode if not stopping else 0
+        rc = _watch(procs, start, lambda: stopping, Restarts())
+        rc = rc if not stopping else 0
     finally:
         _stop_all(procs, drain_s + CLOSE_GRACE_S + 10)
         shutil.rmtree(sockets_dir, ignore_errors=True)

@@ -6,11 +6,13 @@ connection is read from /proc (each worker listens on its own SO_REUSEPORT socke
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,7 @@ import yaml
 
 from loadtest.bench.overhead_load import CHAT_PATH, MODEL, request_body
 from loadtest.local_fleet import EngineSpec, Proc, free_port, gateway_config, wait_http
+from proxy.api.workers import Restarts
 from tests.support.redis_server import RedisInstance
 
 
@@ -138,3 +141,55 @@ def test_two_workers_share_one_port_and_redis(tmp_path: Path, trivial_engine: st
     # Stopping the supervisor stopped its workers too.
     for w in workers:
         assert not Path(f"/proc/{w}").exists() or "zombie" in Path(f"/proc/{w}/status").read_text()
+
+
+def test_a_worker_killed_by_a_signal_is_restarted_and_its_lease_lapses(
+    tmp_path: Path, trivial_engine: str
+) -> None:
+    """SIGKILL one of two workers (as the OOM killer would): the supervisor starts another in
+    its place, under a new lease, and the killed one's lease lapses within store.lease_ttl_s."""
+    redis = RedisInstance().start()
+    port = free_port()
+    proc = Proc("gateway", _serve(_config(tmp_path, trivial_engine, redis.url), port, 2), "")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    proc.start(env=env, log_dir=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+
+    def live() -> set[str]:
+        return set(httpx.get(url + "/fleet", timeout=5).json()["replicas"]["live"])
+
+    def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
+                if check():
+                    return
+            time.sleep(0.1)
+        raise AssertionError(f"not within {timeout_s} s: {what}")
+
+    try:
+        assert proc.popen is not None
+        wait_for("two workers with live leases", lambda: len(live()) == 2)
+        before = live()
+        workers = _children(proc.popen.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        wait_for(
+            "a new worker in the killed one's place",
+            lambda: len(set(_children(proc.popen.pid)) - set(workers)) == 1,  # type: ignore[union-attr]
+            30,
+        )
+        assert proc.alive, "the supervisor must outlive a worker killed by a signal"
+        # The new worker's lease joins; the killed one's lapses (5 s TTL, renewed every 1.7 s).
+        wait_for("the killed worker's lease to lapse", lambda: len(live() - before) == 1, 30)
+        wait_for("two live leases again", lambda: len(live()) == 2 and live() != before, 10)
+    finally:
+        proc.stop()
+        redis.stop()
+
+
+def test_restarts_are_for_signals_and_bounded() -> None:
+    budget = Restarts(limit=2, window_s=60.0)
+    assert not budget.allow(0, 0.0) and not budget.allow(1, 0.0)  # exited by itself
+    assert budget.allow(-signal.SIGKILL, 1.0) and budget.allow(-signal.SIGSEGV, 2.0)
+    assert not budget.allow(-signal.SIGKILL, 3.0)  # a crash loop: the set stops
+    assert budget.allow(-signal.SIGKILL, 62.0)  # the first death left the window
