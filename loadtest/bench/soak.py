@@ -225,6 +225,12 @@ def summarize(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if "--faults" in args_in:
+        # The multi-replica fleet under faults: its own options (loadtest.bench.soak_faults).
+        from loadtest.bench import soak_faults
+
+        return soak_faults.main(args_in)
     p = argparse.ArgumentParser(
         prog="kvroute soak", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
@@ -247,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-redis", action="store_true", help="embedded store instead of redis-server")
     p.add_argument("--out", type=Path, default=None, help="write the summary JSON here")
-    args = p.parse_args(argv)
+    args = p.parse_args(args_in)
     summary = asyncio.run(soak(args))
     print(json.dumps(summary, indent=2))
     if args.out is not None:
