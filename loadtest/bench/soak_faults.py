@@ -123,6 +123,15 @@ class Client:
     turn: int = 0
     prompts: dict[int, str] = field(default_factory=dict)
     killed_at: dict[str, float] = field(default_factory=dict)
+    back_at: dict[str, float] = field(default_factory=dict)
+
+    def cut_off_by_kill(self, name: str, start: float) -> bool:
+        """A request to replica ``name`` broke because that replica was killed: it was in
+        flight at the kill, or sent (on a pooled connection) while the replica was down."""
+        killed = self.killed_at.get(name, -1.0)
+        back = self.back_at.get(name, -1.0)
+        down = back < killed
+        return killed >= start or down or time.monotonic() - back < 1.0
 
     def prompt(self, tokens: int) -> str:
         bucket = max(1, tokens // 250 * 250)
@@ -152,7 +161,7 @@ class Client:
                 except httpx.ConnectError:
                     continue  # refused: a dead replica; the balancer resends
                 except httpx.HTTPError:
-                    killed = self.killed_at.get(target.name, -1.0) >= start
+                    killed = self.cut_off_by_kill(target.name, start)
                     w.failures["killed_replica" if killed else "lost"] += 1
                     return
             w.failures["no_replica"] += 1
@@ -212,6 +221,7 @@ async def inject(
         await asyncio.to_thread(fleet.kill, r)
         await asyncio.sleep(3.0)
         await asyncio.to_thread(fleet.restart, r)
+        client.back_at[r.name] = time.monotonic()
     elif kind == "redis":
         await asyncio.to_thread(fleet.kill, fleet.redis)
         await asyncio.sleep(1.5)
@@ -225,14 +235,20 @@ async def inject(
         for r in fleet.replicas:
             r.signal(signal.SIGHUP)
     else:
-        await disconnect_storm(fleet, c)
+        await disconnect_storm(fleet, client, c)
 
 
-async def disconnect_storm(fleet: FaultFleet, c: httpx.AsyncClient, n: int = 20) -> None:
+async def disconnect_storm(
+    fleet: FaultFleet, client: Client, c: httpx.AsyncClient, n: int = 20
+) -> None:
+    """``n`` streams that leave after 0.5 s; their demand counts as in flight meanwhile."""
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi " * 200}],
             "max_tokens": 2000, "stream": True}  # fmt: skip
+    demand = 200 + chat_overhead_tokens() + 2000
 
     async def leave(url: str) -> None:
+        client.inflight_demand += demand
+        client.peak_demand = max(client.peak_demand, client.inflight_demand)
         try:
             async with asyncio.timeout(0.5):
                 async with c.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -240,6 +256,8 @@ async def disconnect_storm(fleet: FaultFleet, c: httpx.AsyncClient, n: int = 20)
                         pass
         except (TimeoutError, httpx.HTTPError):
             pass
+        finally:
+            client.inflight_demand -= demand
 
     await asyncio.gather(*(leave(fleet.replicas[i % 2].url) for i in range(n)))
 
