@@ -58,8 +58,9 @@ class RedisLeases:
             new = True
             lapsed = await self._register(lease, now, fresh=True)
             assert lapsed is not None
+        # Ours runs on only once every backend's copy says so too.
+        await self._extend(lease, now + lease.ttl_s)
         lease.renewed(now)
-        await self._extend(lease)
         dropped, tokens = await self._sweep_all(lapsed, now, backends) if lapsed else (0, 0)
         if lease.retired:
             # Our own earlier lives: re-asserted under the new id, their fields are garbage.
@@ -82,12 +83,12 @@ class RedisLeases:
             return None
         return tuple(str(x) for x in reply[1:])
 
-    async def _extend(self, lease: Lease) -> None:
+    async def _extend(self, lease: Lease, runs_to: float) -> None:
         """The lease's copy on every backend it reserved on, run to its new time."""
         names = sorted(self.leased)
         if not names:
             return
-        until, entry_ttl = redis_float(lease.until), self._entry_ttl_ms
+        until, entry_ttl = redis_float(runs_to), self._entry_ttl_ms
 
         async def op() -> None:
             async with self._r.pipeline(transaction=False) as pipe:
