@@ -32,7 +32,9 @@ import asyncio
 import itertools
 import json
 import random
+import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -88,6 +90,7 @@ class Outcome:
     ttft_s: float | None = None
     tokens: int = 0
     backend: str = ""
+    detail: str = ""  # the error body or event, cut short
 
 
 @dataclass
@@ -153,7 +156,7 @@ async def send(client: httpx.AsyncClient, url: str, job: Job, t0: float) -> Outc
         async with client.stream("POST", url + "/v1/chat/completions", json=job.body) as resp:
             out.backend = resp.headers.get("x-kvroute-backend", "")
             if resp.status_code != 200:
-                await resp.aread()
+                out.detail = (await resp.aread())[:300].decode("utf-8", "replace")
                 out.failure = f"HTTP {resp.status_code}"
                 return out
             async for line in resp.aiter_lines():
@@ -164,7 +167,7 @@ async def send(client: httpx.AsyncClient, url: str, job: Job, t0: float) -> Outc
                     out.ok = not out.failure
                     return out
                 if '"error"' in data:
-                    out.failure = "stream error"
+                    out.failure, out.detail = "stream error", data[:300]
                 elif '"content"' in data:
                     out.ttft_s = out.ttft_s if out.ttft_s is not None else time.monotonic() - t0
                     out.tokens += 1
@@ -226,7 +229,21 @@ def most_idle_slots(urls: Sequence[str]) -> Any:
     return pick
 
 
-def gateway_config(servers: dict[str, LlamaServer], model: Path) -> dict[str, Any]:
+def trace_fleet(url: str, path: Path, procs: list[Any]) -> None:
+    """The gateway's ``/fleet`` twice a second, one JSON line each, while it runs."""
+    with path.open("a") as out:
+        while procs and procs[0].poll() is None:
+            try:
+                fleet = httpx.get(url + "/fleet", timeout=5).json()
+                out.write(json.dumps({"t": time.time(), "backends": fleet["backends"]}) + "\n")
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+
+
+def gateway_config(
+    servers: dict[str, LlamaServer], model: Path, report_grace_s: float, timeout_s: float
+) -> dict[str, Any]:
     layouts = {name: layout for name, _args, layout in FLEET}
     backends = [
         {"name": n, "url": s.url, "kind": "llamacpp", "kv_layout": layouts[n]}
@@ -240,9 +257,14 @@ def gateway_config(servers: dict[str, LlamaServer], model: Path) -> dict[str, An
             MODEL_ALIAS: {"tokens_per_message": TOKENS_PER_MESSAGE, "reply_priming": REPLY_PRIMING}
         },
         # One llama-server step (-b 512 tokens on one thread) runs before /slots answers.
-        "collector": {"scrape_interval_s": 0.25, "timeout_s": 10.0, "stale_after_s": 30.0},
+        "collector": {
+            "scrape_interval_s": 0.25,
+            "timeout_s": timeout_s,
+            "stale_after_s": max(30.0, 3 * timeout_s),
+        },
         "queue": {"max_wait_s": 300.0},
         "health": {"active": {"enabled": False}},
+        "store": {"report_grace_s": report_grace_s},
     }
 
 
@@ -257,9 +279,14 @@ def run_router(router: str, jobs: list[Job], args: argparse.Namespace) -> Router
         try:
             peer = router.partition("vllm-router:")[2]
             if router == "kvroute":
-                proc, url = start_gateway(gateway_config(servers, model), workdir)
+                cfg = gateway_config(servers, model, args.report_grace, args.scrape_timeout)
+                proc, url = start_gateway(cfg, workdir)
                 procs.append(proc)
                 pick = fixed(url)
+                if args.trace is not None:
+                    threading.Thread(
+                        target=trace_fleet, args=(url, args.trace, procs), daemon=True
+                    ).start()
             elif peer:
                 workers = ["--worker-urls", *urls]
                 proc, url = start_vllm_router(args.vllm_router_exe, peer, workers, workdir)
@@ -275,6 +302,11 @@ def run_router(router: str, jobs: list[Job], args: argparse.Namespace) -> Router
             stop_processes(procs)
             for s in started:
                 stop_server(s)
+            if args.keep_logs is not None:
+                kept = args.keep_logs / router.replace(":", "-")
+                kept.mkdir(parents=True, exist_ok=True)
+                for log in workdir.glob("*.log"):
+                    shutil.copy(log, kept / log.name)
 
 
 def fmt(x: float | None) -> str:
@@ -309,6 +341,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routers", default=",".join(ROUTERS))
     p.add_argument("--vllm-router", default=None, help="path of vllm-router (default: PATH, venv)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--report-grace",
+        type=float,
+        default=5.0,
+        help="kvroute's store.report_grace_s: how long before a report a reservation still "
+        "counts as not in it; llama-server's /slots shows a request only after a step of its "
+        "loop, up to ~3 s on this loaded box (docs/backends.md#llamacpp)",
+    )
+    p.add_argument("--keep-logs", type=Path, default=None, help="copy each run's logs here")
+    p.add_argument(
+        "--scrape-timeout",
+        type=float,
+        default=10.0,
+        help="kvroute's collector.timeout_s: llama-server answers /slots and /metrics each "
+        "after a step of its loop, seconds on a loaded CPU",
+    )
+    p.add_argument("--trace", type=Path, default=None, help="kvroute's /fleet, twice a second")
     return p
 
 
