@@ -137,7 +137,15 @@ async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
             # Prompt counts against the servers' usage, per model (proxy.gateway.token_counts).
             "token_counts": r.gateway.token_counts.view(),
             # Output lengths learned for the KV projection.
-            "memory_pressure": {"learned_output": r.gateway.pressure.learned_json()},
+            "memory_pressure": {
+                "learned_output": r.gateway.pressure.learned_json(),
+                # Tokens per second per request, as each backend's streams show it.
+                "decode_tokens_per_s": {
+                    name: round(rate, 1)
+                    for name in r.gateway.pressure.decode.samples
+                    if (rate := r.gateway.pressure.decode.rate(name)) is not None
+                },
+            },
             # Predicted against observed TTFT per backend, and whether the ranking runs blind
             # (proxy.routing.prediction_check).
             "ttft_model": r.gateway.ttft_check.check.to_json(),

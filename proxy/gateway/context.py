@@ -123,6 +123,8 @@ class RequestContext:
     # (backend, predicted TTFT in seconds, the loop's time at placement) for a stream placed
     # on a queueing backend: checked at its first event (``proxy.gateway.ttft_check``).
     predicted_ttft: tuple[str, float, float] | None = None
+    # The loop's time at a stream's first event (its decode rate is measured from there).
+    first_event_at: float | None = None
 
     def answer_headers(
         self,

@@ -14,6 +14,7 @@ whole JSON answer), ``ended`` (the reservation's release).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 from collections.abc import Iterable, Mapping
@@ -35,6 +36,7 @@ from proxy.core.projection import (
     steps_until_free,
 )
 from proxy.core.stream_progress import CharsPerToken, StreamCount
+from proxy.routing.decode_rate import DecodeRates
 from proxy.upstream.client import header
 
 if TYPE_CHECKING:
@@ -62,6 +64,8 @@ class MemoryPressure:
             HeadroomSettings(mp.preemption_step, mp.preemption_floor, mp.preemption_relax_s)
         )
         self.order = HeldOrder(mp.max_overtakes)
+        # Each backend's decode rate as its streams show it (bounds the drain a hold waits for).
+        self.decode = DecodeRates()
         self.flights: dict[str, dict[str, Flight]] = {}
         # Per reservation id: what its stream has carried (events, characters).
         self.counts: dict[str, StreamCount] = {}
@@ -301,6 +305,9 @@ class MemoryPressure:
             return
         if count.at_length:
             self.chars_per_token.observe(ctx.parsed.model, count.chars, flight.max_tokens)
+        if ctx.first_event_at is not None:
+            elapsed = asyncio.get_running_loop().time() - ctx.first_event_at
+            self.decode.observe(backend, flight.generated, elapsed)
         for key in self.keys(ctx):
             self.ratios.observe(key, flight.generated, flight.max_tokens)
 

@@ -163,8 +163,18 @@ def hold_over(
         # holds here until one fits, up to ``queue.max_wait_s`` (docs/disaggregation.md).
         return False
     held = time.monotonic() - ctx.hold_started if ctx.hold_started is not None else 0.0
-    rate = gw.queues.settings.rates.get(best.name, Rates()).decode_tokens_per_s
-    return gw.pressure.hand_over(ctx, best, held, ranked[0][1], rate)
+    rate = decode_rate(gw, best.name)
+    # Ski rental against the queue: the predicted wait, bounded by what its streams waited.
+    bound = gw.ttft_check.hold_bound_s(best.name, ranked[0][1])
+    return gw.pressure.hand_over(ctx, best, held, bound, rate)
+
+
+def decode_rate(gw: QueueingPorts, backend: str) -> float:
+    """Tokens per second per request on ``backend``: its streams', else the configured rate."""
+    learned = gw.pressure.decode.rate(backend)
+    if learned is not None:
+        return learned
+    return gw.queues.settings.rates.get(backend, Rates()).decode_tokens_per_s
 
 
 def predict_ttft(gw: QueueingPorts, ctx: RequestContext, view: FleetSnapshot, backend: str) -> None:
@@ -172,4 +182,6 @@ def predict_ttft(gw: QueueingPorts, ctx: RequestContext, view: FleetSnapshot, ba
     checked at its first event (``proxy.gateway.ttft_check``)."""
     node = view.by_name().get(backend)
     if node is not None:
-        gw.ttft_check.predict(ctx, node, gw.queues.rates_for(backend))
+        rates = gw.queues.rates_for(backend)
+        rates = Rates(rates.prefill_tokens_per_s, decode_rate(gw, backend))
+        gw.ttft_check.predict(ctx, node, rates)

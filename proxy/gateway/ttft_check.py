@@ -58,6 +58,16 @@ class TtftCheck:
     def blind(self) -> bool:
         return self.check.blind
 
+    def hold_bound_s(self, backend: str, predicted_s: float) -> float:
+        """How long a hold for ``backend`` may last before joining its queue pays better.
+
+        Ski rental against the queue: the predicted wait there, but never more than the
+        median TTFT its recent streams really waited once sent (a model that overpredicts
+        the queue held requests for many times what the queue would have cost: issue 53).
+        """
+        observed = self.check.observed_median(backend)
+        return predicted_s if observed is None else min(predicted_s, observed)
+
     def predict(self, ctx: RequestContext, node: NodeView, rates: Rates) -> None:
         """Record the prediction for a stream placed on a queueing ``node``."""
         report = node.report
@@ -69,12 +79,13 @@ class TtftCheck:
 
     def first_event(self, ctx: RequestContext, backend: str) -> None:
         """The stream's first event arrived: check the prediction made for it (once)."""
+        now = ctx.first_event_at = asyncio.get_running_loop().time()
         recorded = ctx.predicted_ttft
         if recorded is None or recorded[0] != backend:
             return
         ctx.predicted_ttft = None
         _, predicted_s, placed_at = recorded
-        observed_s = asyncio.get_running_loop().time() - placed_at
+        observed_s = now - placed_at
         self.predicted.labels(backend).observe(predicted_s)
         self.observed.labels(backend).observe(observed_s)
         if self.check.observe(backend, predicted_s, observed_s):

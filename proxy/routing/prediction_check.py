@@ -22,8 +22,12 @@ Pure: the gateway (``proxy.gateway.ttft_check``) feeds it and exports what it sh
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+# Observations a backend needs before its median bounds a hold.
+MIN_OBSERVED = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,7 @@ class BackendRecord:
     # Sum of observed - predicted (seconds): its mean says which way the model is off.
     error_sum_s: float = 0.0
     recent: deque[bool] = field(default_factory=lambda: deque(maxlen=60))
+    observed: deque[float] = field(default_factory=lambda: deque(maxlen=60))
 
     def to_json(self) -> dict[str, object]:
         recent = list(self.recent)
@@ -90,15 +95,26 @@ class PredictionCheck:
         miss = is_miss(predicted_s, observed_s, self.settings)
         rec = self.backends.get(backend)
         if rec is None:
-            rec = self.backends[backend] = BackendRecord(recent=deque(maxlen=self.settings.window))
+            window = self.settings.window
+            rec = self.backends[backend] = BackendRecord(
+                recent=deque(maxlen=window), observed=deque(maxlen=window)
+            )
         rec.checked += 1
         rec.misses += miss
         rec.last_predicted_s, rec.last_observed_s = predicted_s, observed_s
         rec.error_sum_s += observed_s - predicted_s
         rec.recent.append(miss)
+        rec.observed.append(observed_s)
         self._recent.append(miss)
         self._update()
         return miss
+
+    def observed_median(self, backend: str) -> float | None:
+        """The median observed TTFT of ``backend``'s recent streams (None: fewer than a few)."""
+        rec = self.backends.get(backend)
+        if rec is None or len(rec.observed) < MIN_OBSERVED:
+            return None
+        return statistics.median(rec.observed)
 
     def _update(self) -> None:
         s, share = self.settings, self.miss_share()

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
+from proxy.routing.decode_rate import DecodeRates
 from proxy.routing.kvroute import KvroutePolicy
 from proxy.routing.policy import RouteRequest
-from proxy.routing.prediction_check import CheckSettings, PredictionCheck, is_miss
+from proxy.routing.prediction_check import (
+    MIN_OBSERVED,
+    CheckSettings,
+    PredictionCheck,
+    is_miss,
+)
 
 
 def test_a_miss_is_off_by_the_ratio_and_the_floor_both_ways() -> None:
@@ -59,3 +65,26 @@ def test_the_blind_ranking_is_least_outstanding_requests_then_tokens_fit_kept() 
     assert blind == ["b", "c", "a"]
     # Fit is kept: a request no node can hold is ranked nowhere, blind or not.
     assert policy.rank(snap, RouteRequest(200_000, "long", blind=True), 1.0) == []
+
+
+def test_a_hold_is_bounded_by_what_the_queue_really_cost() -> None:
+    check = PredictionCheck()
+    for _ in range(MIN_OBSERVED - 1):
+        check.observe("a", 30.0, 0.4)
+    assert check.observed_median("a") is None  # too few to bound anything
+    check.observe("a", 30.0, 0.6)
+    # The model predicts 30 s there; streams sent there waited 0.4-0.6 s.
+    assert check.observed_median("a") == 0.4
+    assert check.observed_median("b") is None
+
+
+def test_the_decode_rate_is_the_median_of_recent_streams() -> None:
+    rates = DecodeRates()
+    rates.observe("a", 4, 1.0)  # too short to say anything
+    for seconds in (1.0, 1.0, 2.0, 0.5):
+        rates.observe("a", 301, seconds)
+    assert rates.rate("a") is None  # four samples: not yet
+    rates.observe("a", 301, 1.0)
+    assert rates.rate("a") == 300.0
+    rates.forget("a")
+    assert rates.rate("a") is None
