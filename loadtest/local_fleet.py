@@ -24,7 +24,7 @@ import httpx
 import yaml
 
 from loadtest.children import die_with_parent_hook, log_tail, port_in_use
-from loadtest.llama_fleet import MODEL_ALIAS, find_llama
+from loadtest.llama_fleet import HTTP_THREADS, MODEL_ALIAS, find_llama
 
 
 def free_port() -> int:
@@ -343,7 +343,7 @@ def llama_proc(spec: EngineSpec, port: int, binary: str, model: Path) -> Proc:
     """llama-server (``loadtest.llama_fleet``'s model and settings) on ``port``."""
     argv = [binary, "-m", str(model), "--alias", MODEL_ALIAS, "--host", "127.0.0.1"]
     argv += ["--port", str(port), "-t", "1", "-tb", "1", "-b", "512", "-ub", "512"]
-    argv += ["--metrics", "--no-webui", *spec.extra]
+    argv += ["--metrics", "--threads-http", str(HTTP_THREADS), "--no-webui", *spec.extra]
     return Proc(spec.name, argv, f"http://127.0.0.1:{port}")
 
 
