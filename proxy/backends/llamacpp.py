@@ -189,6 +189,8 @@ def memory_report(
         reported_at=now,
         prefill_tokens=sm.optional_sum(samples, PROMPT_TOKENS),
         prefill_seconds=sm.optional_sum(samples, PROMPT_SECONDS),
+        # A unified pool: /slots shows a request late, and overfilling fails them all.
+        counts_flights=layout == "unified",
     )
 
 

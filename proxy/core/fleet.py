@@ -54,6 +54,11 @@ class MemoryReport:
     # is learned from their rise between reports (``proxy.routing.prefill_rate``).
     prefill_tokens: float = 0.0
     prefill_seconds: float = 0.0
+    # The server shows a request only some time after it was sent (llama.cpp's /slots: once
+    # the server has read it and its loop has taken it, seconds on a loaded CPU), and
+    # overfilling it fails every request in flight (llama.cpp's unified KV pool). Besides the
+    # contiguous rule, every live reservation then counts against it at its full demand.
+    counts_flights: bool = False
 
     def whole_blocks(self, tokens: float) -> float:
         """``tokens`` rounded up to whole blocks where the allocator hands out blocks (paged)."""
@@ -163,7 +168,11 @@ class NodeView:
             if projected is not None:
                 return projected_headroom(self.report, projected, self.overlay.engine)
             return lazy_headroom(self.report, self.overlay.reserved_tokens)
-        return max(0, self.report.largest_free_block_tokens - self.overlay.pending_tokens)
+        block = max(0, self.report.largest_free_block_tokens - self.overlay.pending_tokens)
+        if self.report.counts_flights:
+            # What the gateway has in flight there, whether the report shows it yet or not.
+            return min(block, lazy_headroom(self.report, self.overlay.reserved_tokens))
+        return block
 
     def ceiling_active(self, now: float) -> bool:
         return self.overlay.ceiling_tokens is not None and now < self.overlay.ceiling_until

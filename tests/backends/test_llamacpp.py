@@ -17,7 +17,7 @@ from proxy.backends.llamacpp import (
 )
 from proxy.backends.parse import pages_for, parse_report
 from proxy.backends.samples import ScrapeError
-from proxy.core.fleet import classify_failure
+from proxy.core.fleet import NodeView, Overlay, classify_failure
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "llamacpp"
 NOW = 1000.0
@@ -172,3 +172,26 @@ def test_models_limit_is_one_slot() -> None:
 )
 def test_context_failures_are_this_nodes_capacity(status: int, body: bytes, expected: str) -> None:
     assert classify(status, body) == expected
+
+
+def test_a_unified_pool_counts_the_gateways_flights_that_slots_do_not_show_yet() -> None:
+    idle = slots_body(*({"n_ctx": 2048, "is_processing": False} for _ in range(4)))
+    unified = report(props_body(4, 2048), idle, "unified")
+    assert unified.counts_flights
+    # 1,500 tokens reserved there before this report, not yet in /slots (the server has not
+    # read the request yet): the contiguous rule alone would offer the whole pool.
+    sent = Overlay(reserved_tokens=1500, inflight=1)
+    assert NodeView("u", report=unified, overlay=sent).usable_block() == 548
+    # Once /slots shows it, it is not counted twice.
+    shown = report(
+        props_body(4, 2048),
+        slots_body(
+            busy(2048, 1400, 100), *({"n_ctx": 2048, "is_processing": False} for _ in range(3))
+        ),
+        "unified",
+    )
+    assert NodeView("u", report=shown, overlay=sent).usable_block() == 548
+    # Partitioned slots fail a too-long request with a 400 before any byte: the slots rule.
+    partitioned = report(props_body(4, 2048), idle, "partitioned")
+    assert not partitioned.counts_flights
+    assert NodeView("p", report=partitioned, overlay=sent).usable_block() == 2048

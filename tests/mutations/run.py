@@ -913,6 +913,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "llamacpp-pool-forgets-unshown-flights",
+        "a unified pool counts only what /slots shows and reservations newer than the report",
+        (
+            "tests/backends/test_llamacpp.py::test_a_unified_pool_counts_the_gateways_flights_that_slots_do_not_show_yet",
+        ),
+        "NodeView.usable_block",
+        r"^(\s*)if self\.report\.counts_flights:$",
+        r"\1if False:  # MUTATION",
+        fast=True,
+    ),
+    Mutation(
         "llamacpp-context-failure-is-the-clients",
         "llama-server's context failures read as the client's or the server's, not this node's capacity",
         ("tests/backends/test_llamacpp.py::test_context_failures_are_this_nodes_capacity",),
