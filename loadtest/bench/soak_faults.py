@@ -51,6 +51,7 @@ class Window:
     failures: Counter[str] = field(default_factory=Counter)
     ttft: list[tuple[float, float]] = field(default_factory=list)  # (sent at, seconds)
     excess_reserved: int = 0
+    excess_when: str = ""  # how long after which fault the largest excess was seen
     replicas: dict[str, dict[str, float]] = field(default_factory=dict)
     faults: list[str] = field(default_factory=list)
 
@@ -262,6 +263,14 @@ async def disconnect_storm(
     await asyncio.gather(*(leave(fleet.replicas[i % 2].url) for i in range(n)))
 
 
+def since_fault(start: float, fault_log: Sequence[tuple[float, str]]) -> str:
+    now = time.monotonic()
+    if not fault_log:
+        return f"{now - start:.0f} s into the run, before any fault"
+    at, kind = fault_log[-1]
+    return f"{now - at:.1f} s after the {kind} fault"
+
+
 def percentile(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
@@ -279,6 +288,7 @@ def window_json(w: Window, fault_times: Sequence[float]) -> dict[str, Any]:
         "ttft_p99_s": percentile(calm, 0.99),
         "ttft_samples_outside_faults": len(calm),
         "max_reserved_over_inflight_tokens": w.excess_reserved,
+        "max_reserved_over_inflight_when": w.excess_when,
         "replicas": w.replicas,
     }
 
@@ -287,6 +297,8 @@ async def run(args: argparse.Namespace, fleet: FaultFleet) -> dict[str, Any]:
     client = Client(fleet)
     windows: list[Window] = [Window()]
     fault_times: list[float] = []
+    fault_log: list[tuple[float, str]] = []
+    kinds = [k for k in FAULTS if k in args.only.split(",")] or list(FAULTS)
     start = time.monotonic()
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=120, limits=limits, trust_env=False) as c:
@@ -295,10 +307,11 @@ async def run(args: argparse.Namespace, fleet: FaultFleet) -> dict[str, Any]:
             n = 0
             while True:
                 await asyncio.sleep(args.fault_every_s)
-                kind = FAULTS[n % len(FAULTS)]
+                kind = kinds[n % len(kinds)]
                 fault_times.append(time.monotonic())
+                fault_log.append((time.monotonic(), kind))
                 windows[-1].faults.append(f"{round(time.monotonic() - start)}s {kind}")
-                await inject(fleet, client, kind, n // len(FAULTS), c)
+                await inject(fleet, client, kind, n // len(kinds), c)
                 n += 1
 
         async def monitor() -> None:
@@ -307,8 +320,9 @@ async def run(args: argparse.Namespace, fleet: FaultFleet) -> dict[str, Any]:
                 w = windows[-1]
                 reserved = await asyncio.to_thread(reserved_tokens, fleet)
                 demand, client.peak_demand = client.peak_demand, client.inflight_demand
-                if reserved is not None:
-                    w.excess_reserved = max(w.excess_reserved, reserved - demand)
+                if reserved is not None and reserved - demand > w.excess_reserved:
+                    w.excess_reserved = reserved - demand
+                    w.excess_when = since_fault(start, fault_log)
                 w.replicas = await asyncio.to_thread(replica_resources, fleet)
                 if time.monotonic() - start >= len(windows) * args.window_s:
                     print(json.dumps(window_json(w, fault_times)), flush=True)
@@ -351,6 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
     p.add_argument("--speedup", type=float, default=50.0, help="engine simulated-time speedup")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--only", default="", help="these faults only, comma-separated: " + ",".join(FAULTS)
+    )
     p.add_argument("--out", type=Path, default=None, help="write the summary JSON here")
     args = p.parse_args(argv)
     fleet = FaultFleet(Path(tempfile.mkdtemp(prefix="kvroute-soak-faults-")), args.speedup)
