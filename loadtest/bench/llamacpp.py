@@ -344,10 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--report-grace",
         type=float,
-        default=5.0,
-        help="kvroute's store.report_grace_s: how long before a report a reservation still "
-        "counts as not in it; llama-server's /slots shows a request only after a step of its "
-        "loop, up to ~3 s on this loaded box (docs/backends.md#llamacpp)",
+        default=0.25,
+        help="kvroute's store.report_grace_s (its default): how long before a report a "
+        "reservation still counts as not in it (docs/backends.md#llamacpp)",
     )
     p.add_argument("--keep-logs", type=Path, default=None, help="copy each run's logs here")
     p.add_argument(

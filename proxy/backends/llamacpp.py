@@ -25,7 +25,10 @@ How the slots share the KV cache is not shown by any page (the server only logs
   cells count as free but in no block (fragmentation by partition).
 
 Both are contiguous allocators in kvroute's terms (``queueing`` off): the report is exact at
-admission, and the gateway's reservations newer than it are subtracted from it. With no idle
+admission, and the gateway's reservations newer than it are subtracted from it; and since
+``/slots`` shows a request only once the server has read it (seconds late on a loaded CPU),
+every reservation the gateway holds there also counts against the cells at its full demand
+(``counts_flights``: committed = max(what the slots hold, what is in flight)). With no idle
 slot, or requests already deferred, nothing fits now and nothing counts as free. A
 partitioned server's free cells are split by its configuration, not by use: the restart
 advice leaves it out (``proxy.ops.maintenance.partitioned_slots``). No I/O, no clock.
@@ -189,8 +192,9 @@ def memory_report(
         reported_at=now,
         prefill_tokens=sm.optional_sum(samples, PROMPT_TOKENS),
         prefill_seconds=sm.optional_sum(samples, PROMPT_SECONDS),
-        # A unified pool: /slots shows a request late, and overfilling fails them all.
-        counts_flights=layout == "unified",
+        # /slots shows a request late: a unified pool overfilled fails them all, and
+        # partitioned slots would queue more than they hold.
+        counts_flights=True,
     )
 
 

@@ -191,7 +191,8 @@ def test_a_unified_pool_counts_the_gateways_flights_that_slots_do_not_show_yet()
         "unified",
     )
     assert NodeView("u", report=shown, overlay=sent).usable_block() == 548
-    # Partitioned slots fail a too-long request with a 400 before any byte: the slots rule.
+    # Partitioned slots: still one idle slot's worth, within all the cells less the flights.
     partitioned = report(props_body(4, 2048), idle, "partitioned")
-    assert not partitioned.counts_flights
     assert NodeView("p", report=partitioned, overlay=sent).usable_block() == 2048
+    crowded = Overlay(reserved_tokens=7000, inflight=9)
+    assert NodeView("p", report=partitioned, overlay=crowded).usable_block() == 1192
