@@ -182,8 +182,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a lazily allocating node's headroom ignores what is in flight at full demand",
         ("tests/core/test_lazy.py",),
         "NodeView.usable_block",
-        r"lazy_headroom\(self\.report, self\.overlay\.reserved_tokens\)",
-        "lazy_headroom(self.report, 0)",
+        r"return lazy_headroom\(self\.report, self\.overlay\.reserved_tokens\)",
+        "return lazy_headroom(self.report, 0)",
         fast=True,
     ),
     Mutation(
