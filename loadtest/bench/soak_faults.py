@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import yaml
 
-from loadtest.bench.soak import proc_rss_mib, proc_sockets, proc_tcp
+from loadtest.bench.proc_stats import proc_rss_mib, proc_sockets, proc_tcp
 from loadtest.local_fleet import EngineSpec, Proc, engine_proc, free_port, redis_proc, wait_http
 from loadtest.workload import bimodal, chat_overhead_tokens, make_prompt
 

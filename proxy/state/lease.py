@@ -24,8 +24,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-
-from proxy.state.base import Reservation
+from typing import Protocol, TypeVar
 
 #: Between a reservation id and its lease id in the store's field name (its first "@").
 LEASE_SEP = "@"
@@ -49,9 +48,18 @@ def split_field(field: str) -> tuple[str, str]:
     return field, ""
 
 
-def counting(
-    reservations: Iterable[Reservation], leases: Mapping[str, float], now: float
-) -> list[Reservation]:
+class HeldBy(Protocol):
+    """What ``counting`` reads of a reservation (``proxy.state.base.Reservation``): its
+    replica's lease id. A protocol, so this module need not import the store's base."""
+
+    @property
+    def replica(self) -> str: ...
+
+
+HeldT = TypeVar("HeldT", bound=HeldBy)
+
+
+def counting(reservations: Iterable[HeldT], leases: Mapping[str, float], now: float) -> list[HeldT]:
     """The reservations that still count: those without a lease, and those whose lease
     runs past ``now`` on this backend."""
     return [r for r in reservations if not r.replica or leases.get(r.replica, -math.inf) > now]

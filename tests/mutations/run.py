@@ -861,8 +861,8 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/state/test_state_contract.py::test_shrink_lowers_a_live_reservation_and_never_revives_one",
         ),
         "InProcessStore.shrink_now",
-        r"held = self\._res\.get\(name, \{\}\)\.get\(reservation_id\)$",
-        "held = self._res.setdefault(name, {}).get(reservation_id) "
+        r"held = self\._res\.get\(name, \{\}\)\.get\(field\)$",
+        "held = self._res.setdefault(name, {}).get(field) "
         "or Reservation(reservation_id, tokens + 1, 0.0, float('inf'))",
     ),
     # ---- KV events: applied in pieces, the event loop running between them
