@@ -95,6 +95,17 @@ def parse_openai_models(body: bytes) -> ModelsInfo:
     vLLM and SGLang add ``max_model_len`` to each entry; a server that does not (TGI, the
     OpenAI API) gives ids only. Raises ``ValueError`` for a body that is not that shape.
     """
+    return ModelsInfo(
+        tuple(
+            ServedModel(entry["id"], positive_int(entry.get("max_model_len")))
+            for entry in model_entries(body)
+        )
+    )
+
+
+def model_entries(body: bytes) -> list[dict[str, Any]]:
+    """The entries of an OpenAI ``/v1/models`` list that have a string ``id`` (the others
+    are skipped). Raises ``ValueError`` for a body that is not that shape."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -102,14 +113,13 @@ def parse_openai_models(body: bytes) -> ModelsInfo:
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):
         raise ValueError("/v1/models has no 'data' list")
-    out: list[ServedModel] = []
-    for entry in data:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-            continue
-        mml = entry.get("max_model_len")
-        ok = isinstance(mml, int) and not isinstance(mml, bool) and mml > 0
-        out.append(ServedModel(entry["id"], mml if ok else None))
-    return ModelsInfo(tuple(out))
+    return [e for e in data if isinstance(e, dict) and isinstance(e.get("id"), str)]
+
+
+def positive_int(value: object) -> int | None:
+    """``value`` if it is a positive integer (not a bool), else None."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok and isinstance(value, int) else None
 
 
 def error_fields(body: bytes) -> tuple[str, str, str]:

@@ -43,7 +43,15 @@ from typing import Any
 import orjson
 
 from proxy.backends import samples as sm
-from proxy.backends.base import ErrorClass, ModelsInfo, ServedModel, error_fields, generic_class
+from proxy.backends.base import (
+    ErrorClass,
+    ModelsInfo,
+    ServedModel,
+    error_fields,
+    generic_class,
+    model_entries,
+    positive_int,
+)
 from proxy.config.base import KvLayout
 from proxy.core.fleet import MemoryReport
 
@@ -205,21 +213,11 @@ def parse_models(body: bytes) -> ModelsInfo:
     ``exceed_context_size_error``), whatever its total KV, so a slot is the longest request
     it can serve.
     """
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ValueError(f"/v1/models is not JSON: {exc}") from None
-    data = doc.get("data") if isinstance(doc, dict) else None
-    if not isinstance(data, list):
-        raise ValueError("/v1/models has no 'data' list")
     out: list[ServedModel] = []
-    for entry in data:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-            continue
+    for entry in model_entries(body):
         meta = entry.get("meta")
-        n_ctx = meta.get("n_ctx") if isinstance(meta, dict) else None
-        ok = isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0
-        out.append(ServedModel(entry["id"], n_ctx if ok else None))
+        n_ctx = positive_int(meta.get("n_ctx")) if isinstance(meta, dict) else None
+        out.append(ServedModel(entry["id"], n_ctx))
     return ModelsInfo(tuple(out))
 
 

@@ -245,18 +245,22 @@ class PagedCore:
                 continue
             if not self._grow(req):
                 continue
-            req.generated += 1
-            self.stats.generation_tokens += 1
-            if req.first_token_at is None:
-                req.first_token_at = now
-                self.stats.ttft.observe(now - req.arrived_at)
-            if req.generated >= req.max_tokens:
-                req.done = True
-                self.running.remove(req)
-                if not req.keep_blocks:
-                    self._release(req)
-                self._observe_finished(req)
-            req.changed.set()
+            self._sample(req, now)
+
+    def _sample(self, req: SimRequest, now: float) -> None:
+        """One token written: the first one's TTFT, the last one's end (both schedulers)."""
+        req.generated += 1
+        self.stats.generation_tokens += 1
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.stats.ttft.observe(now - req.arrived_at)
+        if req.generated >= req.max_tokens:
+            req.done = True
+            self.running.remove(req)
+            if not req.keep_blocks:
+                self._release(req)
+            self._observe_finished(req)
+        req.changed.set()
 
     def _grow(self, req: SimRequest) -> bool:
         """Room for one more token: a new block on a boundary, preempting when none is free."""

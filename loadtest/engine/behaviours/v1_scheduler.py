@@ -179,20 +179,6 @@ class V1Core(PagedCore):
             if req.kv_computed >= req.tokens:
                 self._sample(req, end)
 
-    def _sample(self, req: SimRequest, now: float) -> None:
-        req.generated += 1
-        self.stats.generation_tokens += 1
-        if req.first_token_at is None:
-            req.first_token_at = now
-            self.stats.ttft.observe(now - req.arrived_at)
-        if req.generated >= req.max_tokens:
-            req.done = True
-            self.running.remove(req)
-            if not req.keep_blocks:
-                self._release(req)
-            self._observe_finished(req)
-        req.changed.set()
-
     # --- the step loop ---------------------------------------------------------------------
 
     async def _loop(self) -> None:
