@@ -83,7 +83,7 @@ class FaultFleet:
         ]  # fmt: skip
         cfg = {
             "backends": backends,
-            "store": {"redis_url": self.redis.url},
+            "store": {"redis_url": self.redis.url, "leases": True},
             "collector": {"scrape_interval_s": 0.25, "stale_after_s": 3.0},
         }
         path = self.workdir / "kvroute.yaml"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -79,6 +80,10 @@ class LeaseRound:
     dropped_tokens: int = 0
 
 
+# Earlier ids of ours a release still deletes under (``Lease.recent``).
+RECENT_IDS = 3
+
+
 class Lease:
     """This replica's lease: its current id, the time it runs to, and its epoch."""
 
@@ -96,6 +101,11 @@ class Lease:
         # Our own ids of earlier epochs, whose reservations the next renewal sweeps (the
         # ledger re-asserts what is still held under the new id; a release finds only that).
         self.retired: list[str] = []
+        # The last few ids, kept after their sweep: a release deletes a reservation under
+        # each (one that a replay or a re-assert wrote under an id about to retire, and that
+        # the sweep missed, would otherwise outlive its request; seen once in the fault
+        # suite, a Redis kill under load).
+        self.recent: deque[str] = deque(maxlen=RECENT_IDS)
 
     def current(self, now: float) -> str:
         """The id a reservation made ``now`` carries: a new one when the lease has lapsed."""
@@ -107,6 +117,7 @@ class Lease:
         """Register anew: reservations of the old id stop counting, ours are re-asserted."""
         if self.id:
             self.retired.append(self.id)
+            self.recent.append(self.id)
         self.epoch += 1
         self.id = f"{self.base}.{self.epoch}"
         self.until = now + self.ttl_s

@@ -205,13 +205,21 @@ class RedisStore(StateStore):
         lease = self.lease
         return lease_field(reservation_id, lease.id) if lease is not None else reservation_id
 
+    def _fields_held(self, reservation_id: str) -> list[str]:
+        """The fields a release deletes: under our lease's id, and under our last few ids."""
+        lease = self.lease
+        if lease is None:
+            return [reservation_id]
+        ids = (lease.id, *lease.recent)
+        return [lease_field(reservation_id, i) for i in ids if i]
+
     async def release(self, name: str, reservation_id: str) -> None:
-        key, reservation_id = self._keys.res(name), self._field(reservation_id)
+        key, fields = self._keys.res(name), self._fields_held(reservation_id)
         lane = self._lane
         if lane is not None:
-            await self._call("release", lambda: lane.command("HDEL", key, reservation_id))
+            await self._call("release", lambda: lane.command("HDEL", key, *fields))
         else:
-            await self._call("release", lambda: self._r.hdel(key, reservation_id))
+            await self._call("release", lambda: self._r.hdel(key, *fields))
 
     async def release_many(self, items: list[tuple[str, str]]) -> None:
         """Every HDEL in one write and one round trip (the gateway batches the releases of
@@ -221,7 +229,7 @@ class RedisStore(StateStore):
             for name, reservation_id in items:
                 await self.release(name, reservation_id)
             return
-        commands = [("HDEL", self._keys.res(name), self._field(rid)) for name, rid in items]
+        commands = [("HDEL", self._keys.res(name), *self._fields_held(rid)) for name, rid in items]
         await self._call("release", lambda: lane.pipeline(commands))
 
     async def shrink(self, name: str, reservation_id: str, tokens: int) -> bool:
@@ -234,8 +242,15 @@ class RedisStore(StateStore):
         keys = [self._keys.res(name), self._keys.gone(name)]
         # The key must outlive the tombstone (its until is on the store's clock, as the TTL is).
         key_ttl = ttl_ms(max(0.0, until - self.now())) + RES_KEY_SLACK_MS
-        args = [self._field(reservation_id), redis_float(until), str(key_ttl)]
-        await self._call("forget", lambda: self._forget(keys=keys, args=args))
+        tail = [redis_float(until), str(key_ttl)]
+
+        async def op() -> None:
+            # Under each id of ours a reserve still in flight may carry (an epoch may have
+            # turned since it was sent): the marker refuses it whichever it lands under.
+            for field in self._fields_held(reservation_id):
+                await self._forget(keys=keys, args=[field, *tail])
+
+        await self._call("forget", op)
 
     async def reservations(self, name: str, now: float) -> list[Reservation]:
         async def op() -> list[Any]:

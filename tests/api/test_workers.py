@@ -47,7 +47,7 @@ def trivial_engine(tmp_path: Path) -> Iterator[str]:
 
 
 def _config(tmp_path: Path, engine_url: str, redis_url: str | None) -> Path:
-    overrides = {"store": {"redis_url": redis_url}} if redis_url else {}
+    overrides = {"store": {"redis_url": redis_url, "leases": True}} if redis_url else {}
     path = tmp_path / "kvroute.yaml"
     data = gateway_config([(EngineSpec("b0"), engine_url)], **overrides)
     path.write_text(yaml.safe_dump(data, sort_keys=False))

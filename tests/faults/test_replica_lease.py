@@ -79,7 +79,7 @@ def two_replicas(kind: str, workdir: Path) -> Iterator[tuple[Proc, Proc, str]]:
         cfg = gateway_config(list(zip(specs, [p.url for p in procs], strict=True)))
         for b in cfg["backends"]:
             b["kind"] = kind
-        cfg["store"] = {"redis_url": redis.url}
+        cfg["store"] = {"redis_url": redis.url, "leases": True}
         (workdir / "kvroute.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         a = serve("gateway-a", workdir / "kvroute.yaml", workdir)
         procs.append(a)

@@ -24,7 +24,7 @@ async def stores(redis_server: str) -> AsyncIterator[tuple[RedisStore, RedisStor
     admin = aioredis.from_url(redis_server)
     await admin.flushdb()
     await admin.aclose()
-    cfg = StoreConfig(redis_url=redis_server, op_timeout_s=2.0)
+    cfg = StoreConfig(redis_url=redis_server, op_timeout_s=2.0, leases=True)
     a, b = RedisStore(cfg), RedisStore(cfg)
     try:
         yield a, b

@@ -228,3 +228,23 @@ async def test_a_lease_lost_with_redis_sweeps_its_own_old_life(
     assert await a.reserve("e0", "r2", 1_000, T0 + 3, 900, check_fit=False)  # re-asserted
     await a.release("e0", "r2")
     assert await raw.hkeys(a._keys.res("e0")) == []
+
+
+async def test_a_release_reaches_a_reservation_written_under_an_earlier_id_of_ours(
+    pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """A reservation of ours under an id that then retired (a replay or re-assert racing a
+    new epoch, seen once in the fault suite's Redis kill) is deleted by its release: it
+    cannot outlive its request until its TTL."""
+    a, b = pair
+    lease = held(a)
+    await a.renew_lease(T0)
+    await a.put_report("n1", rep(60_000, T0 - 10), ttl_s=60)
+    assert await a.reserve("n1", "r1", 20_000, T0 + 1, 900)
+    assert await a.reserve("n1", "r2", 20_000, T0 + 1, 900)
+    lease.next_epoch(T0 + 2)  # a new epoch; no renewal has swept the old id yet
+    # Old id "a.1" still live until T0+5: both reservations count for the other replica.
+    assert set(await reserved(b, "n1", T0 + 3)) == {"r1", "r2"}
+    await a.release("n1", "r1")
+    await a.release_many([("n1", "r2"), ("n1", "r0")])
+    assert await reserved(b, "n1", T0 + 3) == {}
