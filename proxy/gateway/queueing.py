@@ -178,8 +178,11 @@ def decode_rate(gw: QueueingPorts, backend: str) -> float:
 def predict_ttft(gw: QueueingPorts, ctx: RequestContext, view: FleetSnapshot, backend: str) -> None:
     """Record the TTFT the model predicts for this stream on ``backend`` (queueing nodes only),
     checked at its first event (``proxy.gateway.ttft_check``)."""
-    node = view.by_name().get(backend)
-    if node is not None:
+    if not ctx.parsed.stream:
+        # Only a stream's first event is observed: nothing to check, nothing to build.
+        return
+    node = next((n for n in view.nodes if n.name == backend), None)
+    if node is not None and node.report is not None and node.report.queueing:
         rates = gw.queues.rates_for(backend)
         rates = Rates(rates.prefill_tokens_per_s, decode_rate(gw, backend))
         gw.ttft_check.predict(ctx, node, rates)
