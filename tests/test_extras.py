@@ -55,7 +55,7 @@ def test_plots_module_names_the_extra() -> None:
 
 
 def test_pd_floor_without_scipy_names_the_extra() -> None:
-    res = run_without("scipy", "import loadtest.bench.pd_floor")
+    res = run_without("scipy", "import loadtest.lab.pd_floor")
     assert res.returncode == 1
     assert "pip install 'kvroute[loadtest]'" in res.stderr
     assert "Traceback" not in res.stderr

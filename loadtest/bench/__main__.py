@@ -4,7 +4,8 @@ Each subcommand is a module of this package with a ``main(argv) -> int | None``;
 imported only when chosen, so one benchmark's dependencies (locust, wrk, redis-server) do
 not stand in another's way. Registering a benchmark is one line in ``SUBCOMMANDS``; each
 one is documented in docs/benchmarks.md. ``python -m loadtest.bench <subcommand> --help``
-shows its own options.
+shows its own options. Experiments (offline bounds, pool sizes, A/B of two checkouts) are
+``python -m loadtest.lab``; nothing here imports them.
 """
 
 from __future__ import annotations
@@ -23,19 +24,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prefix-replicas": ("prefix_replicas", "two gateway replicas, sharing the prefix index or not"),
     "queueing": ("queueing", "queueing (vLLM-like) backends near saturation, by policy"),
     "kv-events": ("kv_events", "prefix routing on vLLM's KV-cache events vs its own guess"),
+    "memory-pressure": ("memory_pressure", "paged engines short of KV: preemptions, goodput, TTFT"),
     "pd": ("pd", "disaggregated prefill and decode: kvroute vs vllm-router's PD mode"),
-    "pd-floor": ("pd_floor", "the pd run's lowest TTFT p99 with no preemption, offline (MILP)"),
-    "pd-online": ("pd_online", "the pd run's TTFT p99 per decode placement, none held back"),
     "continuation": ("continuation", "one engine of four killed under streaming load"),
     "big-prompts": ("big_prompts", "big prompts at high concurrency: sizing, the chunk cache"),
-    "encode-pools": ("encode_pools", "new documents encoded serially, in threads, in processes"),
     "soak": ("soak", "a long run under the problem's mix: the gateway's memory, files, tasks"),
     "locust": ("locustfile", "locust users against a local fleet (arguments after --)"),
-    "store-forgotten": (
-        "store_forgotten",
-        "what forgotten reservations cost the Redis store's reserve",
-    ),
-    "ab": ("tree_ab", "two checkouts of kvroute, alternating rounds: paired ratios"),
     "do-no-harm": ("do_no_harm", "kvroute vs vllm-router's policies, two engine models, verdicts"),
     "llamacpp": ("llamacpp", "real llama.cpp servers, mixed slot layouts: failures, TTFT, goodput"),
 }

@@ -14,7 +14,7 @@ preemptions (the engines' own counter), goodput (output tokens of completed requ
 second of the run), time to first token p99 for short and long requests, and preemptions
 over time (sampled every 0.5 s; ``--plot``).
 
-    python -m loadtest.bench.memory_pressure --quick --json out/mp.json --plot docs/img/memory-pressure.png
+    python -m loadtest.bench memory-pressure --quick --json out/mp.json --plot docs/img/memory-pressure.png
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def start_engines(args: argparse.Namespace, procs: list[subprocess.Popen[str]]) 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.memory_pressure", description=__doc__
+        prog="python -m loadtest.bench memory-pressure", description=__doc__
     )
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--first-run", type=int, default=1, help="number of the first run (seed + run)")

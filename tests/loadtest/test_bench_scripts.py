@@ -189,11 +189,6 @@ def test_bench_big_prompts_smoke(tmp_path: Path) -> None:
         assert lone["requests"] == 2
 
 
-def test_bench_encode_pools_smoke() -> None:
-    out = run_bench("encode-pools", "--docs", "2", "--rounds", "1").stdout
-    assert "serial" in out and "2 threads" in out and "2 processes" in out, out
-
-
 def test_bench_sizing_smoke() -> None:
     out = run_bench("sizing", "--trace-limit", "20", "--repeat", "2").stdout
     for line in ("## 30k-token prompt", "with cache:", "model / cl100k =", "NOT a real model's"):
@@ -213,49 +208,6 @@ def test_bench_queueing_smoke(tmp_path: Path) -> None:
         assert r["requests"] > 0 and r["failed"] == 0, r
         assert r["short_ttft_p50"] is not None and r["preemptions"] >= 0
         assert r["output_tokens_per_s"] > 0
-
-
-def test_bench_store_forgotten_smoke(tmp_path: Path) -> None:
-    out_json = tmp_path / "forgotten.json"
-    out = run_module(
-        "loadtest.bench", "store-forgotten", "--counts", "50", "--calls", "20",
-        "--json", str(out_json),
-    )  # fmt: skip
-    rows = json.loads(out_json.read_text())
-    assert [r["forgotten"] for r in rows] == [0, 50]  # the baseline is always measured
-    assert all(r["reserve_redis_us"] > 0 and r["read_p50_ms"] > 0 for r in rows), rows
-    assert "x none" in out.stdout
-
-
-def test_tree_ab_smoke() -> None:
-    """Two checkouts (here the same one twice) measured in alternating rounds, paired ratio printed."""
-    from loadtest.bench.overhead import find_wrk
-
-    if find_wrk() is None:
-        pytest.skip("wrk is not installed")
-    args = ("--rounds", "1", "--duration", "1", "--concurrency", "2")
-    out = run_bench("ab", str(ROOT), str(ROOT), *args).stdout
-    rounds = [line for line in out.splitlines() if line[:2] in ("A ", "B ")]
-    assert len(rounds) == 2, out
-    assert all(line.endswith("errors 0") for line in rounds), out
-    assert "paired B/A: req/s x" in out and "CPU per request x" in out
-
-
-def test_each_side_of_an_ab_runs_its_own_tree_even_started_inside_another(tmp_path: Path) -> None:
-    """``python -m`` puts the working directory first: run from inside a checkout, both
-    gateways once ran that checkout, and an A/B compared a tree with itself."""
-    from loadtest.bench.tree_ab import in_tree
-
-    for side in ("here", "there"):
-        (tmp_path / side / "kvroute_probe").mkdir(parents=True)
-        (tmp_path / side / "kvroute_probe" / "__main__.py").write_text(
-            f"import sys; print({side!r}, sys.argv[1:])"
-        )
-    argv = in_tree(tmp_path / "there", "kvroute_probe", "--port", "1")
-    out = subprocess.run(
-        argv, capture_output=True, text=True, timeout=60, cwd=tmp_path / "here", check=True
-    )
-    assert out.stdout.strip() == "there ['--port', '1']"
 
 
 def test_the_bench_entry_lists_every_subcommand_and_refuses_others() -> None:

@@ -26,7 +26,7 @@ largest ``D`` so shown, by bisection.
 The largest wait is the p99 while a list has fewer than 100 requests (``xs[int(0.99 n)]`` is
 then the maximum); with ``exceed`` > 0 that many requests may wait as long as they need.
 
-    python -m loadtest.bench pd-floor --quick --rate 3 --decode-capacity 12000 --seeds 7,8,9
+    python -m loadtest.lab pd-floor --quick --rate 3 --decode-capacity 12000 --seeds 7,8,9
 """
 
 from __future__ import annotations
@@ -164,7 +164,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from loadtest.bench.engine_fleet import DECODE_TOKENS_PER_S
     from loadtest.bench.pd import build_parser, workload_requests
 
-    p = argparse.ArgumentParser(parents=[build_parser()], add_help=False, description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.lab pd-floor",
+        parents=[build_parser()],
+        add_help=False,
+        description=__doc__,
+    )
     p.add_argument("--seeds", default=None, help="comma-separated (default: --seed)")
     p.add_argument("--dt", type=float, default=0.05)
     p.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve")

@@ -6,7 +6,7 @@ cl100k encodes of distinct ~220 KB documents (``big_prompts_load.document``), wa
 document, each pool warmed first (its tokenizers loaded). Threads encode with their own
 copy of the encoding, as the sizing threads do.
 
-    python -m loadtest.bench.encode_pools --docs 16 --rounds 2
+    python -m loadtest.lab encode-pools --docs 16 --rounds 2
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def pooled(pool: Executor) -> Callable[[list[str]], list[int]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.encode_pools", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtest.lab encode-pools", description=__doc__)
     p.add_argument("--docs", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Every decode placement that holds back nothing that fits (loadtest.bench.pd_online).
+"""Every decode placement that holds back nothing that fits (loadtest.lab.pd_online).
 
 Small lists whose schedules are worked out by hand, and a search that must agree with trying
 every choice one by one.
@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from loadtest.bench.pd_floor import DecodeFleet
-from loadtest.bench.pd_online import best_placement, main, simulate
+from loadtest.lab.pd_floor import DecodeFleet
+from loadtest.lab.pd_online import best_placement, main, simulate
 from loadtest.workload import Request
 
 # Two servers of 1,000 tokens, 100 tokens a second per request.

@@ -13,7 +13,7 @@ behind. Under a slow or briefly frozen Redis they pile up on a backend. This ben
 Each ratio is against ``N = 0`` measured in the same run. Redis runs every backend's reserves
 on one core, so its CPU per call is what caps a fleet's reserves per second.
 
-    python -m loadtest.bench store-forgotten --counts 0,1000,5000
+    python -m loadtest.lab store-forgotten --counts 0,1000,5000
 """
 
 from __future__ import annotations
@@ -38,9 +38,7 @@ NAME = "n1"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench store-forgotten", description=__doc__
-    )
+    p = argparse.ArgumentParser(prog="python -m loadtest.lab store-forgotten", description=__doc__)
     p.add_argument(
         "--counts", default="0,1000,5000", help="forgotten ids on the backend, comma-separated"
     )

@@ -1,4 +1,4 @@
-"""The offline floor on a decode server's wait with no preemption (loadtest.bench.pd_floor).
+"""The offline floor on a decode server's wait with no preemption (loadtest.lab.pd_floor).
 
 Small lists whose best schedule is known by hand: the floor never passes it, and is below it
 by at most a grid step per request in the chain of waits, plus one (the module's docstring).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench.pd_floor import DecodeFleet, feasible, main, wait_floor
+from loadtest.lab.pd_floor import DecodeFleet, feasible, main, wait_floor
 from loadtest.workload import Request
 
 DT = 0.02

@@ -1,6 +1,6 @@
 """The lowest TTFT p99 a router reaches if it never holds a request that fits: every placement tried.
 
-``loadtest.bench.pd_floor`` bounds the wait for a decode server over *every* schedule, with
+``loadtest.lab.pd_floor`` bounds the wait for a decode server over *every* schedule, with
 the whole request list known in advance. Its schedules hold requests back on purpose: a
 document waits a second although a server fits it, so that the document after it finds
 room. An online router cannot know that a later document is coming. This module asks the
@@ -26,7 +26,7 @@ What is enumerated and what is fixed:
 The search is depth first and stops a branch once its longest wait reaches the best found
 (the p99 is the longest wait on lists of fewer than 100 requests, as the pd runs are).
 
-    python -m loadtest.bench pd-online --quick --rate 3 --decode-capacity 12000 --seeds 7,8,9
+    python -m loadtest.lab pd-online --quick --rate 3 --decode-capacity 12000 --seeds 7,8,9
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from loadtest.bench.pd_floor import DecodeFleet
+from loadtest.lab.pd_floor import DecodeFleet
 from loadtest.workload import Request
 from proxy.core.projection import Flight, projected_peak
 
@@ -197,7 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from loadtest.bench.engine_fleet import DECODE_TOKENS_PER_S
     from loadtest.bench.pd import build_parser, workload_requests
 
-    p = argparse.ArgumentParser(parents=[build_parser()], add_help=False, description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.lab pd-online",
+        parents=[build_parser()],
+        add_help=False,
+        description=__doc__,
+    )
     p.add_argument("--seeds", default=None, help="comma-separated (default: --seed)")
     p.add_argument(
         "--max-schedules", type=int, default=20_000, help="stop the search after this many"

@@ -1,6 +1,6 @@
 """A/B two checkouts of kvroute over HTTP: the same backends, wrk rounds alternating.
 
-    python -m loadtest.bench.tree_ab /path/to/before /path/to/after [--rounds 6] [--stream]
+    python -m loadtest.lab ab /path/to/before /path/to/after [--rounds 6] [--stream]
 
 How every change of issue 12 ("Fast") was judged. Each tree's gateway is its own
 ``kvroute serve`` importing from that tree first (``in_tree``), both behind the same two
@@ -65,7 +65,7 @@ def _rounds(n: int) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.tree_ab", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest.lab ab", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("a", type=Path, help="the baseline checkout")
     ap.add_argument("b", type=Path, help="the checkout to compare")
