@@ -40,6 +40,17 @@ Refusal = Literal[
 _BODY_REFUSALS: dict[int, Refusal] = {413: "body_size", 408: "body_timeout", 429: "body_budget"}
 
 
+def too_many_concurrent(limit: int, retry_after: str) -> ApiError:
+    """The 429 of a gateway at ``limits.max_concurrent_requests`` (the EPP sheds with it too)."""
+    return ApiError(
+        429,
+        f"the gateway is handling its limit of {limit} concurrent requests; retry shortly",
+        type="rate_limit_error",
+        code="too_many_concurrent_requests",
+        headers={"retry-after": retry_after},
+    )
+
+
 def header_bytes(headers: list[tuple[bytes, bytes]]) -> int:
     return sum(len(k) + len(v) for k, v in headers)
 
@@ -217,13 +228,7 @@ class RequestGuard:
             self.budget.give(held)
 
     def busy(self) -> ApiError:
-        return ApiError(
-            429,
-            f"the gateway is handling its limit of {self.max_concurrent} concurrent requests; retry shortly",
-            type="rate_limit_error",
-            code="too_many_concurrent_requests",
-            headers={"retry-after": self.retry_after},
-        )
+        return too_many_concurrent(self.max_concurrent, self.retry_after)
 
     def check_declared(self, headers: list[tuple[bytes, bytes]]) -> None:
         """413 before reading when the declared Content-Length is over the limit."""
