@@ -1,4 +1,4 @@
-"""The `kvroute` command: serve, engine, check-config, demo, simulate, tune.
+"""The `kvroute` command: serve, epp, engine, check-config, demo, simulate, tune.
 
 Subcommands that live in `loadtest` are imported lazily so that `kvroute serve` starts
 without loading the simulator or matplotlib.
@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
             "run the demo: engines + gateway + a 70%% chat / 30%% document workload, vs round robin",
         ),
         ("local-fleet", "start the simulated engines a config file expects (one per backend)"),
+        ("epp", "run the endpoint picker (Envoy ext_proc) of a Kubernetes inference gateway"),
         ("simulate", "simulate a fleet over days of uptime, per routing policy"),
         ("tune", "search config knobs in simulation and recommend values"),
     ):
@@ -234,6 +235,7 @@ _DELEGATED = {
     "engine": "loadtest.engine.server",
     "demo": "loadtest.demo",
     "local-fleet": "loadtest.local_fleet",
+    "epp": "proxy.epp.main",
     "simulate": "loadtest.sim.simulator",
     "tune": "loadtest.sim.tune",
 }

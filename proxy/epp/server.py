@@ -1,0 +1,116 @@
+"""The EPP's two gRPC servers (ext_proc and health), started inside the gateway app.
+
+They run on the app's own event loop (``grpc.aio``), after every component of the gateway
+started (``attach`` wraps the app's lifespan) and stop before any of them stops: a stream
+still open at shutdown gets ``grace_s`` to finish, then is cancelled and releases its
+reservation like any stream that ends. One port per server, as the reference EPP has them:
+9002 for ext_proc, 9003 for health.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2_grpc
+from starlette.applications import Starlette
+
+from proxy.config import Config
+from proxy.epp import health
+from proxy.epp.endpoints import Endpoints
+from proxy.epp.exchange import Exchange
+from proxy.epp.shedding import Shedding
+from proxy.gateway.walk import Gateway
+
+log = logging.getLogger("kvroute.epp")
+
+
+@dataclass(frozen=True, slots=True)
+class EppOptions:
+    """Where the EPP listens (port 0: any free port, read back from ``EppServer.ports``)."""
+
+    host: str = "0.0.0.0"
+    port: int = 9002
+    health_port: int = 9003
+    grace_s: float = 30.0
+
+
+class Processor:
+    """``envoy.service.ext_proc.v3.ExternalProcessor``: one ``Exchange`` per stream."""
+
+    def __init__(self, gateway: Callable[[], Gateway]) -> None:
+        self.gateway = gateway
+        self.shedding = Shedding(lambda: self.gateway().cfg)
+        self._endpoints: tuple[Config, Endpoints] | None = None
+
+    def endpoints(self, cfg: Config) -> Endpoints:
+        """The address map of the config in force (rebuilt when discovery changes it)."""
+        if self._endpoints is None or self._endpoints[0] is not cfg:
+            self._endpoints = (cfg, Endpoints(cfg))
+        return self._endpoints[1]
+
+    async def Process(self, request_iterator: Any, context: Any) -> None:
+        gw = self.gateway()
+        await Exchange(gw, self.endpoints(gw.cfg), self.shedding).run(context)
+
+
+class EppServer:
+    """Both servers, started and stopped together."""
+
+    def __init__(self, options: EppOptions) -> None:
+        self.options = options
+        self.ports: tuple[int, int] = (0, 0)
+        self._servers: list[grpc.aio.Server] = []
+        self._health = health.servicer()
+
+    async def start(self, gateway: Callable[[], Gateway]) -> None:
+        opts = self.options
+        processing = grpc.aio.server()
+        pb_grpc.add_ExternalProcessorServicer_to_server(Processor(gateway), processing)
+        port = processing.add_insecure_port(f"{opts.host}:{opts.port}")
+        checks = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, checks)
+        health_port = checks.add_insecure_port(f"{opts.host}:{opts.health_port}")
+        await health.alive(self._health)
+        await checks.start()
+        await processing.start()
+        self._servers = [processing, checks]
+        self.ports = (port, health_port)
+        await health.ready(self._health, True)
+        log.info(
+            "endpoint picker: ext_proc on %s:%d, health on %s:%d",
+            opts.host,
+            port,
+            opts.host,
+            health_port,
+        )
+
+    async def stop(self) -> None:
+        """Not ready first, then the streams in flight get ``grace_s``; health goes last."""
+        await self._health.enter_graceful_shutdown()
+        for server in self._servers:
+            await server.stop(self.options.grace_s)
+        self._servers = []
+
+
+def attach(app: Starlette, options: EppOptions) -> EppServer:
+    """Run the EPP inside ``app``'s lifespan, over the gateway its components build."""
+    inner = app.router.lifespan_context
+    server = EppServer(options)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Starlette) -> AsyncIterator[None]:
+        async with inner(a):
+            await server.start(lambda: a.state.rt.gateway)
+            try:
+                yield
+            finally:
+                await server.stop()
+
+    app.router.lifespan_context = lifespan
+    return server
