@@ -15,7 +15,7 @@ tiny OpenAI chat request at each target and concurrency with the same load gener
   requests through the ASGI stack), measured in the same run.
 
 (The server-stack variants and the FastAPI-vs-Starlette layer cost that chose today's
-settings are in docs/benchmarks.md, "History".)
+settings are in docs/lab/README.md.)
 
 For each it prints requests/s and the ratio to direct, p50/p99 latency and what the router
 adds to them, the router's CPU time per request (the least noisy figure on a shared box),

@@ -9,7 +9,7 @@ second. Measured on this repository's big-prompt benchmark, 60-70 of the 150 con
 opened at the start of a point waited there for up to 2.5 s, their bodies filling the socket
 buffer (the client then probes a zero window with back-off): a p99 of ~2 s against a p50 of
 ~0.15 s, with the same throughput. asyncio's own loop accepts up to the backlog per turn and
-has no such tail; neither has vllm-router (docs/benchmarks.md, "The accept queue").
+has no such tail; neither has vllm-router (docs/lab/big-prompts.md, "The accept queue").
 
 ``EagerAccept`` watches a duplicate of the listening socket's descriptor with the loop's own
 reader and, each time it is readable, accepts what is waiting (up to ``BATCH``) and hands
