@@ -47,8 +47,14 @@ def require_envoy() -> Path:
     return path
 
 
-def envoy_config(epp_port: int, *, fail_open: bool = False, admin_path: str) -> dict[str, object]:
-    """The listener (port 0), ext_proc to ``epp_port``, and the ORIGINAL_DST pool."""
+def envoy_config(
+    epp_port: int, *, fail_open: bool = False, fallback: str | None = None
+) -> dict[str, object]:
+    """The listener (port 0), ext_proc to ``epp_port``, and the ORIGINAL_DST pool.
+
+    ``fallback``: the endpoint a request goes to when the EPP set none (``failure_mode_allow``
+    let it pass): the route adds the header only where it is absent.
+    """
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "30s"},
@@ -92,6 +98,14 @@ def envoy_config(epp_port: int, *, fail_open: bool = False, admin_path: str) -> 
                     "routes": [
                         {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}}
                     ],
+                    "request_headers_to_add": [
+                        {
+                            "header": {"key": "x-gateway-destination-endpoint", "value": fallback},
+                            "append_action": "ADD_IF_ABSENT",
+                        }
+                    ]
+                    if fallback
+                    else [],
                 }
             ]
         },
@@ -219,13 +233,15 @@ def _listener_url(admin: str, popen: subprocess.Popen[bytes]) -> str:
 
 
 @contextmanager
-def run_envoy(epp_port: int, *, fail_open: bool = False) -> Iterator[Envoy]:
+def run_envoy(
+    epp_port: int, *, fail_open: bool = False, fallback: str | None = None
+) -> Iterator[Envoy]:
     binary = require_envoy()
     with tempfile.TemporaryDirectory(prefix="kvroute-envoy-") as tmp:
         admin_path = Path(tmp) / "admin"
         config = Path(tmp) / "envoy.json"
         config.write_text(
-            json.dumps(envoy_config(epp_port, fail_open=fail_open, admin_path=str(admin_path)))
+            json.dumps(envoy_config(epp_port, fail_open=fail_open, fallback=fallback))
         )
         log = Path(tmp) / "envoy.log"
         argv = [

@@ -9,15 +9,21 @@ them, so a test compares the client's bytes with the upstream's, both ends of En
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 from aiohttp import web
 
+from loadtest.local_fleet import free_port
 from proxy.api.app import create_app
 from proxy.config import Config
 from proxy.epp.server import EppOptions, EppServer, attach
@@ -110,3 +116,70 @@ class Tap(ThreadedApp):
         app.router.add_route("*", "/{tail:.*}", self._relay)
         self.serve(app)
         return self
+
+
+@dataclass
+class EppProcess:
+    """``kvroute epp`` as a process of its own (a test may SIGKILL it)."""
+
+    popen: subprocess.Popen[bytes]
+    url: str
+    port: int
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait(10)
+
+
+@contextmanager
+def epp_process(data: dict[str, Any], tmp: Path) -> Iterator[EppProcess]:
+    """Start ``python -m proxy.epp.main`` over the config ``data``; ready once ``/ready`` says so."""
+    config = tmp / "kvroute.yaml"
+    # JSON is YAML.
+    config.write_text(json.dumps(data))
+    http, grpc_port, health = free_port(), free_port(), free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "proxy.epp.main",
+        "--config",
+        str(config),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(http),
+        "--grpc-host",
+        "127.0.0.1",
+        "--grpc-port",
+        str(grpc_port),
+        "--health-port",
+        str(health),
+        "--log-level",
+        "warning",
+    ]
+    log = (tmp / "epp.log").open("w")
+    popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if popen.poll() is not None:
+                raise RuntimeError(f"kvroute epp exited: {(tmp / 'epp.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvroute epp did not get ready")
+            time.sleep(0.05)
+        yield EppProcess(popen, url, grpc_port)
+    finally:
+        if popen.poll() is None:
+            popen.terminate()
+            try:
+                popen.wait(15)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait(5)
+        log.close()

@@ -1,0 +1,184 @@
+"""The endpoint picker behind a real Envoy when things go wrong: shedding, a client that
+leaves mid-stream, the EPP killed (each of Envoy's failure modes), and the fragmentation
+workload that must waste no attempt on a node that cannot allocate it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.workload import make_prompt
+from proxy.epp.endpoints import address_of
+from proxy.epp.health import EXT_PROC_SERVICE
+from tests.epp.test_envoy_e2e import MODEL, config_of, inflight, picked, tapped
+from tests.support.envoy import require_envoy, run_envoy
+from tests.support.epp import Tap, epp_process
+from tests.support.gateway import fleet_state, wait_until
+
+SLOW = {"speedup": 1.0, "decode_tokens_per_s": 50.0}
+STORY = {"model": MODEL, "messages": [{"role": "user", "content": "a story"}], "max_tokens": 2_000}
+
+
+@pytest.fixture(autouse=True)
+def _envoy_installed() -> None:
+    require_envoy()
+
+
+@pytest.fixture
+def taps() -> Iterator[list[Tap]]:
+    started: list[Tap] = []
+    yield started
+    for tap in started:
+        tap.stop()
+
+
+def engine_failures(engine: Any) -> float:
+    text = httpx.get(engine.url + "/metrics", timeout=5).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "kvroute_engine_allocation_failures"
+        for s in f.samples
+        if s.name.endswith("_total")
+    )
+
+
+def test_429_when_shedding(engine_factory: Callable[..., Any], taps: list[Tap]) -> None:
+    a = tapped(engine_factory, taps, "a", **SLOW)
+    limits = {"max_concurrent_requests": 1}
+    with picked(config_of(a), limits=limits) as (epp, envoy):
+        url = envoy.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json={**STORY, "stream": True}, timeout=30) as held:
+            assert held.status_code == 200
+            chunks = held.iter_raw()
+            next(chunks)
+            r = httpx.post(url, json={**STORY, "max_tokens": 4}, timeout=20)
+            assert r.status_code == 429 and r.headers["retry-after"]
+            assert r.json()["error"]["code"] == "too_many_concurrent_requests"
+        # The slot is given back with the stream: the next request passes.
+        wait_until(lambda: inflight(epp) == 0, what="reservation released")
+        r = httpx.post(url, json={**STORY, "max_tokens": 4}, timeout=20)
+        assert r.status_code == 200
+
+
+def test_client_leaving_mid_stream_releases_once(
+    engine_factory: Callable[..., Any], taps: list[Tap]
+) -> None:
+    a = tapped(engine_factory, taps, "a", **SLOW)
+    eng = a["_engine"]
+    with picked(config_of(a)) as (epp, envoy):
+        url = envoy.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json={**STORY, "stream": True}, timeout=30) as resp:
+            assert resp.status_code == 200
+            chunks = resp.iter_raw()
+            next(chunks)
+            node = fleet_state(epp.url)["backends"][0]
+            assert node["overlay"]["inflight"] == 1 and node["overlay"]["reserved_tokens"] > 2_000
+        wait_until(lambda: inflight(epp) == 0, what="reservation released")
+        wait_until(
+            lambda: eng.state()["free_tokens"] == eng.state()["capacity_tokens"],
+            what="engine freed memory",
+        )
+        metrics = httpx.get(epp.url + "/metrics").text
+        assert (
+            'kvroute_requests_total{backend="a",class="short",outcome="client_disconnect"} 1.0'
+            in metrics
+        )
+        assert 'outcome="success"' not in metrics
+
+
+def _config(*backends: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "pools": {"general": {"role": "general"}},
+        "backends": config_of(*backends),
+        "collector": {"scrape_interval_s": 0.1, "stale_after_s": 2.0},
+        "routing": {"unknown_model": "pass_through"},
+    }
+
+
+@pytest.mark.parametrize("fail_open", [False, True], ids=["fail_close", "fail_open"])
+def test_epp_killed(
+    engine_factory: Callable[..., Any], taps: list[Tap], tmp_path: Path, fail_open: bool
+) -> None:
+    a = tapped(engine_factory, taps, "a")
+    fallback = tapped(engine_factory, taps, "fallback")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with (
+        epp_process(_config(a), tmp_path) as epp,
+        run_envoy(epp.port, fail_open=fail_open, fallback=address_of(fallback["url"])) as envoy,
+    ):
+        wait_until(lambda: fleet_state(epp.url)["backends"][0]["report"] is not None)
+        url = envoy.url + "/v1/chat/completions"
+        r = httpx.post(url, json=body, timeout=20)
+        assert r.status_code == 200 and r.headers["x-kvroute-backend"] == "a"
+        epp.kill()
+        r = httpx.post(url, json=body, timeout=20)
+        if fail_open:
+            # Failing open, the request passes without a pick: the route's fallback serves it.
+            assert r.status_code == 200 and "x-kvroute-backend" not in r.headers
+            assert len(fallback["_tap"].exchanges) == 1
+        else:
+            # Failing closed, Envoy answers itself and nothing reaches an upstream.
+            assert r.status_code == 500, (r.status_code, r.text)
+            assert not fallback["_tap"].exchanges
+        assert len(a["_tap"].exchanges) == 1
+
+
+def _workload(url: str) -> list[int]:
+    """Long documents and short chats at once, more long ones than the whole node holds."""
+
+    def one(i: int) -> int:
+        long = i % 3 == 0
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": make_prompt(20_000 if long else 200)}],
+            "max_tokens": 32,
+        }
+        return httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(24)))
+
+
+def test_fragmentation_workload_wastes_no_attempt(
+    engine_factory: Callable[..., Any], taps: list[Tap]
+) -> None:
+    a = tapped(engine_factory, taps, "a", capacity_tokens=100_000)
+    b = tapped(engine_factory, taps, "b", capacity_tokens=100_000)
+    a["_engine"].fragment(4_000)
+    with picked(config_of(a, b), queue={"max_wait_s": 10}) as (epp, envoy):
+        wait_until(
+            lambda: (
+                (fleet_state(epp.url)["backends"][0]["report"] or {}).get(
+                    "largest_free_block_tokens", 1e9
+                )
+                <= 4_000
+            ),
+            what="the fragmented node's report",
+        )
+        # The same workload through Envoy and the EPP, then through the gateway itself.
+        for door in (envoy.url, epp.url):
+            assert _workload(door) == [200] * 24
+        assert engine_failures(a["_engine"]) + engine_failures(b["_engine"]) == 0
+        long_on_a = [x for x in a["_tap"].exchanges if len(x.request) > 50_000]
+        assert not long_on_a
+        wait_until(lambda: inflight(epp) == 0, what="every reservation released")
+
+
+def test_grpc_health(engine_factory: Callable[..., Any], taps: list[Tap]) -> None:
+    a = tapped(engine_factory, taps, "a")
+    with picked(config_of(a)) as (epp, _envoy):
+        with grpc.insecure_channel(f"127.0.0.1:{epp.health_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("liveness", "readiness", EXT_PROC_SERVICE, ""):
+                answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
