@@ -5,6 +5,7 @@ workload that must waste no attempt on a node that cannot allocate it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +21,7 @@ from loadtest.workload import make_prompt
 from proxy.epp.endpoints import address_of
 from proxy.epp.health import EXT_PROC_SERVICE
 from tests.epp.test_envoy_e2e import MODEL, config_of, inflight, picked, tapped
-from tests.support.envoy import require_envoy, run_envoy
+from tests.support.envoy import Envoy, require_envoy, run_envoy
 from tests.support.epp import Tap, epp_process
 from tests.support.gateway import fleet_state, wait_until
 
@@ -121,7 +122,9 @@ def test_epp_killed(
         r = httpx.post(url, json=body, timeout=20)
         assert r.status_code == 200 and r.headers["x-kvroute-backend"] == "a"
         epp.kill()
-        r = httpx.post(url, json=body, timeout=20)
+        wait_until(lambda: envoy.stat("cluster.epp.upstream_cx_active") == 0, what="EPP gone")
+        refused = envoy.stat("cluster.epp.upstream_cx_connect_fail")
+        r = httpx.post(url, content=_after_refusal(envoy, refused, body), timeout=20)
         if fail_open:
             # Failing open, the request passes without a pick: the route's fallback serves it.
             assert r.status_code == 200 and "x-kvroute-backend" not in r.headers
@@ -131,6 +134,21 @@ def test_epp_killed(
             assert r.status_code == 500, (r.status_code, r.text)
             assert not fallback["_tap"].exchanges
         assert len(a["_tap"].exchanges) == 1
+
+
+def _after_refusal(envoy: Envoy, before: int, body: dict[str, Any]) -> Iterator[bytes]:
+    """The body, sent once Envoy's connection to the EPP was refused.
+
+    Envoy can fail open only before the first body chunk reaches the EPP (envoy #41276): a
+    body sent with the headers is in flight to a dead EPP, and such a request fails closed
+    whatever ``failure_mode_allow`` says. Its headers alone go first here (``before``: Envoy's
+    count of refused connections to the EPP, read before the request).
+    """
+    wait_until(
+        lambda: envoy.stat("cluster.epp.upstream_cx_connect_fail") > before,
+        what="Envoy refused by the dead EPP",
+    )
+    yield json.dumps(body).encode()
 
 
 def _workload(url: str) -> list[int]:
