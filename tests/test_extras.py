@@ -73,4 +73,14 @@ def test_gateway_install_has_no_plotting_stack() -> None:
     assert any("locust" in d for d in extras["loadtest"])
     assert any("scipy" in d for d in extras["loadtest"])
     # CI installs .[dev]: it must pull both, so the whole suite still runs.
-    assert "kvroute[sim,loadtest]" in extras["dev"]
+    assert "kvroute[sim,loadtest,epp]" in extras["dev"]
+    assert all(d.split(">")[0] not in core for d in extras["epp"])
+
+
+def test_epp_without_grpc_names_the_extra() -> None:
+    res = run_without(
+        "grpc", "from proxy.epp.main import main; raise SystemExit(main(['--config', 'x']))"
+    )
+    assert res.returncode == 2
+    assert "pip install 'kvroute[epp]'" in res.stderr
+    assert "Traceback" not in res.stderr
