@@ -38,9 +38,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
     lines = [f"  {name:<{width}}  {what}" for name, (_, what) in SUBCOMMANDS.items()]
-    return "usage: python -m loadtest.bench <subcommand> [args]\n\nsubcommands:\n" + "\n".join(
-        lines
+    head = "usage: python -m loadtest.bench <subcommand> [args]\n\nsubcommands:\n"
+    lab = (
+        "\n\nexperiments (offline bounds, pool sizes, A/B of two checkouts): python -m loadtest.lab"
     )
+    return head + "\n".join(lines) + lab
 
 
 def main(argv: Sequence[str] | None = None) -> int:
