@@ -32,6 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "locust": ("locustfile", "locust users against a local fleet (arguments after --)"),
     "do-no-harm": ("do_no_harm", "kvroute vs vllm-router's policies, two engine models, verdicts"),
     "llamacpp": ("llamacpp", "real llama.cpp servers, mixed slot layouts: failures, TTFT, goodput"),
+    "epp": ("epp", "Envoy + kvroute's endpoint picker vs kvroute serve and vllm-router"),
 }
 
 
