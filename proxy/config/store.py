@@ -45,11 +45,10 @@ class StoreConfig(_Strict):
     op_timeout_s: float = Field(default=0.1, gt=0)
     reservation_ttl_s: float = Field(default=900.0, gt=0)
     leases: bool = Field(
-        default=False,
+        default=True,
         description="each replica holds a lease in Redis; its reservations stop counting "
-        "lease_ttl_s after it stops renewing (killed, frozen, cut off). Off by default "
-        "until a known leak is fixed: after a Redis kill under load, a released reservation "
-        "can be written again under the live lease and count until its TTL (docs/reliability.md)",
+        "lease_ttl_s after it stops renewing (killed, frozen, cut off). false: a dead "
+        "replica's reservations count until reservation_ttl_s (docs/reliability.md)",
     )
     lease_ttl_s: float = Field(
         default=5.0,

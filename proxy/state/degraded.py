@@ -188,8 +188,12 @@ class DegradedStore(StateStore):
             grace_s=grace_s,
         )
         key = (name, reservation_id)
+        self._replay.sending(key)
         try:
-            ok = await self._shared("reserve", shared_reserve)
+            try:
+                ok = await self._shared("reserve", shared_reserve)
+            finally:
+                self._replay.sent(key)
         except StoreUnavailable as exc:
             # Sent to Redis unless the breaker refused it (the call may still land there).
             sent = not isinstance(exc, CircuitOpen)

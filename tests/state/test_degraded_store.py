@@ -189,3 +189,37 @@ async def test_shrink_reaches_both_copies_and_never_raises(
     # Made here while Redis was away: registered there at its lowered size. The shrink
     # Redis missed leaves its copy larger until released (over-counted, never over-committed).
     assert tokens == {"local-1": 4_000, "shared-1": 8_000}
+
+
+async def test_release_during_a_reassert_in_flight_reaches_redis(
+    instance: RedisInstance, stores: tuple[DegradedStore, RedisStore]
+) -> None:
+    """A reservation made while Redis was away is re-asserted (the ledger's reassert, a
+    reserve with no fit check) and released while that reserve is on its way: the release
+    must reach Redis as a forget, or the re-assert lands after it and counts until its TTL
+    (seen in the fault suite before: 1-3 such reservations after every frozen-Redis run)."""
+    store, peek = stores
+    instance.pause()
+    for _ in range(3):
+        await store.read(["n1"], store.now())
+    assert store.breaker.state == "open"
+    assert await store.reserve("n1", "made-away", 100, store.now(), TTL)
+    assert store.local_only() == {("n1", "made-away"): "local"}
+    instance.resume()
+    await asyncio.sleep(0.3)  # past the breaker's open_s: the next call is sent
+    # Redis holds every command for 60 ms (well inside the 0.1 s deadline): the re-assert
+    # is sent, and the release made while it waits must be sent behind it.
+    await peek._r.execute_command("CLIENT", "PAUSE", "60")
+    reassert = asyncio.create_task(
+        store.reserve("n1", "made-away", 100, store.now(), TTL, check_fit=False)
+    )
+    await asyncio.sleep(0.01)
+    await store.forget("n1", "made-away", store.now() + TTL)
+    assert await reassert
+
+    async def released() -> bool:
+        await store.read(["n1"], store.now())  # what the gateway does: sends what is queued
+        return await peek.reservations("n1", store.now()) == []
+
+    await wait_until(released, "the re-asserted reservation to be released in Redis", 3.0)
+    assert store.local_only() == {} and store.queued_releases() == 0
