@@ -74,7 +74,7 @@ def _run(args: argparse.Namespace, cfg: object) -> None:
     host = args.host or cfg.listen.host
     port = args.port if args.port is not None else cfg.listen.port
     server_cfg = server_config(
-        app, cfg, host, port, loop="asyncio", log_level=args.log_level, log_config=None
+        app, cfg, host, port, loop="uvloop", log_level=args.log_level, log_config=None
     )
     DrainingServer(server_cfg, app.state.drain).run()
 

@@ -61,14 +61,18 @@ def destination(endpoints: Sequence[str]) -> pb.ProcessingResponse:
 def body_chunks(
     chunks: Sequence[bytes], *, request: bool, end: bool = True
 ) -> Iterator[pb.ProcessingResponse]:
-    """``chunks`` sent back as they are, re-cut to ``MAX_CHUNK``; with ``end`` the last one
-    ends the body. Slices of a ``memoryview``: no copy of a big body but the protobuf's own."""
-    pieces = [memoryview(c)[i : i + MAX_CHUNK] for c in chunks for i in range(0, len(c), MAX_CHUNK)]
-    if not pieces:
-        pieces = [memoryview(b"")]
+    """``chunks`` sent back as they are, a chunk over ``MAX_CHUNK`` cut to that size; with
+    ``end`` the last piece ends the body. A chunk that fits is sent as it came, uncut."""
+    pieces = [
+        c if len(c) <= MAX_CHUNK else c[i : i + MAX_CHUNK]
+        for c in chunks
+        for i in range(0, max(len(c), 1), MAX_CHUNK)
+    ]
     last = len(pieces) - 1
+    if last < 0:
+        yield body_chunk(b"", end=end, request=request)
     for i, piece in enumerate(pieces):
-        yield body_chunk(bytes(piece), end=end and i == last, request=request)
+        yield body_chunk(piece, end=end and i == last, request=request)
 
 
 def body_chunk(piece: bytes, *, end: bool, request: bool) -> pb.ProcessingResponse:
