@@ -1,8 +1,9 @@
 """Backend discovery: the backend list follows the fleet instead of a static config.
 
 ``discovery.type`` picks the source: ``static`` (the config's ``backends``, the default),
-``kubernetes`` (EndpointSlices of the inference Services, ``discovery_kubernetes``) or
-``dns`` (A or SRV records of a headless Service, ``discovery_dns``). A source publishes a
+``kubernetes`` (EndpointSlices of the inference Services, ``discovery_kubernetes``),
+``inferencepool`` (the pods of an InferencePool, ``discovery_inferencepool``) or ``dns`` (A
+or SRV records of a headless Service, ``discovery_dns``). A source publishes a
 whole list each time something changes; ``Discovery`` keeps the latest, calls
 ``on_change`` only when the list really differs, and the app wiring hands the new list to
 the collector, the health checks, the fleet cache and maintenance. Static ``backends`` are

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from proxy.backends.discovery import Discovery
 from proxy.backends.discovery_dns import DnsDiscovery
+from proxy.backends.discovery_inferencepool import InferencePoolDiscovery
 from proxy.backends.discovery_kubernetes import KubernetesDiscovery
 from proxy.config import Config
 
@@ -17,6 +18,8 @@ def make_discovery(cfg: Config) -> Discovery | None:
     d = cfg.discovery
     if d.type == "kubernetes":
         return KubernetesDiscovery(d, cfg.backends, set(cfg.pools))
+    if d.type == "inferencepool":
+        return InferencePoolDiscovery(d, cfg.backends, set(cfg.pools))
     if d.type == "dns":
         return DnsDiscovery(d, cfg.backends)
     return None

@@ -144,9 +144,10 @@ class KubernetesApiConfig(_Strict):
 
 
 class DiscoveryConfig(KubernetesApiConfig):
-    """Where the backend list comes from: ``static`` (``backends``), ``kubernetes``, ``dns``."""
+    """Where the backend list comes from: ``static`` (``backends``), ``kubernetes``
+    (EndpointSlices), ``inferencepool`` (an InferencePool's pods), ``dns``."""
 
-    type: Literal["static", "kubernetes", "dns"] = "static"
+    type: Literal["static", "kubernetes", "inferencepool", "dns"] = "static"
     label_selector: str = Field(
         default="", description="kubernetes: selects the inference Services' EndpointSlices"
     )
@@ -163,6 +164,11 @@ class DiscoveryConfig(KubernetesApiConfig):
     )
     kind: BackendKind = "vllm"
     name: str | None = Field(default=None, description="dns: the name to resolve (A or SRV)")
+    inference_pool: str | None = Field(
+        default=None,
+        description="inferencepool: the InferencePool (inference.networking.k8s.io/v1) whose "
+        "pods are the backends, in discovery.namespace",
+    )
     interval_s: float = Field(
         default=10.0, gt=0, description="dns: re-resolve period; kubernetes: watch timeout"
     )
@@ -176,6 +182,10 @@ class DiscoveryConfig(KubernetesApiConfig):
 
     @model_validator(mode="after")
     def _complete(self) -> DiscoveryConfig:
+        if self.type == "inferencepool" and not self.inference_pool:
+            raise ValueError(
+                "discovery.inference_pool is required when discovery.type is 'inferencepool'"
+            )
         if self.type == "dns" and not self.name:
             raise ValueError("discovery.name is required when discovery.type is 'dns'")
         if self.type == "dns" and self.port is not None and not isinstance(self.port, int):

@@ -1,7 +1,8 @@
 """A small Kubernetes API client: the few calls kvroute makes, with in-cluster credentials.
 
-Discovery lists and watches EndpointSlices; the ``kubernetes`` restart hook reads, lists and
-deletes pods. A full client library would bring far more than these five calls need, so this
+Discovery lists and watches EndpointSlices, or reads an InferencePool and lists its pods; the
+``kubernetes`` restart hook reads, lists and deletes pods. A full client library would bring
+far more than these six calls need, so this
 speaks the documented REST shapes directly (``/apis/discovery.k8s.io/v1/...``,
 ``/api/v1/namespaces/{ns}/pods``), with:
 
@@ -28,6 +29,7 @@ from proxy.errors import KubernetesApiError
 
 ENDPOINTSLICES = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 PODS = "/api/v1/namespaces/{ns}/pods"
+INFERENCE_POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"
 CALL_TIMEOUT_S = 10.0
 
 
@@ -130,6 +132,11 @@ class KubernetesApi:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}}
         path = f"{PODS.format(ns=quote(self.namespace))}/{quote(name)}"
         return await self._json("DELETE", path, content=orjson.dumps(body))
+
+    # --- inference pools (Gateway API Inference Extension) ---
+    async def get_inference_pool(self, name: str) -> dict[str, Any]:
+        path = f"{INFERENCE_POOLS.format(ns=quote(self.namespace))}/{quote(name)}"
+        return await self._json("GET", path)
 
     async def close(self) -> None:
         await self._http.aclose()

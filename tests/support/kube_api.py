@@ -7,6 +7,7 @@ No API server can run on the test machines, so this serves, on 127.0.0.1 in a th
   event per line (``ADDED``/``MODIFIED``/``DELETED``), held open until ``timeoutSeconds``;
   a resourceVersion older than the compaction point gets the API server's answer, an
   ``ERROR`` event carrying a ``Status`` with ``code: 410`` (reason ``Expired``);
+- ``GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/{name}``;
 - ``GET``/``DELETE /api/v1/namespaces/{ns}/pods/{name}`` (DELETE honours
   ``preconditions.uid`` with 409 Conflict) and ``GET .../pods?labelSelector=``;
 - equality label selectors, and ``Authorization: Bearer <token>`` required (401 without).
@@ -97,6 +98,7 @@ class FakeKubeApi:
         self.rv = 100
         self.slices: dict[str, dict[str, Any]] = {}
         self.pods: dict[str, dict[str, Any]] = {}
+        self.inference_pools: dict[str, dict[str, Any]] = {}
         self.events: list[tuple[int, str, dict[str, Any]]] = []
         self.compacted_below = 0
         self.requests: list[tuple[str, str]] = []
@@ -140,6 +142,10 @@ class FakeKubeApi:
     def add_pod(self, obj: dict[str, Any]) -> None:
         with self._lock:
             self.pods[obj["metadata"]["name"]] = self._bump(obj)
+
+    def put_inference_pool(self, obj: dict[str, Any]) -> None:
+        with self._lock:
+            self.inference_pools[obj["metadata"]["name"]] = self._bump(obj)
 
     # --- HTTP ---------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> web.Response | None:
@@ -225,6 +231,18 @@ class FakeKubeApi:
             self.on_delete(name)
         return web.json_response(obj)
 
+    async def _inference_pool(self, request: web.Request) -> web.Response:
+        denied = self._auth(request)
+        if denied is not None:
+            return denied
+        name = request.match_info["name"]
+        with self._lock:
+            obj = self.inference_pools.get(name)
+        if obj is None:
+            message = f'inferencepools.inference.networking.k8s.io "{name}" not found'
+            return web.json_response(_status(404, "NotFound", message), status=404)
+        return web.json_response(obj)
+
     async def _pods(self, request: web.Request) -> web.Response:
         denied = self._auth(request)
         if denied is not None:
@@ -248,6 +266,10 @@ class FakeKubeApi:
         app = web.Application()
         app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self._slices)
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._pods)
+        app.router.add_get(
+            "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/{name}",
+            self._inference_pool,
+        )
         app.router.add_route("GET", "/api/v1/namespaces/{ns}/pods/{name}", self._pod)
         app.router.add_route("DELETE", "/api/v1/namespaces/{ns}/pods/{name}", self._pod)
         started = threading.Event()
