@@ -5,7 +5,7 @@ The InferencePool (``inference.networking.k8s.io/v1``) and the HTTPRoute
 (``gateway.networking.k8s.io/v1``) are checked against schemas written here from those
 APIs' v1 types (the fields these manifests use, unknown fields refused): no CRD of either is
 vendored. Then the wiring: the pool's picker is this Service's ext_proc port, the probes
-use the gRPC health service, the config loads and watches this namespace.
+use the gRPC health service, the config loads and discovers the pool's pods.
 """
 
 from __future__ import annotations
@@ -191,16 +191,20 @@ def test_the_pool_picks_with_kvroute_epp() -> None:
     assert backend["kind"] == "InferencePool" and backend["name"] == "kvroute-pool"
 
 
-def test_the_config_loads_and_watches_this_namespace() -> None:
+def test_the_config_discovers_the_pools_pods() -> None:
     cfg = parse_config(yaml.safe_load((K8S / "epp" / "kvroute.yaml").read_text()), environ={})
-    assert cfg.discovery.type == "kubernetes" and cfg.discovery.namespace == NAMESPACE
+    docs = rendered()
+    # The backends are the pods of the pool this kustomization declares.
+    assert cfg.discovery.type == "inferencepool" and cfg.discovery.namespace == NAMESPACE
+    assert cfg.discovery.inference_pool == find(docs, "InferencePool")["metadata"]["name"]
     # Several replicas need one store for their reservations (active-active).
     assert cfg.store.redis_url
-    role = find(rendered(), "Role", "kvroute-epp")
+    role = find(docs, "Role", "kvroute-epp")
     assert role["rules"] == [
         {
-            "apiGroups": ["discovery.k8s.io"],
-            "resources": ["endpointslices"],
-            "verbs": ["list", "watch"],
-        }
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get"],
+        },
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     ]
