@@ -21,7 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from proxy.epp import messages
 from proxy.epp.door import Pick, Refusal, pick
-from proxy.epp.endpoints import Endpoints, subset_hint
+from proxy.epp.endpoints import Endpoints, served_endpoint, subset_hint
 from proxy.epp.learn import Answer
 from proxy.epp.shedding import Shedding
 from proxy.errors import ApiError
@@ -84,6 +84,7 @@ class Exchange:
         if kind == "request_trailers":
             return [*await self._decide(peer), messages.trailers(request=True)]
         if kind == "response_headers":
+            self._served(served_endpoint(message))
             return self._response_headers(message.response_headers)
         if kind == "response_body":
             return self._response_body(message.response_body)
@@ -148,6 +149,13 @@ class Exchange:
     def _refuse(self, refusal: Refusal) -> list[pb.ProcessingResponse]:
         self.done = True
         return [messages.immediate(refusal.status, refusal.body, refusal.headers, refusal.reason)]
+
+    def _served(self, address: str | None) -> None:
+        """The gateway names the endpoint that served (it may have retried down the list)."""
+        if self.answer is not None and address is not None:
+            name = self.endpoints.name.get(address)
+            if name is not None:
+                self.answer.served = name
 
     def _response_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         if self.answer is None:

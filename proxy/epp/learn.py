@@ -34,6 +34,9 @@ class Answer:
         self.gw = gw
         self.ctx = picked.ctx
         self.backend = picked.backend
+        # Where the answer came from, as the gateway reports it (the pick unless it says
+        # otherwise): health and outcome are that backend's; the reservation stays the pick's.
+        self.served = picked.backend
         self.status: int | None = None
         self.streamed = False
         # The last two SSE chunks (usage comes last), or a JSON answer's bytes.
@@ -47,8 +50,8 @@ class Answer:
         """The response began: the headers kvroute adds to it (as the gateway's answers carry)."""
         self.status = status
         self.streamed = content_type.startswith("text/event-stream")
-        self.ctx.backend = self.backend
-        return self.ctx.answer_headers(self.backend)
+        self.ctx.backend = self.served
+        return self.ctx.answer_headers(self.served)
 
     def chunk(self, data: bytes) -> None:
         """One body chunk on its way to the client."""
@@ -72,7 +75,7 @@ class Answer:
         try:
             outcome = self._learn(how)
             if ctx.counts_request:
-                gw.metrics.labelled(gw.metrics.requests, ctx.cls, self.backend, outcome).inc()
+                gw.metrics.labelled(gw.metrics.requests, ctx.cls, self.served, outcome).inc()
                 elapsed = time.perf_counter() - ctx.started
                 gw.metrics.labelled(gw.metrics.duration, ctx.cls).observe(elapsed)
         finally:
@@ -86,14 +89,14 @@ class Answer:
             return "client_disconnect"
         gw = self.gw
         if status >= 500:
-            gw.metrics.labelled(gw.metrics.attempts, self.backend, "server_error").inc()
-            gw.health.failure(self.backend)
+            gw.metrics.labelled(gw.metrics.attempts, self.served, "server_error").inc()
+            gw.health.failure(self.served)
             return "upstream_error"
         if status >= 400:
-            gw.metrics.labelled(gw.metrics.attempts, self.backend, "client_error").inc()
+            gw.metrics.labelled(gw.metrics.attempts, self.served, "client_error").inc()
             return "rejected"
-        gw.metrics.labelled(gw.metrics.attempts, self.backend, "ok").inc()
-        gw.health.success(self.backend)
+        gw.metrics.labelled(gw.metrics.attempts, self.served, "ok").inc()
+        gw.health.success(self.served)
         self._usage()
         return "success"
 
