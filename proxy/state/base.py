@@ -213,7 +213,8 @@ def reservation_fits(
 
     For a lazily allocating server (``report.queueing``) the demand must instead fit beside
     every live reservation at its full demand (``reserved``; ``proxy.core.lazy``), since
-    its report shows only what is already cached. With no report there is nothing to check
+    its report shows only what is already cached; where the report ``counts_flights``, it
+    must fit both ways (``NodeView.usable_block``). With no report there is nothing to check
     against, so the reservation is allowed.
     """
     if report is None:
@@ -221,7 +222,10 @@ def reservation_fits(
     need = tokens * (1.0 + headroom)
     if report.queueing:
         return need <= lazy_headroom(report, reserved)
-    return pending + need <= report.largest_free_block_tokens
+    if pending + need > report.largest_free_block_tokens:
+        return False
+    # A server that shows a request late (llama.cpp): every live reservation counts too.
+    return not report.counts_flights or need <= lazy_headroom(report, reserved)
 
 
 class StateStore(abc.ABC):

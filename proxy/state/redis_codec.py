@@ -202,10 +202,11 @@ def _parse_extra(h: dict[str, str]) -> dict[str, Any] | str:
             return f"bad report: engine_free={h['engine_free']!r}"
         out["engine_free_tokens"] = tuple(p for p in parts if p is not None)
     flags = h.get("flags", "")
-    if flags.strip("qs"):
+    if flags.strip("qsf"):
         return f"bad report: flags={flags!r}"
     out["queueing"] = "q" in flags
     out["sleeping"] = "s" in flags
+    out["counts_flights"] = "f" in flags
     if h.get("prefill"):
         # "tokens,seconds": the cumulative prefill counters (absent from older writers).
         counters = [_num(p) for p in h["prefill"].split(",")]
@@ -231,8 +232,10 @@ def report_fields(report: MemoryReport) -> dict[str, str]:
         "engines": str(int(report.engines)),
         "engine_free": ",".join(str(int(f)) for f in report.engine_free_tokens),
         "max_num_seqs": str(int(report.max_num_seqs)),
-        # One letter per true flag: q = queueing, s = sleeping.
-        "flags": ("q" if report.queueing else "") + ("s" if report.sleeping else ""),
+        # One letter per true flag: q = queueing, s = sleeping, f = counts_flights.
+        "flags": ("q" if report.queueing else "")
+        + ("s" if report.sleeping else "")
+        + ("f" if report.counts_flights else ""),
         "prefill": f"{redis_float(report.prefill_tokens)},{redis_float(report.prefill_seconds)}",
     }
 

@@ -33,8 +33,9 @@ local function count(s, min)
   return n
 end
 
--- Returns largest_free_block_tokens, reported_at and (for a queueing report) a table
--- {cap, frees} of a valid report, or nil.
+-- Returns largest_free_block_tokens, reported_at, a table {cap, frees} for a report whose
+-- reservations count at full demand (queueing, or counts_flights), and whether it counts
+-- flights on top of the contiguous rule; or nil for an invalid report.
 local function read_report(key)
   local f = redis.call('HMGET', key, 'capacity_tokens', 'free_tokens',
     'largest_free_block_tokens', 'reported_at', 'allocator', 'block_size',
@@ -55,7 +56,7 @@ local function read_report(key)
   if f[12] and count(f[12], 0) == nil then return nil end
   if f[13] and count(f[13], 1) == nil then return nil end
   if f[14] and count(f[14], 0) == nil then return nil end
-  if f[11] and string.find(f[11], '[^qs]') then return nil end
+  if f[11] and string.find(f[11], '[^qsf]') then return nil end
   local frees = {}
   if f[10] and f[10] ~= '' then
     if string.find(f[10], ',,', 1, true) or string.sub(f[10], 1, 1) == ','
@@ -69,11 +70,13 @@ local function read_report(key)
     end
   end
   local lazy = nil
-  if f[11] and string.find(f[11], 'q', 1, true) then
+  local queueing = f[11] and string.find(f[11], 'q', 1, true)
+  local flights = (not queueing) and f[11] and string.find(f[11], 'f', 1, true) ~= nil
+  if queueing or flights then
     if #frees == 0 then frees[1] = count(f[2], 0) end
     lazy = {cap = count(f[1], 0), frees = frees}
   end
-  return largest, reported_at, lazy
+  return largest, reported_at, lazy, flights
 end
 
 -- The lease id of a reservation field "<id>@<lease>" (after its first "@", not at the start),
@@ -125,7 +128,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[3])
 -- The same, as versions before the gone set wrote it ("~" .. id in res), until those expire.
 local tomb = num(string.match(redis.call('HGET', KEYS[2], '~' .. id) or '', '^~ (%S+)$'))
 if tomb ~= nil and tomb > now then return 0 end
-local largest, reported_at, lazy = read_report(KEYS[1])
+local largest, reported_at, lazy, flights = read_report(KEYS[1])
 local leases = {}
 local lf = redis.call('HGETALL', KEYS[4])
 for i = 1, #lf, 2 do leases[lf[i]] = num(lf[i + 1]) or 0 end
@@ -159,9 +162,11 @@ for i = 1, #dead, 500 do
 end
 if ARGV[5] == '1' and largest ~= nil then
   local need = tokens * (1.0 + headroom)
-  if lazy ~= nil then
+  if lazy ~= nil and not flights then
     if need > lazy_room(lazy, reserved, largest) then return 0 end
   elseif pending + need > largest then
+    return 0
+  elseif flights and need > lazy_room(lazy, reserved, largest) then
     return 0
   end
 end

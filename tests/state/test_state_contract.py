@@ -278,6 +278,26 @@ async def test_reserve_on_a_lazily_allocating_server_counts_full_demand(store: S
     assert not await store.reserve("v", "c", 1, T0 + 1, 60)
 
 
+async def test_reserve_where_the_server_shows_requests_late_counts_every_flight(
+    store: StateStore,
+) -> None:
+    """llama.cpp (``counts_flights``): "a" went out before the report, which does not show
+    it yet (the server has not taken it). The contiguous rule alone would see 2,048 free and
+    nothing pending, and overfilling a unified pool fails every request in flight there."""
+    await store.reserve("l", "a", 1_500, T0 - 1, 60, check_fit=False)
+    unified = rep(2_048, T0, capacity_tokens=2_048, free_tokens=2_048, counts_flights=True)
+    await store.put_report("l", unified, ttl_s=60)
+    assert (await one(store, "l", T0 + 1)).report == unified
+    assert not await store.reserve("l", "b", 1_500, T0 + 1, 60)
+    assert await store.reserve("l", "b", 548, T0 + 1, 60)  # 2,048 - 1,500
+    assert not await store.reserve("l", "c", 1, T0 + 1, 60)
+    # The contiguous rule still holds on its own: the largest block, less what is pending.
+    split = rep(1_000, T0 + 2, capacity_tokens=4_096, free_tokens=2_000, counts_flights=True)
+    await store.put_report("s", split, ttl_s=60)
+    assert not await store.reserve("s", "a", 1_001, T0 + 3, 60)
+    assert await store.reserve("s", "a", 1_000, T0 + 3, 60)
+
+
 async def test_reserve_data_parallel_assumes_all_reservations_on_one_engine(
     store: StateStore,
 ) -> None:
