@@ -31,6 +31,13 @@ class Admission:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def freed(self) -> None:
+        """A request ended here: the room it held is free now, so a held request is
+        released on that event, not on the next poll or report (nothing to do, and no
+        Event made, when nobody waits: this runs once per request)."""
+        if self.depth:
+            self.notify()
+
     async def wait(self, timeout_s: float) -> None:
         """Sleep until notified or the timeout passes, whichever is first."""
         event = self._changed

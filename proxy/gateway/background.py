@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import Counter
 
+from proxy.gateway.admission import Admission
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.memory_pressure import MemoryPressure
@@ -36,8 +37,10 @@ class Background:
         pressure: MemoryPressure,
         breaker: CircuitBreaker,
         store_errors: Counter,
+        admission: Admission,
     ) -> None:
         self.ledger = ledger
+        self.admission = admission
         self.local = local
         self.pressure = pressure
         self.breaker = breaker
@@ -56,6 +59,7 @@ class Background:
         self.pressure.ended(ctx, backend)
         if not self.ledger.release_at_once(backend, ctx.reservation_id):
             self.spawn(self.ledger.release(backend, ctx.reservation_id))
+        self.admission.freed()
 
     async def drain(self) -> None:
         """Wait for every task spawned so far (shutdown)."""

@@ -106,7 +106,12 @@ class Gateway:
         self._rank_and_hold(cfg, metrics)
         # The one helper for background work and guarded store calls (the steps' ``tasks``).
         self.tasks = Background(
-            self.ledger, self.local, self.pressure, self.breaker, metrics.store_errors
+            self.ledger,
+            self.local,
+            self.pressure,
+            self.breaker,
+            metrics.store_errors,
+            self.admission,
         )
         self.health.register(metrics.registry)
         metrics.registry.register(ResilienceCollector(self.breaker, self.budget, self.ledger))

@@ -50,3 +50,18 @@ async def test_a_notify_before_waiting_does_not_leak_into_the_next_wait() -> Non
     started = time.monotonic()
     await room.wait(0.05)
     assert time.monotonic() - started >= 0.04
+
+
+async def test_a_request_ending_wakes_the_held_ones_not_an_empty_room() -> None:
+    """``freed`` (every request's end: ``Background.release_later``) releases a held request
+    on that event; with nobody held it does nothing (it runs once per request)."""
+    room = Admission(max_size=2)
+    event = room._changed
+    room.freed()
+    assert room._changed is event  # nobody waits: no wake, no new Event
+    assert room.try_enter()
+    waiter = asyncio.create_task(room.wait(30.0))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    room.freed()
+    await asyncio.wait_for(waiter, timeout=5.0)
