@@ -146,6 +146,8 @@ async def fleet_json(r: Runtime, kv_events: KvEventFeeds | None) -> bytes:
                     if (rate := r.gateway.pressure.decode.rate(name)) is not None
                 },
             },
+            # The rates behind each queueing backend's expected wait, and their sources.
+            "rates": r.gateway.queues.rates_json(snap, r.gateway.pressure.decode.rate),
             # Predicted against observed TTFT per backend, and whether the ranking runs blind
             # (proxy.routing.prediction_check).
             "ttft_model": r.gateway.ttft_check.check.to_json(),

@@ -83,6 +83,11 @@ class BackendQueues:
             registry=registry,
         )
         self._shown: dict[str, float] = {}
+        # Which backends' rates the config sets (the others run on the defaults until learned).
+        self._configured = {
+            b.name: (bool(b.prefill_tokens_per_s), bool(b.decode_tokens_per_s))
+            for b in cfg.backends
+        }
 
     def current(self, snap: FleetSnapshot) -> QueueingSettings:
         """The settings with each backend's learned prefill rate where it has one."""
@@ -106,6 +111,31 @@ class BackendQueues:
         base = self.settings.rates.get(name, Rates())
         learned = self.prefill.rate(name)
         return Rates(learned, base.decode_tokens_per_s) if learned is not None else base
+
+    def rates_json(
+        self, snap: FleetSnapshot, decode: Callable[[str], float | None]
+    ) -> dict[str, dict[str, object]]:
+        """``/fleet``'s ``rates``: each queueing backend's prefill and decode rates in use, and
+        where each comes from (``learned``: the server's prefill counters; ``streams``: the
+        decode rate its relayed streams show; else ``configured`` or ``default``)."""
+        out: dict[str, dict[str, object]] = {}
+        for name in sorted(n.name for n in snap.nodes if n.report and n.report.queueing):
+            rates = self.rates_for(name)
+            prefill_set, decode_set = self._configured.get(name, (False, False))
+            observed = decode(name)
+            out[name] = {
+                "prefill_tokens_per_s": round(rates.prefill_tokens_per_s, 1),
+                "prefill_source": "learned"
+                if self.prefill.rate(name) is not None
+                else ("configured" if prefill_set else "default"),
+                "decode_tokens_per_s": round(
+                    observed if observed is not None else rates.decode_tokens_per_s, 1
+                ),
+                "decode_source": "streams"
+                if observed is not None
+                else ("configured" if decode_set else "default"),
+            }
+        return out
 
     def pool_advice(self, snap: FleetSnapshot, now: float) -> dict[str, object]:
         verdict = self.sizing.observe(

@@ -66,6 +66,12 @@ def test_predictions_that_miss_turn_the_ranking_blind_and_good_ones_turn_it_back
             assert record["mean_error_s"] > SETTINGS.floor_s, record
             assert shown["ranking"] == "blind" and shown["fallbacks"] == 1, shown
             assert blind_gauge(gw) == 1.0
+            # /fleet says where the rates behind the prediction come from.
+            rates = httpx.get(gw + "/fleet", timeout=10).json()["rates"]["v"]
+            assert rates["prefill_tokens_per_s"] == 1e6, rates
+            assert rates["prefill_source"] == "configured", rates
+            # Two-token streams show no decode rate: the default stands, and says so.
+            assert (rates["decode_source"], rates["decode_tokens_per_s"]) == ("default", 30.0)
             # First tokens at once: the predictions hold again, and the model is trusted again
             # once the misses are a small enough share of the window.
             for _ in range(SETTINGS.window):
