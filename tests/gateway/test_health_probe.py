@@ -52,7 +52,12 @@ async def test_a_busy_loop_does_not_fail_a_healthy_backends_probe(
             failed = asyncio.ensure_future(gw._probe(health))
             done, _ = await asyncio.wait({failed}, timeout=10)
             assert done and isinstance(failed.exception(), TimeoutError)
-            assert time.perf_counter() - started < 2.0  # on a loop that runs on time
+            # The limit, extended at most once by its own length when its timer fires late
+            # (proxy.state.deadline: another process holding a shared CPU makes it 10 ms late
+            # as a busy loop does), plus that lateness: 2.03 s was seen on a loaded 2-core
+            # box. Still under the client's backstop (PROBE_BACKSTOP x 1 s), so a probe that
+            # only the backstop ended fails this.
+            assert time.perf_counter() - started < 2.6
         finally:
             engine.resume()
     finally:
