@@ -1,21 +1,27 @@
 """Fault soak: a multi-replica fleet under the problem's workload while things fail on a schedule.
 
-``python -m loadtest.bench soak --faults [--duration-s 1800]``. Real processes: one
-``redis-server``, four simulated engines (two contiguous, two vLLM-like), two ``kvroute
-serve`` replicas on the shared Redis. The problem's mix (70% chats, 30% documents of
-15k-30k tokens, Poisson arrivals, every request streamed so its time to first token is
-seen) is sent open-loop, alternately through each replica; a request refused by a dead
-replica is resent to the other, as a load balancer would. Every ``--fault-every-s`` one
-fault, in turn: a replica SIGKILLed and restarted 3 s later, Redis SIGKILLed and restarted
-empty, an engine SIGKILLed and restarted 5 s later, a config reload (SIGHUP) of both
-replicas, a storm of 20 clients that leave mid-stream.
+``python -m loadtest.bench soak --faults [--duration-s 1800] [--replicas 3] [--redis
+sentinel|single]``. Real processes: Redis (``sentinel``, the default: a primary, its replica
+and three sentinels; ``single``: one ``redis-server``), four simulated engines (two
+contiguous, two vLLM-like), ``--replicas`` ``kvroute serve`` replicas sharing it, replica
+leases on (the default). The problem's mix (70% chats, 30% documents of 15k-30k tokens,
+Poisson arrivals, every request streamed so its time to first token is seen) is sent
+open-loop through the replicas in turn; a request refused by a dead replica is resent to the
+next, as a load balancer would. Every ``--fault-every-s`` one fault, in turn: a replica
+SIGKILLed and restarted 3 s later; Redis: with Sentinel the primary SIGKILLed and failed
+over (``failover``, loadtest/bench/soak_redis.py), else SIGKILLed and restarted empty
+(``redis``); an engine SIGKILLed and restarted 5 s later; a config reload (SIGHUP) of every
+replica; a storm of 20 clients that leave mid-stream.
 
 Per window (``--window-s``): requests answered; failures by cause (``killed_replica``: cut
 off with the replica that was serving them, which no gateway can save; the rest by code);
-TTFT p50/p99 outside the 30 s after a fault; the largest excess of reserved tokens (the
-survivor's ``/fleet``) over the demand really in flight (the client's count); each
-replica's RSS, open files and TCP connections. After the load, how long until nothing is
-reserved.
+TTFT p50/p99 outside the 30 s after a fault; the largest excess of reserved tokens (a live
+replica's ``/fleet``) over the demand really in flight (the client's count); each replica's
+RSS, open files and TCP connections. Every ``--quiet-every-s``, right after each replica
+kill (made while that replica holds reservations of its own) and after the load, a quiet
+moment: no new requests until those in flight end, then how
+long until every live replica's ``/fleet`` and Redis show nothing reserved
+(loadtest/bench/soak_quiet.py).
 """
 
 from __future__ import annotations
@@ -23,14 +29,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import signal
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,30 +41,32 @@ import httpx
 import yaml
 
 from loadtest.bench.proc_stats import proc_rss_mib, proc_sockets, proc_tcp
-from loadtest.local_fleet import EngineSpec, Proc, engine_proc, free_port, redis_proc, wait_http
-from loadtest.workload import bimodal, chat_overhead_tokens, make_prompt
+from loadtest.bench.soak_client import Client, Window, disconnect_storm
+from loadtest.bench.soak_quiet import QUIET_WATCH_S, quiet_moment, reserved_tokens, wait_holding
+from loadtest.bench.soak_redis import kill, soak_redis
+from loadtest.local_fleet import EngineSpec, Proc, engine_proc, free_port, wait_http
+from loadtest.workload import bimodal
 
 FAULTS = ("replica", "redis", "engine", "reload", "disconnects")
 AFTER_FAULT_S = 30.0
+LEASE_TTL_S = 5.0  # store.lease_ttl_s's default, written into the replicas' config
+
+__all__ = ["FAULTS", "Window", "fault_cycle", "percentile", "window_json"]
 
 
-@dataclass
-class Window:
-    answered: int = 0
-    failures: Counter[str] = field(default_factory=Counter)
-    ttft: list[tuple[float, float]] = field(default_factory=list)  # (sent at, seconds)
-    excess_reserved: int = 0
-    excess_when: str = ""  # how long after which fault the largest excess was seen
-    replicas: dict[str, dict[str, float]] = field(default_factory=dict)
-    faults: list[str] = field(default_factory=list)
+def fault_cycle(redis_fault: str, only: str = "") -> list[str]:
+    """The faults in turn; the Redis one named for the topology (``redis`` or ``failover``)."""
+    kinds = [redis_fault if k == "redis" else k for k in FAULTS]
+    chosen = [k for k in kinds if k in only.split(",")]
+    return chosen or kinds
 
 
 class FaultFleet:
-    """Redis, engines and two replicas; each can be killed and started again on its port."""
+    """Redis, engines and the replicas; each can be killed and started again on its port."""
 
-    def __init__(self, workdir: Path, speedup: float) -> None:
+    def __init__(self, workdir: Path, speedup: float, replicas: int = 3, redis: str = "sentinel") -> None:  # fmt: skip
         self.workdir = workdir
-        self.redis = redis_proc(workdir)
+        self.redis = soak_redis(redis, workdir)
         self.specs = [
             EngineSpec(f"c{i}", capacity_tokens=100_000, speedup=speedup) for i in range(2)
         ] + [
@@ -69,10 +74,15 @@ class FaultFleet:
             for i in range(2)
         ]  # fmt: skip
         self.engines = [engine_proc(s) for s in self.specs]
+        self.n_replicas = replicas
         self.replicas: list[Proc] = []
 
+    @property
+    def backends(self) -> list[str]:
+        return [s.name for s in self.specs]
+
     def start(self) -> None:
-        self.redis.start(log_dir=self.workdir)
+        self.redis.start(self.workdir)
         for e in self.engines:
             e.start(log_dir=self.workdir)
         for e in self.engines:
@@ -83,12 +93,12 @@ class FaultFleet:
         ]  # fmt: skip
         cfg = {
             "backends": backends,
-            "store": {"redis_url": self.redis.url, "leases": True},
+            "store": {**self.redis.store_config(), "leases": True, "lease_ttl_s": LEASE_TTL_S},
             "collector": {"scrape_interval_s": 0.25, "stale_after_s": 3.0},
         }
         path = self.workdir / "kvroute.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        for i in range(2):
+        for i in range(self.n_replicas):
             port = free_port()
             argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)]
             argv += ["--port", str(port), "--log-level", "warning", "--reload-on-hup"]
@@ -99,103 +109,12 @@ class FaultFleet:
     def restart(self, p: Proc, ready: str = "/health") -> None:
         p.popen = None
         p.start(log_dir=self.workdir)
-        if p is not self.redis:
-            wait_http(p.url + ready, timeout_s=60, proc=p.popen)
-
-    def kill(self, p: Proc) -> None:
-        p.signal(signal.SIGKILL)
-        if p.popen is not None:
-            p.popen.wait(10)
+        wait_http(p.url + ready, timeout_s=60, proc=p.popen)
 
     def stop(self) -> None:
-        for p in [*self.replicas, *self.engines, self.redis]:
+        for p in [*self.replicas, *self.engines]:
             p.stop()
-
-
-@dataclass
-class Client:
-    """The load: open-loop, alternating replicas, a balancer's resend on a refused connection."""
-
-    fleet: FaultFleet
-    inflight_demand: int = 0
-    # The most in flight since the monitor's last sample: a request that just ended may
-    # still be in the /fleet it reads (its release is a round trip behind the last byte).
-    peak_demand: int = 0
-    turn: int = 0
-    prompts: dict[int, str] = field(default_factory=dict)
-    killed_at: dict[str, float] = field(default_factory=dict)
-    back_at: dict[str, float] = field(default_factory=dict)
-
-    def cut_off_by_kill(self, name: str, start: float) -> bool:
-        """A request to replica ``name`` broke because that replica was killed: it was in
-        flight at the kill, or sent (on a pooled connection) while the replica was down."""
-        killed = self.killed_at.get(name, -1.0)
-        back = self.back_at.get(name, -1.0)
-        down = back < killed
-        return killed >= start or down or time.monotonic() - back < 1.0
-
-    def prompt(self, tokens: int) -> str:
-        bucket = max(1, tokens // 250 * 250)
-        if bucket not in self.prompts:
-            self.prompts[bucket] = make_prompt(bucket, random.Random(bucket))
-        return self.prompts[bucket]
-
-    async def one(self, c: httpx.AsyncClient, prompt: int, output: int, w: Window) -> None:
-        body = {
-            "model": "sim-model",
-            "messages": [{"role": "user", "content": self.prompt(max(1, prompt - chat_overhead_tokens()))}],
-            "max_tokens": output,
-            "stream": True,
-        }  # fmt: skip
-        self.turn += 1
-        order = [self.fleet.replicas[self.turn % 2], self.fleet.replicas[(self.turn + 1) % 2]]
-        self.inflight_demand += prompt + output
-        self.peak_demand = max(self.peak_demand, self.inflight_demand)
-        try:
-            for target in order:
-                start = time.monotonic()
-                try:
-                    outcome = await self._stream(c, target.url, body, start, w)
-                    if outcome:
-                        w.failures[outcome] += 1
-                    return
-                except httpx.ConnectError:
-                    continue  # refused: a dead replica; the balancer resends
-                except httpx.HTTPError:
-                    killed = self.cut_off_by_kill(target.name, start)
-                    w.failures["killed_replica" if killed else "lost"] += 1
-                    return
-            w.failures["no_replica"] += 1
-        finally:
-            self.inflight_demand -= prompt + output
-
-    async def _stream(
-        self, c: httpx.AsyncClient, url: str, body: dict[str, Any], start: float, w: Window
-    ) -> str:
-        async with c.stream("POST", url + "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                code = (json.loads(raw or b"{}").get("error") or {}).get("code", "")
-                return f"http_{resp.status_code}_{code}"
-            first = True
-            async for chunk in resp.aiter_bytes():
-                if first and chunk:
-                    w.ttft.append((start, time.monotonic() - start))
-                    first = False
-            w.answered += 1
-            return ""
-
-
-def reserved_tokens(fleet: FaultFleet) -> int | None:
-    """Every backend's reserved tokens in the first live replica's ``/fleet``."""
-    for r in fleet.replicas:
-        if r.alive:
-            try:
-                got = httpx.get(r.url + "/fleet", timeout=2).json()
-            except (httpx.HTTPError, ValueError):
-                continue
-            return sum(int(b["overlay"]["reserved_tokens"]) for b in got["backends"])
-    return None
+        self.redis.stop()
 
 
 def replica_resources(fleet: FaultFleet) -> dict[str, dict[str, float]]:
@@ -212,55 +131,22 @@ def replica_resources(fleet: FaultFleet) -> dict[str, dict[str, float]]:
     return out
 
 
-async def inject(
-    fleet: FaultFleet, client: Client, kind: str, n: int, c: httpx.AsyncClient
-) -> None:
-    """One fault; blocking process calls run in a thread, the load goes on."""
-    if kind == "replica":
-        r = fleet.replicas[n % 2]
-        client.killed_at[r.name] = time.monotonic()
-        await asyncio.to_thread(fleet.kill, r)
-        await asyncio.sleep(3.0)
-        await asyncio.to_thread(fleet.restart, r)
-        client.back_at[r.name] = time.monotonic()
-    elif kind == "redis":
-        await asyncio.to_thread(fleet.kill, fleet.redis)
-        await asyncio.sleep(1.5)
-        await asyncio.to_thread(fleet.restart, fleet.redis)
-    elif kind == "engine":
+async def inject(fleet: FaultFleet, client: Client, kind: str, n: int, c: httpx.AsyncClient) -> str:
+    """One fault; blocking process calls run in a thread, the load goes on. What happened."""
+    if kind in ("redis", "failover"):
+        return await asyncio.to_thread(fleet.redis.inject)
+    if kind == "engine":
         e = fleet.engines[n % len(fleet.engines)]
-        await asyncio.to_thread(fleet.kill, e)
+        await asyncio.to_thread(kill, e)
         await asyncio.sleep(5.0)
         await asyncio.to_thread(fleet.restart, e)
-    elif kind == "reload":
+        return e.name
+    if kind == "reload":
         for r in fleet.replicas:
             r.signal(signal.SIGHUP)
-    else:
-        await disconnect_storm(fleet, client, c)
-
-
-async def disconnect_storm(
-    fleet: FaultFleet, client: Client, c: httpx.AsyncClient, n: int = 20
-) -> None:
-    """``n`` streams that leave after 0.5 s; their demand counts as in flight meanwhile."""
-    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi " * 200}],
-            "max_tokens": 2000, "stream": True}  # fmt: skip
-    demand = 200 + chat_overhead_tokens() + 2000
-
-    async def leave(url: str) -> None:
-        client.inflight_demand += demand
-        client.peak_demand = max(client.peak_demand, client.inflight_demand)
-        try:
-            async with asyncio.timeout(0.5):
-                async with c.stream("POST", url + "/v1/chat/completions", json=body) as resp:
-                    async for _ in resp.aiter_bytes():
-                        pass
-        except (TimeoutError, httpx.HTTPError):
-            pass
-        finally:
-            client.inflight_demand -= demand
-
-    await asyncio.gather(*(leave(fleet.replicas[i % 2].url) for i in range(n)))
+        return "SIGHUP to every replica"
+    await disconnect_storm(client, c)
+    return "20 streams left after 0.5 s"
 
 
 def since_fault(start: float, fault_log: Sequence[tuple[float, str]]) -> str:
@@ -289,69 +175,136 @@ def window_json(w: Window, fault_times: Sequence[float]) -> dict[str, Any]:
         "ttft_samples_outside_faults": len(calm),
         "max_reserved_over_inflight_tokens": w.excess_reserved,
         "max_reserved_over_inflight_when": w.excess_when,
+        "quiet_moments": w.quiet,
         "replicas": w.replicas,
     }
 
 
-async def run(args: argparse.Namespace, fleet: FaultFleet) -> dict[str, Any]:
-    client = Client(fleet)
-    windows: list[Window] = [Window()]
-    fault_times: list[float] = []
-    fault_log: list[tuple[float, str]] = []
-    kinds = [k for k in FAULTS if k in args.only.split(",")] or list(FAULTS)
-    start = time.monotonic()
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=120, limits=limits, trust_env=False) as c:
+class Soak:
+    """One run: the load, the faults and the monitor on one loop; quiet moments hold faults off."""
 
-        async def faults() -> None:
-            n = 0
-            while True:
-                await asyncio.sleep(args.fault_every_s)
-                kind = kinds[n % len(kinds)]
-                fault_times.append(time.monotonic())
-                fault_log.append((time.monotonic(), kind))
-                windows[-1].faults.append(f"{round(time.monotonic() - start)}s {kind}")
-                await inject(fleet, client, kind, n // len(kinds), c)
-                n += 1
+    def __init__(self, args: argparse.Namespace, fleet: FaultFleet) -> None:
+        self.args, self.fleet = args, fleet
+        self.client = Client(fleet.replicas)
+        self.windows: list[Window] = [Window()]
+        self.fault_log: list[tuple[float, str]] = []
+        self.fault_notes: list[dict[str, Any]] = []
+        self.kinds = fault_cycle(fleet.redis.fault, args.only)
+        self.hold = asyncio.Lock()  # a fault or a quiet moment, never both
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.resume = asyncio.Event()  # cleared: the load waits (a quiet moment after a kill)
+        self.resume.set()
+        self.start = time.monotonic()
 
-        async def monitor() -> None:
-            while True:
-                await asyncio.sleep(2.0)
-                w = windows[-1]
-                reserved = await asyncio.to_thread(reserved_tokens, fleet)
-                demand, client.peak_demand = client.peak_demand, client.inflight_demand
-                if reserved is not None and reserved - demand > w.excess_reserved:
-                    w.excess_reserved = reserved - demand
-                    w.excess_when = since_fault(start, fault_log)
-                w.replicas = await asyncio.to_thread(replica_resources, fleet)
-                if time.monotonic() - start >= len(windows) * args.window_s:
-                    print(json.dumps(window_json(w, fault_times)), flush=True)
-                    windows.append(Window())
+    def at(self) -> float:
+        return round(time.monotonic() - self.start, 1)
 
-        background = [asyncio.create_task(faults()), asyncio.create_task(monitor())]
-        tasks: set[asyncio.Task[None]] = set()
-        for req in bimodal(args.rate, duration_s=args.duration_s, seed=args.seed):
-            delay = start + req.arrival_s - time.monotonic()
+    async def faults(self, c: httpx.AsyncClient) -> None:
+        n = 0
+        while True:
+            await asyncio.sleep(self.args.fault_every_s)
+            kind = self.kinds[n % len(self.kinds)]
+            async with self.hold:
+                self.fault_log.append((time.monotonic(), kind))
+                self.windows[-1].faults.append(f"{round(self.at())}s {kind}")
+                at = self.at()
+                try:
+                    if kind == "replica":
+                        note = await self.kill_replica(n // len(self.kinds))
+                    else:
+                        note = await inject(self.fleet, self.client, kind, n // len(self.kinds), c)
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    note = f"FAILED: {exc}"
+                self.fault_notes.append({"at_s": at, "kind": kind, "note": note})
+                print(json.dumps({"fault": kind, "at_s": at, "note": note}), flush=True)
+            n += 1
+
+    async def monitor(self) -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            w = self.windows[-1]
+            reserved = await asyncio.to_thread(reserved_tokens, self.fleet.replicas)
+            demand, self.client.peak_demand = self.client.peak_demand, self.client.inflight_demand
+            if reserved is not None and reserved - demand > w.excess_reserved:
+                w.excess_reserved = reserved - demand
+                w.excess_when = since_fault(self.start, self.fault_log)
+            w.replicas = await asyncio.to_thread(replica_resources, self.fleet)
+            if time.monotonic() - self.start >= len(self.windows) * self.args.window_s:
+                print(json.dumps(window_json(w, [f for f, _ in self.fault_log])), flush=True)
+                self.windows.append(Window())
+
+    async def kill_replica(self, n: int) -> str:
+        """SIGKILL a replica while it holds reservations; the load pauses for a quiet moment
+        (its reservations must stop counting within the lease TTL); restart 3 s after the kill."""
+        r = self.fleet.replicas[n % len(self.fleet.replicas)]
+        held = await asyncio.to_thread(wait_holding, r.url)
+        self.resume.clear()
+        killed = self.client.killed_at[r.name] = time.monotonic()
+        await asyncio.to_thread(kill, r)
+        try:
+            q = await self.measure_quiet()
+            q["zero_after_kill_s"] = round(q["drain_s"] + (q["zero_after_s"] or QUIET_WATCH_S), 2)
+        finally:
+            self.resume.set()
+        await asyncio.sleep(max(0.0, killed + 3.0 - time.monotonic()))
+        await asyncio.to_thread(self.fleet.restart, r)
+        self.client.back_at[r.name] = time.monotonic()
+        return f"{r.name}, holding {held} tokens of its own; reserved 0 {q['zero_after_kill_s']} s after"
+
+    async def measure_quiet(self) -> dict[str, Any]:
+        at, after = self.at(), since_fault(self.start, self.fault_log)
+        q = await quiet_moment(self.fleet.replicas, self.fleet.redis, self.fleet.backends,
+                               self.tasks, LEASE_TTL_S)  # fmt: skip
+        q = {"at_s": at, "after": after, **q}
+        self.windows[-1].quiet.append(q)
+        print(json.dumps({"quiet": q}), flush=True)
+        return q
+
+    async def quiet(self) -> dict[str, Any]:
+        async with self.hold:
+            return await self.measure_quiet()
+
+    async def load(self, c: httpx.AsyncClient) -> None:
+        """The arrivals, open-loop; a quiet moment shifts the rest of the schedule by its length."""
+        shift, next_quiet = 0.0, self.args.quiet_every_s
+        for req in bimodal(self.args.rate, duration_s=self.args.duration_s, seed=self.args.seed):
+            if req.arrival_s >= next_quiet:
+                paused = time.monotonic()
+                await self.quiet()
+                shift += time.monotonic() - paused
+                while next_quiet <= req.arrival_s:
+                    next_quiet += self.args.quiet_every_s
+            delay = self.start + shift + req.arrival_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            t = asyncio.create_task(
-                client.one(c, req.prompt_tokens, req.output_tokens, windows[-1])
-            )
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-        background[0].cancel()
-        await asyncio.gather(*tasks)
-        background[1].cancel()
-    ended = time.monotonic()
-    for _ in range(300):  # at most 60 s
-        if not await asyncio.to_thread(reserved_tokens, fleet):
-            break
-        await asyncio.sleep(0.2)
-    return {
-        "windows": [window_json(w, fault_times) for w in windows if w.answered or w.failures],
-        "reserved_zero_after_load_s": round(time.monotonic() - ended, 2),
-        "reserved_after_load": reserved_tokens(fleet),
-    }
+            if not self.resume.is_set():
+                paused = time.monotonic()
+                await self.resume.wait()
+                shift += time.monotonic() - paused
+            w = self.windows[-1]
+            t = asyncio.create_task(self.client.one(c, req.prompt_tokens, req.output_tokens, w))
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+
+    async def run(self) -> dict[str, Any]:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits, trust_env=False) as c:
+            background = [asyncio.create_task(self.faults(c)), asyncio.create_task(self.monitor())]
+            await self.load(c)
+            async with self.hold:  # a fault under way ends first
+                background[0].cancel()
+            final = await self.quiet()
+            background[1].cancel()
+        fault_times = [f for f, _ in self.fault_log]
+        windows = [w for w in self.windows if w.answered or w.failures or w.quiet]
+        return {
+            "redis": self.fleet.redis.kind,
+            "replicas": len(self.fleet.replicas),
+            "load_s": self.at(),
+            "windows": [window_json(w, fault_times) for w in windows],
+            "faults": self.fault_notes,
+            "after_load": final,
+        }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -362,18 +315,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--window-s", type=float, default=300.0, help="report window (default 5 min)")
     p.add_argument("--fault-every-s", type=float, default=60.0, help="one fault every this long")
+    p.add_argument("--quiet-every-s", type=float, default=300.0,
+                   help="a quiet moment (load paused until reserved reads 0) every this long of load")  # fmt: skip
+    p.add_argument("--replicas", type=int, default=3, help="gateway replicas (default 3)")
+    p.add_argument("--redis", choices=("sentinel", "single"), default="sentinel",
+                   help="Sentinel (primary, replica, 3 sentinels; fault: failover) or one server")  # fmt: skip
     p.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
     p.add_argument("--speedup", type=float, default=50.0, help="engine simulated-time speedup")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--only", default="", help="these faults only, comma-separated: " + ",".join(FAULTS)
-    )
+        "--only", default="", help="these faults only, comma-separated: " + ",".join(FAULTS) + ",failover"
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write the summary JSON here")
     args = p.parse_args(argv)
-    fleet = FaultFleet(Path(tempfile.mkdtemp(prefix="kvroute-soak-faults-")), args.speedup)
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-soak-faults-"))
+    fleet = FaultFleet(workdir, args.speedup, args.replicas, args.redis)
     try:
         fleet.start()
-        summary = asyncio.run(run(args, fleet))
+        summary = asyncio.run(Soak(args, fleet).run())
     finally:
         fleet.stop()
     print(json.dumps(summary, indent=2))
