@@ -200,3 +200,56 @@ def test_grpc_health(engine_factory: Callable[..., Any], taps: list[Tap]) -> Non
             for service in ("liveness", "readiness", EXT_PROC_SERVICE, ""):
                 answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def _gauge(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    )
+
+
+def test_a_client_leaving_while_held_leaves_nothing_behind(
+    engine_factory: Callable[..., Any], taps: list[Tap]
+) -> None:
+    a = tapped(engine_factory, taps, "a")
+    a["_engine"].fragment(4_000)
+    with picked(config_of(a), queue={"max_wait_s": 30}) as (epp, envoy):
+        wait_until(
+            lambda: (
+                (fleet_state(epp.url)["backends"][0]["report"] or {}).get(
+                    "largest_free_block_tokens", 1e9
+                )
+                <= 4_000
+            ),
+            what="the fragmented report",
+        )
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": make_prompt(20_000)}],
+            "max_tokens": 32,
+        }
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=1.0)
+        # The hold ended with the stream: no place in line, no reservation, nothing sent.
+        wait_until(lambda: _gauge(epp.url, "kvroute_queue_depth") == 0, what="the hold ended")
+        assert inflight(epp) == 0 and not a["_tap"].exchanges
+
+
+def test_an_upstream_dying_mid_stream_releases(
+    engine_factory: Callable[..., Any], taps: list[Tap]
+) -> None:
+    eng = engine_factory(name="a", mode="process", **SLOW)
+    tap = Tap(eng.url).start()
+    taps.append(tap)
+    with picked([{"name": "a", "url": tap.url, "kind": "contiguous"}]) as (epp, envoy):
+        url = envoy.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json={**STORY, "stream": True}, timeout=30) as resp:
+            chunks = resp.iter_raw()
+            next(chunks)
+            assert inflight(epp) == 1
+            eng.kill()
+            with pytest.raises(httpx.HTTPError):
+                for _ in chunks:
+                    pass
+        wait_until(lambda: inflight(epp) == 0, what="reservation released")
