@@ -258,6 +258,24 @@ class RequestGuard:
                 headers={"retry-after": self.retry_after, "connection": "close"},
             )
 
+    def body_deadline(self, started: float, size: int) -> float:
+        """When a body begun at ``started`` with ``size`` bytes so far must have arrived.
+
+        Each byte received buys 1/min_rate s more: a body that keeps the minimum rate never
+        times out, a trickle is cut after the grace period.
+        """
+        return started + self.body_timeout_s + size / self.body_min_rate
+
+    def body_late(self, size: int, waited_s: float) -> ApiError:
+        """The 408 of a body that did not arrive within its time (``body_deadline``)."""
+        return ApiError(
+            408,
+            f"the request body did not arrive in time ({size} bytes in {waited_s:.1f}s; at "
+            f"least {self.body_min_rate} bytes/s after {self.body_timeout_s:g}s)",
+            code="request_timeout",
+            headers={"connection": "close"},
+        )
+
     def whole_body(self, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[bytes, int]:
         """A body the server already holds in full: the same size and budget checks, no wait."""
         self.check_declared(headers)
@@ -275,10 +293,7 @@ class RequestGuard:
         started = loop.time()
         try:
             while True:
-                # Each byte received buys 1/min_rate s more: a body that keeps the minimum
-                # rate never times out, a trickle is cut after the grace period.
-                deadline = started + self.body_timeout_s + size / self.body_min_rate
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(self.body_deadline(started, size)):
                     message: Message = await receive()
                 if message["type"] != "http.request":
                     raise ApiError(400, "the client went away", code="client_disconnect")
@@ -291,14 +306,7 @@ class RequestGuard:
                     return b"".join(chunks), held
         except TimeoutError:
             self.budget.give(held)
-            raise ApiError(
-                408,
-                f"the request body did not arrive in time ({size} bytes in "
-                f"{loop.time() - started:.1f}s; at least {self.body_min_rate} bytes/s after "
-                f"{self.body_timeout_s:g}s)",
-                code="request_timeout",
-                headers={"connection": "close"},
-            ) from None
+            raise self.body_late(size, loop.time() - started) from None
         except ApiError:
             self.budget.give(held)
             raise
