@@ -701,8 +701,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the body deadline restarts with every chunk (a trickle is never cut)",
         ("tests/api/test_security.py::test_a_trickled_body_is_cut_by_the_whole_bodys_deadline",),
         "RequestGuard.read_body",
-        r"deadline = started \+ self\.body_timeout_s",
-        "deadline = loop.time() + self.body_timeout_s",
+        r"self\.body_deadline\(started, size\)",
+        "self.body_deadline(loop.time(), size)",
     ),
     Mutation(
         "limit-concurrency",
