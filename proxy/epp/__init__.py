@@ -8,6 +8,7 @@ affinity, memory pressure) is the gateway's own walk (``proxy.gateway``), reache
 
     messages   protobuf answers: header mutation, streamed body chunks, immediate responses
     endpoints  backend name <-> ``ip:port``, the subset hint
+    guard      the gateway's request guard (headers, key, body, concurrency) on each stream
     door       one request into the walk: place and reserve, or the gateway's refusal
     learn      what the answer teaches (status, usage from JSON or SSE), release once
     exchange   one ext_proc stream, message by message

@@ -13,6 +13,7 @@ the reservation; nothing else holds it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Protocol
 
@@ -22,8 +23,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from proxy.epp import messages
 from proxy.epp.door import Pick, Refusal, pick
 from proxy.epp.endpoints import Endpoints, served_endpoint, subset_hint
+from proxy.epp.guard import EppGuard
 from proxy.epp.learn import Answer
-from proxy.epp.shedding import Shedding
 from proxy.errors import ApiError
 from proxy.gateway.walk import Gateway
 
@@ -41,13 +42,17 @@ class Stream(Protocol):
 class Exchange:
     """The state of one stream: the request as it arrives, then its answer."""
 
-    def __init__(self, gw: Gateway, endpoints: Endpoints, shedding: Shedding) -> None:
+    def __init__(self, gw: Gateway, endpoints: Endpoints, guard: EppGuard) -> None:
         self.gw = gw
         self.endpoints = endpoints
-        self.shedding = shedding
+        self.guard = guard
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
         self.size = 0
+        # Body bytes counted in the guard's budget (given back when the stream ends).
+        self.held = 0
+        # The loop's time at the request headers: the body's deadline counts from there.
+        self.started: float | None = None
         self.subset: list[str] | None = None
         self.answer: Answer | None = None
         self.slot = False
@@ -57,20 +62,42 @@ class Exchange:
         """Answer every message until the stream ends; release whatever it still holds."""
         try:
             while not self.done:
-                message = await stream.read()
-                if message is grpc.aio.EOF or not isinstance(message, pb.ProcessingRequest):
+                message = await self._next(stream)
+                if message is None:
                     return
                 for out in await self.on(message, stream.peer()):
                     await stream.write(out)
         finally:
             self.close()
 
+    async def _next(self, stream: Stream) -> pb.ProcessingRequest | None:
+        """The next message; while the request body arrives, within its deadline (then a 408
+        is written and the stream ends: None)."""
+        if self.started is None or self.answer is not None:
+            message = await stream.read()
+        else:
+            try:
+                async with asyncio.timeout_at(self.guard.body_deadline(self.started, self.size)):
+                    message = await stream.read()
+            except TimeoutError:
+                waited = asyncio.get_running_loop().time() - self.started
+                late = self.guard.body_late(self.size, waited)
+                for out in self._refuse(Refusal.of_error(late, self._request_id())):
+                    await stream.write(out)
+                return None
+        if message is grpc.aio.EOF or not isinstance(message, pb.ProcessingRequest):
+            return None
+        return message
+
     def close(self) -> None:
         if self.answer is not None:
             self.answer.end("closed")
         if self.slot:
             self.slot = False
-            self.shedding.leave()
+            self.guard.leave()
+        if self.held:
+            self.guard.give(self.held)
+            self.held = 0
 
     async def on(self, message: pb.ProcessingRequest, peer: str) -> list[pb.ProcessingResponse]:
         """The answers to one message (none while the request body is still arriving)."""
@@ -95,34 +122,37 @@ class Exchange:
 
     def _request_headers(self, headers: pb.HttpHeaders, peer: str) -> list[pb.ProcessingResponse]:
         self.headers = messages.header_map(headers)
-        if not self.shedding.enter():
-            return self._refuse(Refusal.of_error(self.shedding.busy(), self._request_id()))
-        self.slot = True
+        self.guard.follow(self.gw.cfg)
+        path = self.headers.get(":path", "").partition("?")[0]
+        refused = self.guard.at_headers(self.headers, path)
+        if refused is not None:
+            return self._refuse(Refusal.of_error(refused, self._request_id()))
         if headers.end_of_stream:
-            return self._no_body()
+            err = ApiError(400, "the request has no body", code="invalid_body")
+            return self._refuse(Refusal.of_error(err, self._request_id()))
+        self.started = asyncio.get_running_loop().time()
         return []
 
-    def _no_body(self) -> list[pb.ProcessingResponse]:
-        """A request without a body: nothing to place (the walk's own 400 for an empty body)."""
-        err = ApiError(400, "the request has no body", code="invalid_body")
-        return self._refuse(Refusal.of_error(err, self._request_id()))
-
     async def _request_body(self, body: pb.HttpBody, peer: str) -> list[pb.ProcessingResponse]:
-        limit = self.gw.cfg.limits.max_body_bytes
-        self.size += len(body.body)
-        if self.size > limit:
-            err = ApiError(
-                413, f"request body is above the limit of {limit} bytes", code="request_too_large"
-            )
+        chunk = body.body
+        self.size += len(chunk)
+        try:
+            self.guard.take(self.size, chunk)
+        except ApiError as err:
             return self._refuse(Refusal.of_error(err, self._request_id()))
-        if body.body:
-            self.body.append(body.body)
+        self.held += len(chunk)
+        if chunk:
+            self.body.append(chunk)
         if not body.end_of_stream:
             return []
         return await self._decide(peer)
 
     async def _decide(self, peer: str) -> list[pb.ProcessingResponse]:
-        """The whole body is here: place it, then send the destination and the body back."""
+        """The whole body is here: take a slot, place it, then send the destination and the
+        body back."""
+        if not self.guard.enter():
+            return self._refuse(Refusal.of_error(self.guard.busy(), self._request_id()))
+        self.slot = True
         leave_out = (
             frozenset() if self.subset is None else self.endpoints.names_outside(self.subset)
         )

@@ -24,7 +24,7 @@ from proxy.config import Config
 from proxy.epp import health
 from proxy.epp.endpoints import Endpoints
 from proxy.epp.exchange import Exchange
-from proxy.epp.shedding import Shedding
+from proxy.epp.guard import EppGuard
 from proxy.gateway.walk import Gateway
 
 log = logging.getLogger("kvroute.epp")
@@ -45,7 +45,7 @@ class Processor:
 
     def __init__(self, gateway: Callable[[], Gateway]) -> None:
         self.gateway = gateway
-        self.shedding = Shedding(lambda: self.gateway().cfg)
+        self.guard: EppGuard | None = None
         self._endpoints: tuple[Config, Endpoints] | None = None
 
     def endpoints(self, cfg: Config) -> Endpoints:
@@ -56,7 +56,9 @@ class Processor:
 
     async def Process(self, request_iterator: Any, context: Any) -> None:
         gw = self.gateway()
-        await Exchange(gw, self.endpoints(gw.cfg), self.shedding).run(context)
+        if self.guard is None:
+            self.guard = EppGuard(gw.cfg)
+        await Exchange(gw, self.endpoints(gw.cfg), self.guard).run(context)
 
 
 class EppServer:

@@ -160,3 +160,27 @@ def test_bad_requests_are_answered_at_once(engine_factory: Callable[..., Any]) -
                 assert answer.status.code == status, (status, answer)
                 assert json.loads(answer.body)["error"]["message"]
         assert inflight(epp) == 0
+
+
+def test_the_gateways_guard_applies(engine_factory: Callable[..., Any]) -> None:
+    """The API key (401) and the body's time (408), as the gateway's guard answers them."""
+    limits = {"body_timeout_s": 0.3, "body_min_rate_bytes_s": 1_000_000}
+    auth = {"api_keys": ["k1"], "forward_client_authorization": "never"}
+    with two_engines(engine_factory, limits=limits, auth=auth) as (epp, _):
+        with stream_to(epp) as s:
+            s.send(request_headers())
+            answer = s.recv().immediate_response
+            assert answer.status.code == 401
+            assert json.loads(answer.body)["error"]["code"] == "invalid_api_key"
+        with stream_to(epp) as s:
+            keyed = request_headers()
+            keyed.request_headers.headers.headers.append(
+                base_pb2.HeaderValue(key="authorization", raw_value=b"Bearer k1")
+            )
+            s.send(keyed)
+            s.send(request_body(b'{"model": "sim-model", ', end=False))
+            # The rest never comes: the body's deadline answers.
+            answer = s.recv().immediate_response
+            assert answer.status.code == 408
+            assert json.loads(answer.body)["error"]["code"] == "request_timeout"
+        assert inflight(epp) == 0
