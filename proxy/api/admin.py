@@ -24,8 +24,9 @@ from starlette.responses import Response
 from proxy.api.cache import Coalesced
 from proxy.api.worker_peers import FANOUT_HEADER, combined, credentials
 from proxy.errors import ApiError, RefusalReason, RestartRefused
-from proxy.ops.maintenance import Maintenance
+from proxy.ops.maintenance import Maintenance, partitioned_slots
 from proxy.ops.preemption_advice import preemption_advice
+from proxy.ops.slot_advice import slot_layout_advice
 from proxy.state.base import StoreUnavailable
 
 STATUS_PAGE_CSP = (
@@ -206,6 +207,12 @@ class OpsReads:
                 body["pools"] = rt.gateway.queues.pool_advice(snap, rt.store.now())
             # Preemptions under the projection: which nodes the gateway fills less, and why.
             body["memory_pressure"] = preemption_advice(rt.gateway.pressure.headroom, snap)
+            # llama.cpp servers whose slots are each too small for what failed there.
+            body["slot_layout"] = slot_layout_advice(
+                partitioned_slots(rt.cfg),
+                ops.failures.recent(rt.store.now(), ops.settings.failure_window_s),
+                snap,
+            )
             return orjson.dumps(body)
 
         payload = await self.advice_cache.get("advice", compute)

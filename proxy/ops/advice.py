@@ -12,7 +12,7 @@ block, adding replicas is the wrong fix: restarting that node is the right one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -210,6 +210,7 @@ def decide(
     below_since: Mapping[str, float] | None = None,
     busy: Iterable[str] = (),
     blocked_until: Mapping[str, float] | None = None,
+    split_by_config: Collection[str] = (),
 ) -> Findings:
     """The action and what it rests on (parameters as ``advise``)."""
     fails = list(failures)
@@ -217,7 +218,12 @@ def decide(
     busy_set = frozenset(busy)
     fixable = [f for f in fails if f.fixable_by_restart]
     capacity = [f for f in fails if not f.fixable_by_restart]
-    failed_here = _failed_here(fixable)
+    # A restart does not join split slots (proxy.ops.slot_advice says what does).
+    failed_here = {
+        name: demand
+        for name, demand in _failed_here(fixable).items()
+        if name not in split_by_config
+    }
     # Staleness judged as routing judges it (proxy.core.freshness): against the newest report.
     judged = judged_at(snapshot, now, stale_after_s)
     assessed = [
@@ -360,16 +366,19 @@ def advise(
     below_since: Mapping[str, float] | None = None,
     busy: Iterable[str] = (),
     blocked_until: Mapping[str, float] | None = None,
+    split_by_config: Collection[str] = (),
 ) -> Advice:
     """What to do now, and why. ``failures``: those of the last ``failure_window_s``;
     ``rate_failures``: those of the last minute, for the effective demand (defaults to
     ``failures``); ``busy``: nodes being restarted now (they count as out of the fleet);
     ``blocked_until``: no restart of a node before this time (its last attempt, from the
-    shared event log). ``decide`` chooses, ``explain`` writes the reasons."""
+    shared event log); ``split_by_config``: nodes whose free memory is split by how they
+    were started (llama.cpp's partitioned slots), never restart candidates. ``decide``
+    chooses, ``explain`` writes the reasons."""
     found = decide(
         snapshot, now, cfg, stale_after_s=stale_after_s, failures=failures,
         rate_failures=rate_failures, trends=trends, below_since=below_since, busy=busy,
-        blocked_until=blocked_until,
+        blocked_until=blocked_until, split_by_config=split_by_config,
     )  # fmt: skip
     return Advice(
         action=found.action,

@@ -269,6 +269,7 @@ class Maintenance(RestartRunner):
             below_since=self.below_since,
             busy=self._busy(books),
             blocked_until=self._blocked_until(books),
+            split_by_config=partitioned_slots(self.cfg),
         )
 
     async def tick(self) -> Advice:

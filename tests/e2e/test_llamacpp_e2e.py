@@ -159,7 +159,13 @@ def test_context_exceeded_500_is_diverted_and_never_retried_on_that_node(
         assert [r.headers["x-kvroute-backend"] for r in answers] == ["p1", "p1"]
         assert [r.headers["x-kvroute-attempts"] for r in answers] == ["2", "2"]
         failed_on_u = gateway_metric(gw, "kvroute_allocation_failures_total", backend="u")
+        advice = httpx.get(gw + "/fleet/advice", timeout=10).json()
     assert failed_on_u == 2
+    # Declared partitioned, u had room in total for what failed there: a layout advice
+    # (llama.cpp's own flags), never a restart, which would start the same slots again.
+    assert "u" in advice["slot_layout"]["servers"], advice["slot_layout"]
+    assert "--kv-unified" in advice["slot_layout"]["reason"]
+    assert "u" not in advice["restart"], advice
     assert tasks_started(fleet["u"]) - before == 2
 
 

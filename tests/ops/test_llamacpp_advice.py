@@ -1,4 +1,5 @@
-"""llama.cpp's partitioned slots are split by configuration: no restart advice for them."""
+"""llama.cpp's partitioned slots are split by configuration: no restart advice for them,
+and a layout advice where a request was too long for any slot."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from proxy.backends.parse import parse_report
 from proxy.config import MaintenanceConfig, parse_config
 from proxy.core.fleet import FleetSnapshot, NodeView
 from proxy.ops.advice import advise
+from proxy.ops.diagnosis import Failure
 from proxy.ops.maintenance import partitioned_slots
 from proxy.ops.node_advice import update_below_since
+from proxy.ops.slot_advice import slot_layout_advice
 
 NOW = 1_000_000.0
 CFG = MaintenanceConfig(restart_after_s=300, min_interval_per_node_s=0)
@@ -47,3 +50,25 @@ def test_an_idle_partitioned_server_is_never_a_restart_candidate() -> None:
     since = update_below_since({}, snap, NOW - 600, CFG, split_by_config={"p"})
     assert since == {}
     assert advise(snap, NOW, CFG, stale_after_s=10, below_since=since).action == "none"
+
+
+def test_a_request_too_long_for_any_slot_is_not_restart_advice_but_a_layout_one() -> None:
+    """2,000 tokens failed on a server of four 1,024-token slots: 4,096 free in total, so
+    the failure reads as fragmentation, and a restart would start the same four slots."""
+    snap = FleetSnapshot((idle_partitioned("p"),), taken_at=NOW)
+    failed = Failure(NOW - 5, "p", "fragmentation", 2_000, 1.0, True, ("p",))
+    blind = advise(snap, NOW, CFG, stale_after_s=10, failures=[failed])
+    assert blind.action == "restart" and blind.nodes[0].restart_reasons == ("failures",)
+    told = advise(snap, NOW, CFG, stale_after_s=10, failures=[failed], split_by_config={"p"})
+    assert told.action == "none" and told.nodes[0].restart_reasons == ()
+    layout = slot_layout_advice({"p"}, [failed], snap)
+    assert layout["servers"] == {
+        "p": {
+            "failed_demand_tokens": 2_000,
+            "context_tokens": 4_096,
+            "largest_idle_slot_tokens": 1_024,
+        }
+    }
+    assert "2000 tokens" in layout["reason"] and "--kv-unified" in layout["reason"]
+    # A unified server's failures are someone else's business (fragmentation or capacity).
+    assert slot_layout_advice(set(), [failed], snap)["servers"] == {}
