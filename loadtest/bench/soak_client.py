@@ -31,6 +31,7 @@ class Window:
     ttft: list[tuple[float, float]] = field(default_factory=list)  # (sent at, seconds)
     excess_reserved: int = 0
     excess_when: str = ""  # how long after which fault the largest excess was seen
+    excess_detail: dict[str, Any] = field(default_factory=dict)  # who held it
     replicas: dict[str, dict[str, float]] = field(default_factory=dict)
     faults: list[str] = field(default_factory=list)
     quiet: list[dict[str, Any]] = field(default_factory=list)

@@ -175,6 +175,7 @@ def window_json(w: Window, fault_times: Sequence[float]) -> dict[str, Any]:
         "ttft_samples_outside_faults": len(calm),
         "max_reserved_over_inflight_tokens": w.excess_reserved,
         "max_reserved_over_inflight_when": w.excess_when,
+        "max_reserved_over_inflight_detail": w.excess_detail,
         "quiet_moments": w.quiet,
         "replicas": w.replicas,
     }
@@ -223,11 +224,12 @@ class Soak:
         while True:
             await asyncio.sleep(2.0)
             w = self.windows[-1]
-            reserved = await asyncio.to_thread(reserved_tokens, self.fleet.replicas)
+            reserved, holders = await asyncio.to_thread(reserved_tokens, self.fleet.replicas)
             demand, self.client.peak_demand = self.client.peak_demand, self.client.inflight_demand
             if reserved is not None and reserved - demand > w.excess_reserved:
                 w.excess_reserved = reserved - demand
                 w.excess_when = since_fault(self.start, self.fault_log)
+                w.excess_detail = {"reserved": reserved, "in_flight": demand, **holders}
             w.replicas = await asyncio.to_thread(replica_resources, self.fleet)
             if time.monotonic() - self.start >= len(self.windows) * self.args.window_s:
                 print(json.dumps(window_json(w, [f for f, _ in self.fault_log])), flush=True)

@@ -27,21 +27,37 @@ QUIET_WATCH_S = 30.0
 
 def fleet_reserved(url: str) -> int | None:
     """The sum of ``overlay.reserved_tokens`` over a replica's ``/fleet``; None: no answer."""
+    got = fleet_json(url)
+    return None if got is None else int(got["reserved"])
+
+
+def fleet_json(url: str) -> dict[str, Any] | None:
+    """A replica's ``/fleet``: ``reserved`` (the sum), ``by_lease`` (``replicas.reserved_tokens``)."""
     try:
         got = httpx.get(url + "/fleet", timeout=2).json()
-        return sum(int(b["overlay"]["reserved_tokens"]) for b in got["backends"])
+        reserved = sum(int(b["overlay"]["reserved_tokens"]) for b in got["backends"])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
+    return {"reserved": reserved, "by_lease": (got.get("replicas") or {}).get("reserved_tokens")}
 
 
-def reserved_tokens(replicas: Sequence[Proc]) -> int | None:
-    """Every backend's reserved tokens in the first live replica's ``/fleet`` that answers."""
+def lease_owner(lease: str, replicas: Sequence[Proc]) -> str:
+    """The replica (by its pid, in ``<host>-<pid>-<random>.<epoch>``) a lease id belongs to."""
+    parts = lease.split("-")
+    pids = {str(r.popen.pid): r.name for r in replicas if r.popen is not None}
+    return pids.get(parts[-2], lease) if len(parts) >= 3 else lease or "(no lease)"
+
+
+def reserved_tokens(replicas: Sequence[Proc]) -> tuple[int | None, dict[str, Any]]:
+    """Every backend's reserved tokens in the first live replica's ``/fleet`` that answers,
+    and who holds them: tokens per lease, named by replica where it is one of ``replicas``."""
     for r in replicas:
         if r.alive:
-            got = fleet_reserved(r.url)
+            got = fleet_json(r.url)
             if got is not None:
-                return got
-    return None
+                by = {lease_owner(k, replicas): sum(v.values()) for k, v in (got["by_lease"] or {}).items()}  # fmt: skip
+                return int(got["reserved"]), {"read_from": r.name, "by_holder": by}
+    return None, {}
 
 
 def reserved_everywhere(
