@@ -10,8 +10,9 @@ from unittest.mock import patch
 import redis
 
 from loadtest.bench.soak_faults import FAULTS, Window, fault_cycle, percentile, window_json
-from loadtest.bench.soak_quiet import quiet_moment
+from loadtest.bench.soak_quiet import lease_owner, quiet_moment
 from loadtest.bench.soak_redis import live_reserved
+from loadtest.local_fleet import Proc
 
 
 def test_ttft_percentiles_leave_out_the_30_s_after_each_fault() -> None:
@@ -77,3 +78,13 @@ def test_a_quiet_moment_waits_for_the_requests_then_for_zero() -> None:
     assert q["drain_s"] >= 0.2 and q["still_in_flight"] == 0
     assert q["at_quiet"] == {"redis": 700} and q["left"] is None
     assert q["zero_after_s"] is not None and q["within_lease_ttl"]
+
+
+def test_a_lease_is_named_by_the_replica_whose_pid_it_carries() -> None:
+    class Popen:
+        pid = 4242
+
+    r = Proc("replica-1", [], "http://x", popen=Popen())  # type: ignore[arg-type]
+    assert lease_owner("vm-a-b-4242-3fe80c.2", [r]) == "replica-1"
+    assert lease_owner("vm-4513-3fe80c.1", [r]) == "vm-4513-3fe80c.1"  # a replica gone since
+    assert lease_owner("", [r]) == "(no lease)"
