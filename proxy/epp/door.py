@@ -18,8 +18,9 @@ import asyncio
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Scope
@@ -63,16 +64,13 @@ class Pick:
 
     ctx: RequestContext
     backend: str
-    # Request headers to set upstream beside the destination (none yet).
-    upstream: dict[str, str] = field(default_factory=dict)
 
 
 def _code_of(body: bytes) -> str:
+    """The error code of an OpenAI-format error body ("refused" when it names none)."""
     try:
-        import orjson
-
         code = orjson.loads(body)["error"]["code"]
-    except Exception:
+    except (orjson.JSONDecodeError, KeyError, TypeError):
         return "refused"
     return str(code) if code else "refused"
 

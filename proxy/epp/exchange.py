@@ -56,6 +56,7 @@ class Exchange:
         self.subset: list[str] | None = None
         self.answer: Answer | None = None
         self.slot = False
+        self.decided = False
         self.done = False
 
     async def run(self, stream: Stream) -> None:
@@ -109,7 +110,9 @@ class Exchange:
         if kind == "request_body":
             return await self._request_body(message.request_body, peer)
         if kind == "request_trailers":
-            return [*await self._decide(peer), messages.trailers(request=True)]
+            # The body ended with its trailers (else it was decided at its end_of_stream).
+            decided = [] if self.decided else await self._decide(peer)
+            return [*decided, messages.trailers(request=True)]
         if kind == "response_headers":
             self._served(served_endpoint(message))
             return self._response_headers(message.response_headers)
@@ -143,20 +146,23 @@ class Exchange:
         self.held += len(chunk)
         if chunk:
             self.body.append(chunk)
-        if not body.end_of_stream:
+        if not body.end_of_stream or self.decided:
             return []
         return await self._decide(peer)
 
     async def _decide(self, peer: str) -> list[pb.ProcessingResponse]:
         """The whole body is here: take a slot, place it, then send the destination and the
-        body back."""
+        body back. Runs once a stream: a second pick would leave the first one's reservation
+        with nobody to release it."""
+        self.decided = True
         if not self.guard.enter():
             return self._refuse(Refusal.of_error(self.guard.busy(), self._request_id()))
         self.slot = True
         leave_out = (
             frozenset() if self.subset is None else self.endpoints.names_outside(self.subset)
         )
-        client = self.headers.get("x-forwarded-for", "").partition(",")[0].strip() or peer
+        # The address the gateway appended last (the leftmost ones are the client's to write).
+        client = self.headers.get("x-forwarded-for", "").rpartition(",")[2].strip() or peer
         try:
             placed = await pick(self.gw, self.headers, b"".join(self.body), leave_out, client)
         except Exception:
@@ -191,7 +197,8 @@ class Exchange:
         if self.answer is None:
             return [messages.response_headers({})]
         got = messages.header_map(headers)
-        status = int(got.get(":status", "0") or 0)
+        code = got.get(":status", "")
+        status = int(code) if code.isdigit() else 0
         ours = self.answer.headers(status, got.get("content-type", ""))
         if headers.end_of_stream:
             self._ended()

@@ -184,3 +184,28 @@ def test_the_gateways_guard_applies(engine_factory: Callable[..., Any]) -> None:
             assert answer.status.code == 408
             assert json.loads(answer.body)["error"]["code"] == "request_timeout"
         assert inflight(epp) == 0
+
+
+def test_trailers_end_a_body_and_never_pick_twice(engine_factory: Callable[..., Any]) -> None:
+    trailers = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    with two_engines(engine_factory) as (epp, _):
+        with stream_to(epp) as s:
+            # The body's end comes with the trailers: the pick, the body back, the trailers.
+            s.send(request_headers())
+            s.send(request_body(json.dumps(BODY).encode(), end=False))
+            s.send(trailers)
+            destination_of(s.recv())
+            assert s.recv().request_body.response.body_mutation.streamed_response.end_of_stream
+            assert s.recv().HasField("request_trailers")
+            assert inflight(epp) == 1
+        wait_until(lambda: inflight(epp) == 0, what="released")
+        with stream_to(epp) as s:
+            # Trailers after a whole body: answered, and the one pick stays the only one.
+            s.send(request_headers())
+            s.send(request_body(json.dumps(BODY).encode()))
+            destination_of(s.recv())
+            s.recv()
+            s.send(trailers)
+            assert s.recv().HasField("request_trailers")
+            assert inflight(epp) == 1
+        wait_until(lambda: inflight(epp) == 0, what="released once")
