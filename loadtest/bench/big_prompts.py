@@ -1,4 +1,4 @@
-"""Big prompts at high concurrency: direct vs vllm-router vs kvroute, in one run (issue 29).
+"""Big prompts at high concurrency: direct vs vllm-router vs kvroute, in one run.
 
 Starts trivial backends (``loadtest.engine.trivial``, answers pre-built) and, one target
 after another, drives with wrk (bodies cycled by Lua, ``big_prompts_load``):

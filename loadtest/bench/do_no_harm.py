@@ -1,13 +1,13 @@
-"""Do no harm (issue 53): kvroute against vllm-router's policies on engines it was not tuned on.
+"""Do no harm: kvroute against vllm-router's policies on engines it was not tuned on.
 
 kvroute's rules for paged engines were tuned on one simulated engine; on an independent
 vLLM-like engine it lost to vllm-router's blind ``power_of_two``. This benchmark runs the
 same open-loop request list through kvroute (its default config for ``kind: vllm``
 backends: no pools, no rates, nothing tuned) and through vllm-router's ``power_of_two``,
 ``cache_aware`` and ``round_robin``, over a grid of cells each bound by one thing
-(``do_no_harm_cells``), on two engine models (``classic`` configured as the issue's engine,
+(``do_no_harm_cells``), on two engine models (``classic`` configured as an independent vLLM-like engine,
 and ``v1``, vLLM v1's scheduler), with fresh engines for every router, and prints a verdict
-per cell against the issue's targets (``do_no_harm_report``).
+per cell against its targets (``do_no_harm_report``).
 
 vllm-router is found on PATH or in /tmp/vllm-router-venv (``python -m venv
 /tmp/vllm-router-venv && /tmp/vllm-router-venv/bin/pip install vllm-router``); without it its

@@ -147,7 +147,7 @@ def figures_table(results: Sequence[Mapping[str, Any]]) -> Table:
 
 
 def verdict_table(results: Sequence[Mapping[str, Any]]) -> Table:
-    t = Table(title="do no harm: kvroute against issue 53's targets")
+    t = Table(title="do no harm: kvroute against its targets, per cell")
     for h in ("model", "cell", "checks (value <= limit)", "verdict"):
         t.add_column(h)
     for entry in results:

@@ -1,4 +1,4 @@
-"""Real llama.cpp servers with mixed slot layouts, by router (issue 52).
+"""Real llama.cpp servers with mixed slot layouts, by router.
 
 Three ``llama-server`` processes with the same 4,096 cells each, laid out three ways (the
 issue's fleet): ``a`` one unified pool with 4 slots (``-c 4096 -np 4 --kv-unified``), ``b``
