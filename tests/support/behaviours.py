@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -18,10 +19,16 @@ def start(behaviour: str, name: str, **flags: Any) -> tuple[subprocess.Popen[str
     for key, value in flags.items():
         # True: a switch without a value (``serial_prefill=True``).
         argv += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    # Its errors go to a file, read only if it dies at start (a pipe nobody reads could fill).
+    errors = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=errors, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    assert "listening on" in line, line
+    if "listening on" not in line:
+        proc.wait(timeout=10)
+        errors.seek(0)
+        raise AssertionError(f"engine {name} did not start: {line!r}; {errors.read()[-2000:]}")
+    errors.close()
     return proc, line.split("listening on ", 1)[1].strip()
 
 
