@@ -106,14 +106,16 @@ def _connection_manager(
     }
 
 
-def _clusters(epp_port: int) -> list[dict[str, Any]]:
+def _clusters(epp_ports: list[int]) -> list[dict[str, Any]]:
     http2 = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": f"{_TYPES}.upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}},
         }
     }
-    epp_endpoints = [{"lb_endpoints": [{"endpoint": {"address": _address(epp_port)}}]}]
+    # Several EPP replicas: each new stream goes to the next (round robin), as active-active.
+    hosts = [{"endpoint": {"address": _address(port)}} for port in epp_ports]
+    epp_endpoints = [{"lb_endpoints": hosts}]
     return [
         {
             "name": "pool",
@@ -133,7 +135,7 @@ def _clusters(epp_port: int) -> list[dict[str, Any]]:
 
 
 def envoy_config(
-    epp_port: int,
+    epp_port: int | list[int],
     *,
     listen_port: int = 0,
     admin_port: int = 0,
@@ -141,7 +143,9 @@ def envoy_config(
     fallback: str | None = None,
     subset_header: str | None = None,
 ) -> dict[str, Any]:
-    """A listener on ``listen_port`` (0: any), ext_proc to ``epp_port``, the ORIGINAL_DST pool."""
+    """A listener on ``listen_port`` (0: any), ext_proc to ``epp_port`` (or to several EPP
+    replicas, round robin), the ORIGINAL_DST pool."""
+    ports = [epp_port] if isinstance(epp_port, int) else epp_port
     manager = _connection_manager(fail_open, fallback, subset_header)
     chain = {
         "filters": [
@@ -151,5 +155,5 @@ def envoy_config(
     listener = {"name": "inference", "address": _address(listen_port), "filter_chains": [chain]}
     return {
         "admin": {"address": _address(admin_port)},
-        "static_resources": {"listeners": [listener], "clusters": _clusters(epp_port)},
+        "static_resources": {"listeners": [listener], "clusters": _clusters(ports)},
     }

@@ -82,7 +82,7 @@ def _listener_url(admin: str, popen: subprocess.Popen[bytes]) -> str:
 
 @contextmanager
 def run_envoy(
-    epp_port: int, *, fail_open: bool = False, fallback: str | None = None
+    epp_port: int | list[int], *, fail_open: bool = False, fallback: str | None = None
 ) -> Iterator[Envoy]:
     binary = require_envoy()
     with tempfile.TemporaryDirectory(prefix="kvroute-envoy-") as tmp:
