@@ -77,8 +77,10 @@ def inflight(epp: Epp) -> int:
 def test_whole_answer_byte_for_byte(engine_factory: Callable[..., Any], taps: list[Tap]) -> None:
     a = tapped(engine_factory, taps, "a")
     with picked(config_of(a)) as (epp, envoy):
+        # Over 16 prompt tokens: an answer's usage is compared with the gateway's count.
+        prompt = make_prompt(200)
         sent = json.dumps(
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+            {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 32}
         ).encode()
         r = httpx.post(
             envoy.url + "/v1/chat/completions",
@@ -92,6 +94,8 @@ def test_whole_answer_byte_for_byte(engine_factory: Callable[..., Any], taps: li
         assert r.content == bytes(seen.answer)
         assert r.headers["x-kvroute-backend"] == "a" and r.headers["x-kvroute-attempts"] == "1"
         wait_until(lambda: inflight(epp) == 0, what="reservation released")
+        # The answer's usage was read (the first answer of a model is always sampled).
+        assert fleet_state(epp.url)["token_counts"][MODEL]["samples"] == 1
 
 
 def test_stream_byte_for_byte_with_openai(
@@ -102,7 +106,7 @@ def test_stream_byte_for_byte_with_openai(
         client = openai.OpenAI(base_url=envoy.url + "/v1", api_key="x", max_retries=0)
         with client.chat.completions.with_streaming_response.create(
             model=MODEL,
-            messages=[{"role": "user", "content": "tell me a story"}],
+            messages=[{"role": "user", "content": make_prompt(200)}],
             max_tokens=64,
             stream=True,
             stream_options={"include_usage": True},
@@ -115,6 +119,9 @@ def test_stream_byte_for_byte_with_openai(
         wait_until(lambda: inflight(epp) == 0, what="reservation released")
         metrics = httpx.get(epp.url + "/metrics").text
         assert 'kvroute_requests_total{backend="a",class="short",outcome="success"} 1.0' in metrics
+        # The stream's final usage chunk taught the servers' prompt count, as the gateway learns it.
+        samples = fleet_state(epp.url)["token_counts"][MODEL]["samples"]
+        assert samples == 1
 
 
 def test_a_220_kb_prompt(engine_factory: Callable[..., Any], taps: list[Tap]) -> None:
