@@ -177,13 +177,14 @@ class Exchange:
         # No await between the pick and this line: the reservation is always this stream's.
         self.answer = Answer(self.gw, placed)
         address = self.endpoints.address.get(placed.backend, "")
-        return [
-            messages.destination([address]),
-            *messages.body_chunks(self.body, request=True),
-        ]
+        out = [messages.destination([address]), *messages.body_chunks(self.body, request=True)]
+        # The answers hold the body now; the walk keeps its parsed copy (ParsedRequest.raw).
+        self.body = []
+        return out
 
     def _refuse(self, refusal: Refusal) -> list[pb.ProcessingResponse]:
         self.done = True
+        self.body = []
         return [messages.immediate(refusal.status, refusal.body, refusal.headers, refusal.reason)]
 
     def _served(self, address: str | None) -> None:
