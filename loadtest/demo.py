@@ -31,6 +31,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from loadtest import demo_llamacpp
 from loadtest.bench.driver import Result, RunStats, drive
 from loadtest.local_fleet import EngineSpec, LocalFleet
 from loadtest.workload import bimodal
@@ -338,8 +339,25 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--requests", type=int, default=400, help="requests per run (default 400)")
-    p.add_argument("--rate", type=float, default=20.0, help="arrivals per second (default 20)")
+    p.add_argument(
+        "--engine",
+        choices=("simulated", "llamacpp"),
+        default="simulated",
+        help="simulated: four fragmenting engines (default); llamacpp: three real "
+        "llama-servers with mixed slot layouts (pip packages; it says which when missing)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per run (default 400; 30 with --engine llamacpp)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="arrivals per second (default 20; 1 with --engine llamacpp)",
+    )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--capacity-tokens", type=int, default=100_000)
     p.add_argument(
@@ -406,10 +424,18 @@ async def amain(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    llamacpp = args.engine == "llamacpp"
+    if args.requests is None:
+        args.requests = 30 if llamacpp else 400
+    if args.rate is None:
+        args.rate = 1.0 if llamacpp else 20.0
     # A hangup (the terminal closed) stops the demo as Ctrl-C does: engines, gateway and the
     # temp folder go with it (children also carry a parent-death signal, loadtest.children).
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
+        if llamacpp:
+            console = Console() if Console().is_terminal else Console(width=130)
+            return demo_llamacpp.run(args.requests, args.rate, args.seed, console)
         return asyncio.run(amain(args))
     except KeyboardInterrupt:
         return 130

@@ -1,7 +1,7 @@
 """Real llama.cpp servers with mixed slot layouts, by router.
 
-Three ``llama-server`` processes with the same 4,096 cells each, laid out three ways (the
-issue's fleet): ``a`` one unified pool with 4 slots (``-c 4096 -np 4 --kv-unified``), ``b``
+Three ``llama-server`` processes with the same 4,096 cells each, laid out three ways:
+``a`` one unified pool with 4 slots (``-c 4096 -np 4 --kv-unified``), ``b``
 four partitioned slots of 1,024 (``-c 4096 -np 4``), ``c`` two slots of 2,048
 (``-c 4096 -np 2``); SmolLM2-135M, one thread each (``loadtest.llama_fleet``). Fresh
 servers for every router.
