@@ -20,6 +20,7 @@ from typing import Protocol
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from proxy.core.redact import safe_request_id
 from proxy.epp import messages
 from proxy.epp.door import Pick, Refusal, pick
 from proxy.epp.endpoints import Endpoints, served_endpoint, subset_hint
@@ -218,4 +219,5 @@ class Exchange:
             self.answer.end("answered")
 
     def _request_id(self) -> str:
-        return self.headers.get("x-request-id", "") or "-"
+        """The request's id for a refusal's ``x-request-id`` (the client's, when it is safe)."""
+        return safe_request_id(self.headers.get("x-request-id")) or "-"

@@ -18,8 +18,7 @@ _READY_NAMES = (READINESS, EXT_PROC_SERVICE, "")
 
 def servicer() -> health.aio.HealthServicer:
     """Alive from the start; not ready until ``ready(...)`` says so."""
-    s = health.aio.HealthServicer()
-    return s
+    return health.aio.HealthServicer()
 
 
 async def alive(s: health.aio.HealthServicer) -> None:
