@@ -11,6 +11,7 @@ affinity, memory pressure) is the gateway's own walk (``proxy.gateway``), reache
     guard      the gateway's request guard (headers, key, body, concurrency) on each stream
     door       one request into the walk: place and reserve, or the gateway's refusal
     learn      what the answer teaches (status, usage from JSON or SSE), release once
+    failures   an error answer read as the gateway reads it (allocation, overload, 5xx)
     exchange   one ext_proc stream, message by message
     health     the gRPC health service (liveness, readiness, the ext_proc service)
     server     the grpc.aio servers, started next to the gateway app

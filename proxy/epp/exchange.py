@@ -201,7 +201,7 @@ class Exchange:
         got = messages.header_map(headers)
         code = got.get(":status", "")
         status = int(code) if code.isdigit() else 0
-        ours = self.answer.headers(status, got.get("content-type", ""))
+        ours = self.answer.headers(status, got.get("content-type", ""), got.get("retry-after"))
         if headers.end_of_stream:
             self._ended()
         return [messages.response_headers(ours)]

@@ -18,7 +18,7 @@ from collections import deque
 from typing import Literal
 
 from proxy.epp.door import Pick
-from proxy.gateway.context import RequestResult
+from proxy.epp.failures import Booked, book_error
 from proxy.gateway.walk import Gateway
 from proxy.upstream.classify import json_object
 
@@ -43,12 +43,17 @@ class Answer:
         self.tail: deque[bytes] = deque(maxlen=2)
         self.whole: list[bytes] = []
         self.size = 0
+        # The answer's Retry-After, for an error answer's cooldown.
+        self.retry_after: str | None = None
         self.released = False
         gw.active += 1
 
-    def headers(self, status: int, content_type: str) -> dict[str, str]:
+    def headers(
+        self, status: int, content_type: str, retry_after: str | None = None
+    ) -> dict[str, str]:
         """The response began: the headers kvroute adds to it (as the gateway's answers carry)."""
         self.status = status
+        self.retry_after = retry_after
         self.streamed = content_type.startswith("text/event-stream")
         self.ctx.backend = self.served
         return self.ctx.answer_headers(self.served)
@@ -72,33 +77,35 @@ class Answer:
             return
         self.released = True
         gw, ctx = self.gw, self.ctx
+        booked = Booked("client_disconnect", False)
         try:
-            outcome = self._learn(how)
+            booked = self._learn(how)
             if ctx.counts_request:
-                gw.metrics.labelled(gw.metrics.requests, ctx.cls, self.served, outcome).inc()
+                gw.metrics.labelled(gw.metrics.requests, ctx.cls, self.served, booked.outcome).inc()
                 elapsed = time.perf_counter() - ctx.started
                 gw.metrics.labelled(gw.metrics.duration, ctx.cls).observe(elapsed)
         finally:
             gw.active -= 1
-            gw.tasks.release_later(ctx, self.backend)
+            if not booked.released:
+                gw.tasks.release_later(ctx, self.backend)
 
-    def _learn(self, how: Ending) -> RequestResult:
+    def _learn(self, how: Ending) -> Booked:
         status = self.status
         if how == "closed" or status is None:
             # The stream closed before the answer ended: the client left or the upstream broke.
-            return "client_disconnect"
+            return Booked("client_disconnect", False)
         gw = self.gw
-        if status >= 500:
-            gw.metrics.labelled(gw.metrics.attempts, self.served, "server_error").inc()
-            gw.health.failure(self.served)
-            return "upstream_error"
         if status >= 400:
-            gw.metrics.labelled(gw.metrics.attempts, self.served, "client_error").inc()
-            return "rejected"
+            if self.served != self.backend:
+                # Served elsewhere (a retry of the gateway's): nothing booked against the pick.
+                gw.metrics.labelled(gw.metrics.attempts, self.served, "server_error").inc()
+                return Booked("upstream_error", False)
+            body = b"".join(self.whole)
+            return book_error(gw, self.ctx, self.backend, status, body, self.retry_after)
         gw.metrics.labelled(gw.metrics.attempts, self.served, "ok").inc()
         gw.health.success(self.served)
         self._usage()
-        return "success"
+        return Booked("success", False)
 
     def _usage(self) -> None:
         """The servers' own counts: output ratio and prompt tokens (as the gateway learns them)."""

@@ -303,3 +303,32 @@ async def _flush(url: str) -> None:
     r = aioredis.from_url(url)
     await r.flushdb()
     await r.aclose()
+
+
+def test_an_allocation_failure_teaches_the_next_pick(
+    engine_factory: Callable[..., Any], taps: list[Tap]
+) -> None:
+    """Envoy forwards, so the failed request is the client's to retry; but the EPP reads the
+    answer as the gateway does, and the next long request goes where it fits."""
+    a = tapped(engine_factory, taps, "a")
+    b = tapped(engine_factory, taps, "b")
+    backends = config_of(a, b)
+    backends[0]["pool"] = "long"
+    quiet = {"scrape_interval_s": 30, "stale_after_s": 60}
+    with picked(backends, collector=quiet) as (epp, envoy):
+        a["_engine"].fragment(4_000)  # after its last report: the EPP does not know yet
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": make_prompt(20_000)}],
+            "max_tokens": 64,
+        }
+        url = envoy.url + "/v1/chat/completions"
+        first = httpx.post(url, json=body, timeout=30)
+        assert first.status_code >= 500 and first.headers["x-kvroute-backend"] == "a"
+        assert engine_failures(a["_engine"]) == 1
+        metrics = httpx.get(epp.url + "/metrics").text
+        assert 'kvroute_allocation_failures_total{backend="a",cause="fragmentation"} 1.0' in metrics
+        wait_until(lambda: inflight(epp) == 0, what="released once, by the booking")
+        second = httpx.post(url, json=body, timeout=30)
+        assert second.status_code == 200 and second.headers["x-kvroute-backend"] == "b"
+        assert engine_failures(a["_engine"]) == 1
