@@ -9,9 +9,10 @@ what each one found.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Sequence
+
+from loadtest.subcommands import dispatch
 
 #: subcommand -> (module under loadtest.lab, what it measures)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -34,17 +35,7 @@ def usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(usage())
-        return 0 if args else 2
-    name, rest = args[0], args[1:]
-    if name not in SUBCOMMANDS:
-        print(f"unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(f"loadtest.lab.{SUBCOMMANDS[name][0]}")
-    code = module.main(rest)
-    return code if isinstance(code, int) else 0
+    return dispatch("loadtest.lab", SUBCOMMANDS, usage, argv)
 
 
 if __name__ == "__main__":
