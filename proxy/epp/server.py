@@ -26,8 +26,12 @@ from proxy.epp.endpoints import Endpoints
 from proxy.epp.exchange import Exchange
 from proxy.epp.guard import EppGuard
 from proxy.gateway.walk import Gateway
+from proxy.tasks import PeriodicTask
 
 log = logging.getLogger("kvroute.epp")
+#: How often readiness follows the gateway's shutdown (its drain flag is set in a signal
+#: handler, which may not call into the loop).
+READINESS_CHECK_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +73,29 @@ class EppServer:
         self.ports: tuple[int, int] = (0, 0)
         self._servers: list[grpc.aio.Server] = []
         self._health = health.servicer()
+        self._unready = False
+        self._watch: PeriodicTask | None = None
 
-    async def start(self, gateway: Callable[[], Gateway]) -> None:
+    async def start(
+        self, gateway: Callable[[], Gateway], draining: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Serve; ``draining``: the gateway's shutdown began (readiness then turns down at
+        once, while open streams still run)."""
+        await self._listen(gateway)
+        self._watch = PeriodicTask(
+            "kvroute-epp-readiness",
+            lambda: self._follow(draining),
+            READINESS_CHECK_S,
+            keep_going=lambda: not self._unready,
+        )
+        self._watch.start()
+
+    async def _follow(self, draining: Callable[[], bool]) -> None:
+        if draining() and not self._unready:
+            self._unready = True
+            await self._health.enter_graceful_shutdown()
+
+    async def _listen(self, gateway: Callable[[], Gateway]) -> None:
         opts = self.options
         processing = grpc.aio.server()
         pb_grpc.add_ExternalProcessorServicer_to_server(Processor(gateway), processing)
@@ -94,6 +119,10 @@ class EppServer:
 
     async def stop(self) -> None:
         """Not ready first, then the streams in flight get ``grace_s``; health goes last."""
+        if self._watch is not None:
+            await self._watch.stop()
+            self._watch = None
+        self._unready = True
         await self._health.enter_graceful_shutdown()
         for server in self._servers:
             await server.stop(self.options.grace_s)
@@ -108,7 +137,9 @@ def attach(app: Starlette, options: EppOptions) -> EppServer:
     @contextlib.asynccontextmanager
     async def lifespan(a: Starlette) -> AsyncIterator[None]:
         async with inner(a):
-            await server.start(lambda: a.state.rt.gateway)
+            drain = getattr(a.state, "drain", None)
+            draining = (lambda: bool(drain.draining)) if drain is not None else (lambda: False)
+            await server.start(lambda: a.state.rt.gateway, draining)
             try:
                 yield
             finally:

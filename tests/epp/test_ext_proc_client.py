@@ -19,9 +19,11 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proxy.epp import messages
 from proxy.epp.endpoints import address_of
+from proxy.epp.health import EXT_PROC_SERVICE
 from tests.support.epp import Epp, run_epp
 from tests.support.gateway import fleet_state, gateway_cfg, wait_until
 
@@ -209,3 +211,24 @@ def test_trailers_end_a_body_and_never_pick_twice(engine_factory: Callable[..., 
             assert s.recv().HasField("request_trailers")
             assert inflight(epp) == 1
         wait_until(lambda: inflight(epp) == 0, what="released once")
+
+
+def test_readiness_turns_down_when_the_shutdown_begins(
+    engine_factory: Callable[..., Any],
+) -> None:
+    with two_engines(engine_factory) as (epp, _):
+        with grpc.insecure_channel(f"127.0.0.1:{epp.health_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            def status(service: str) -> int:
+                request = health_pb2.HealthCheckRequest(service=service)
+                return int(stub.Check(request, timeout=5).status)
+
+            assert status("readiness") == health_pb2.HealthCheckResponse.SERVING
+            # What SIGTERM does first (proxy.api.drain): streams in flight run on, no new ones.
+            epp.app.state.drain.begin()
+            wait_until(
+                lambda: status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING,
+                what="not ready",
+            )
+            assert status(EXT_PROC_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
