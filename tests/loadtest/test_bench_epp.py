@@ -32,7 +32,7 @@ def test_bench_epp_smoke(tmp_path: Path) -> None:
     assert "req/s" in out.stdout
     for case in ("tiny", "big"):
         rows = {r["target"]: r for r in res["load"][case]}
-        assert set(rows) == {"envoy+kvroute-epp", "kvroute"}, case
+        assert set(rows) == {"envoy+kvroute-epp", "envoy+bare-ext-proc", "kvroute"}, case
         for r in rows.values():
             assert r["requests"] > 0 and r["errors"] == 0 and r["cpu_ms_per_req"] > 0, (case, r)
     assert set(res["epp_vs_gateway"]) == {"tiny", "big"}
