@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proxy.config import Config
 
 _EXTRA = "the endpoint picker needs its extra: pip install 'kvroute[epp]'"
 
@@ -58,15 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace, cfg: object) -> None:
+def _run(args: argparse.Namespace, cfg: Config) -> None:
+    """The app with the EPP attached, on kvroute's server (drain on SIGTERM)."""
     from proxy.api.app import create_app
     from proxy.api.drain import DrainingServer
     from proxy.api.logs import setup_logging
     from proxy.api.server import server_config
-    from proxy.config import Config
     from proxy.epp.server import EppOptions, attach
 
-    assert isinstance(cfg, Config)
     setup_logging(args.log_level, args.log_format)
     app = create_app(cfg, config_path=args.config, freeze_heap=True)
     options = EppOptions(args.grpc_host, args.grpc_port, args.health_port, args.grace_s)
