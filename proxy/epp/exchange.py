@@ -21,8 +21,10 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from proxy.core.redact import safe_request_id
+from proxy.core.validation import parse_request
 from proxy.epp import messages
-from proxy.epp.door import Pick, Refusal, pick
+from proxy.epp.bodiless import MODELS_PATH, Bodiless
+from proxy.epp.door import Pick, Refusal, endpoint_of, pick
 from proxy.epp.endpoints import Endpoints, served_endpoint, subset_hint
 from proxy.epp.guard import EppGuard
 from proxy.epp.learn import Answer
@@ -43,10 +45,13 @@ class Stream(Protocol):
 class Exchange:
     """The state of one stream: the request as it arrives, then its answer."""
 
-    def __init__(self, gw: Gateway, endpoints: Endpoints, guard: EppGuard) -> None:
+    def __init__(
+        self, gw: Gateway, endpoints: Endpoints, guard: EppGuard, bodiless: Bodiless
+    ) -> None:
         self.gw = gw
         self.endpoints = endpoints
         self.guard = guard
+        self.bodiless = bodiless
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
         self.size = 0
@@ -132,10 +137,38 @@ class Exchange:
         if refused is not None:
             return self._refuse(Refusal.of_error(refused, self._request_id()))
         if headers.end_of_stream:
-            err = ApiError(400, "the request has no body", code="invalid_body")
-            return self._refuse(Refusal.of_error(err, self._request_id()))
+            return self._bodiless(path)
         self.started = asyncio.get_running_loop().time()
         return []
+
+    def _bodiless(self, path: str) -> list[pb.ProcessingResponse]:
+        """A request without a body: the model list answered here, anything else passed on
+        (the stream stays open: its answer comes back through it)."""
+        self.decided = True
+        endpoint = endpoint_of(path)
+        if endpoint is not None:
+            # A completion without a body: the gateway's own answer to one (a 400).
+            cfg = self.gw.cfg
+            try:
+                parse_request(b"", endpoint, cfg.routing.max_tokens_limit)
+            except ApiError as err:
+                return self._refuse(Refusal.of_error(err, self._request_id()))
+        if path == MODELS_PATH and self.headers.get(":method", "GET") == "GET":
+            listed = self.bodiless.models(self.gw)
+            if listed is not None:
+                json = {"content-type": "application/json"}
+                return [messages.immediate(200, listed, json, "models")]
+        backend = self.bodiless.backend(self.gw, self._leave_out())
+        if backend is None:
+            unavailable = self.bodiless.unavailable()
+            return self._refuse(Refusal.of_error(unavailable, self._request_id()))
+        return [messages.destination([self.endpoints.address[backend]])]
+
+    def _leave_out(self) -> frozenset[str]:
+        """The backends the subset hint leaves out (none without a hint)."""
+        if self.subset is None:
+            return frozenset()
+        return self.endpoints.names_outside(self.subset)
 
     async def _request_body(self, body: pb.HttpBody, peer: str) -> list[pb.ProcessingResponse]:
         chunk = body.body
@@ -159,9 +192,7 @@ class Exchange:
         if not self.guard.enter():
             return self._refuse(Refusal.of_error(self.guard.busy(), self._request_id()))
         self.slot = True
-        leave_out = (
-            frozenset() if self.subset is None else self.endpoints.names_outside(self.subset)
-        )
+        leave_out = self._leave_out()
         # The address the gateway appended last (the leftmost ones are the client's to write).
         client = self.headers.get("x-forwarded-for", "").rpartition(",")[2].strip() or peer
         try:

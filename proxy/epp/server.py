@@ -22,6 +22,7 @@ from starlette.applications import Starlette
 
 from proxy.config import Config
 from proxy.epp import health
+from proxy.epp.bodiless import Bodiless
 from proxy.epp.endpoints import Endpoints
 from proxy.epp.exchange import Exchange
 from proxy.epp.guard import EppGuard
@@ -50,6 +51,7 @@ class Processor:
     def __init__(self, gateway: Callable[[], Gateway]) -> None:
         self.gateway = gateway
         self.guard: EppGuard | None = None
+        self.bodiless = Bodiless()
         self._endpoints: tuple[Config, Endpoints] | None = None
 
     def endpoints(self, cfg: Config) -> Endpoints:
@@ -62,7 +64,7 @@ class Processor:
         gw = self.gateway()
         if self.guard is None:
             self.guard = EppGuard(gw.cfg)
-        await Exchange(gw, self.endpoints(gw.cfg), self.guard).run(context)
+        await Exchange(gw, self.endpoints(gw.cfg), self.guard, self.bodiless).run(context)
 
 
 class EppServer:

@@ -204,3 +204,23 @@ def test_bad_input_is_an_openai_400(engine_factory: Callable[..., Any], taps: li
         )
         assert r.status_code == 400 and r.json()["error"]["param"] is not None
         assert not a["_tap"].exchanges and inflight(epp) == 0
+
+
+def test_requests_without_a_body(engine_factory: Callable[..., Any], taps: list[Tap]) -> None:
+    """The model list as the gateway answers it; any other body-less request to a backend."""
+    a = tapped(engine_factory, taps, "a")
+    with picked(config_of(a)) as (epp, envoy):
+        wait_until(
+            lambda: httpx.get(epp.url + "/v1/models", timeout=5).json()["data"],
+            what="the fleet's model list",
+        )
+        client = openai.OpenAI(base_url=envoy.url + "/v1", api_key="x", max_retries=0)
+        listed = client.models.list()
+        assert [m.id for m in listed.data] == [
+            m["id"] for m in httpx.get(epp.url + "/v1/models").json()["data"]
+        ]
+        direct = httpx.get(a["_engine"].url + "/health", timeout=5)
+        through = httpx.get(envoy.url + "/health", timeout=10)
+        assert through.status_code == direct.status_code == 200
+        assert through.content == direct.content
+        assert inflight(epp) == 0
