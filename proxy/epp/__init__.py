@@ -10,6 +10,7 @@ affinity, memory pressure) is the gateway's own walk (``proxy.gateway``), reache
     endpoints  backend name <-> ``ip:port``, the subset hint
     guard      the gateway's request guard (headers, key, body, concurrency) on each stream
     door       one request into the walk: place and reserve, or the gateway's refusal
+    bodiless   requests without a body: the model list, or a backend in turn
     learn      what the answer teaches (status, usage from JSON or SSE), release once
     failures   an error answer read as the gateway reads it (allocation, overload, 5xx)
     exchange   one ext_proc stream, message by message
