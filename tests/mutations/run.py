@@ -932,6 +932,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"\1return generic_class(status)  # MUTATION",
         fast=True,
     ),
+    # ---- the endpoint picker (proxy/epp)
+    Mutation(
+        "epp-no-release-when-closed",
+        "a stream that closes before its answer ends keeps its reservation",
+        ("tests/epp/test_ext_proc_client.py::test_a_stream_cut_after_the_pick_releases_once",),
+        "Exchange.close",
+        r'^(\s*)self\.answer\.end\("closed"\)$',
+        r"\1pass  # MUTATION",
+        fast=True,
+    ),
+    Mutation(
+        "epp-picks-twice",
+        "trailers after a whole body place the request again (the first pick leaks)",
+        ("tests/epp/test_ext_proc_client.py::test_trailers_end_a_body_and_never_pick_twice",),
+        "Exchange.on",
+        r"^(\s*)decided = \[\] if self\.decided else await self\._decide\(peer\)$",
+        r"\1decided = await self._decide(peer)  # MUTATION",
+        fast=True,
+    ),
+    Mutation(
+        "epp-subset-ignored",
+        "the subset hint is not honoured",
+        ("tests/epp/test_envoy_e2e.py::test_subset_hint",),
+        "Exchange._leave_out",
+        r"^(\s*)return self\.endpoints\.names_outside\(self\.subset\)$",
+        r"\1return frozenset()  # MUTATION",
+    ),
 )
 
 
