@@ -105,7 +105,10 @@ end
 """
 
 # KEYS: state, res, gone, leases.  ARGV: id, tokens, now, expires_at, check_fit, headroom,
-# grace_s, key_ttl_ms, lease id ('' for none), the time that lease runs to.  A reservation
+# grace_s, key_ttl_ms, lease id ('' for none), the time that lease runs to, then (a re-assert
+# only) earlier lease ids of this replica: the same reservation's fields under them are
+# deleted as this one is written, so a re-assert under a new epoch moves it instead of
+# counting it twice until the old id is swept.  A reservation
 # whose field names a lease ("<id>@<lease>") counts only while ``leases`` says that lease runs
 # past now (proxy.state.lease); a lapsed one is skipped, not deleted: the sweep that finds the
 # lapse removes it and counts it (LUA_LEASE_SWEEP).  The walk of ``res`` costs one step per live reservation: forgotten ids live in
@@ -173,6 +176,13 @@ end
 redis.call('HSET', KEYS[2], id, ARGV[2] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4])
 if redis.call('PTTL', KEYS[2]) < key_ttl then
   redis.call('PEXPIRE', KEYS[2], key_ttl)
+end
+local at = string.find(id, '@', 2, true)
+if at ~= nil then
+  local base = string.sub(id, 1, at)
+  for i = 11, #ARGV do
+    if ARGV[i] ~= ARGV[9] then redis.call('HDEL', KEYS[2], base .. ARGV[i]) end
+  end
 end
 if ARGV[9] ~= '' then
   if (leases[ARGV[9]] or 0) < tonumber(ARGV[10]) then

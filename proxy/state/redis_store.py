@@ -192,6 +192,9 @@ class RedisStore(StateStore):
             str(ttl_ms(ttl_s) + RES_KEY_SLACK_MS),
             *lease_args,
         ]
+        if not check_fit and self.lease is not None:
+            # A re-assert: moved from our earlier ids, not counted twice (LUA_RESERVE).
+            args.extend(self.lease.recent)
         lane = self._lane
         if lane is not None:
             sha = self._reserve.sha

@@ -89,3 +89,27 @@ async def test_a_keeper_whose_lease_lapsed_registers_anew_and_reasserts(
     # Marked unsure for the request path, and re-asserted at once by the keeper itself.
     assert calls == ["unsure", "unsure", "reassert"]
     assert (await keeper.renew()).new is False and calls[-1] == "reassert" and len(calls) == 3
+
+
+async def test_a_reassert_under_a_new_epoch_moves_the_reservation_not_doubles_it(
+    stores: tuple[RedisStore, RedisStore],
+) -> None:
+    """Between a new epoch (the lease lapsed during an outage) and the renewal that sweeps the
+    old id, the ledger may re-assert first (its next reservation does): the reservation is
+    moved to the new id, so it never counts twice, and a fit check beside it sees it once."""
+    a, b = stores
+    keeper = LeaseKeeper(a, 30.0)  # no renewal during the test: nothing is swept
+    await keeper.start()
+    try:
+        await b.put_report("e0", rep(30_000, b.now() - 10), ttl_s=60)
+        assert await a.reserve("e0", "kept", 12_000, a.now(), 900)
+        assert a.lease is not None
+        old = a.lease.id
+        a.lease.next_epoch(a.now())  # its lease lapsed (a long outage): a new id
+        assert await a.reserve("e0", "kept", 12_000, a.now(), 900, check_fit=False)
+        live = await b.reservations("e0", b.now())
+        assert [(r.id, r.replica) for r in live] == [("kept", a.lease.id)] and a.lease.id != old
+        # 30,000 - 12,000 counted once: 18,000 still fits.
+        assert await b.reserve("e0", "other", 18_000, b.now(), 900)
+    finally:
+        await keeper.stop()
