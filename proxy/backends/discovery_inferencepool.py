@@ -17,10 +17,9 @@ import asyncio
 import logging
 from typing import Any
 
-from proxy.backends.discovery import Discovery, backend
-from proxy.backends.discovery_kubernetes import serving_role
+from proxy.backends.discovery import backend
+from proxy.backends.discovery_kubernetes import KubernetesApiDiscovery, serving_role
 from proxy.config import BackendConfig, DiscoveryConfig
-from proxy.upstream.kubernetes_api import KubernetesApi
 
 log = logging.getLogger("kvroute.discovery")
 
@@ -70,18 +69,7 @@ def pool_backends(
     return out
 
 
-class InferencePoolDiscovery(Discovery):
-    def __init__(self, cfg: DiscoveryConfig, static: list[BackendConfig], pools: set[str]) -> None:
-        super().__init__(cfg, static)
-        self.pools = pools
-        self._api: KubernetesApi | None = None
-
-    @property
-    def api(self) -> KubernetesApi:
-        if self._api is None:
-            self._api = KubernetesApi(self.cfg)
-        return self._api
-
+class InferencePoolDiscovery(KubernetesApiDiscovery):
     async def resolve(self) -> list[BackendConfig]:
         name = self.cfg.inference_pool
         assert name is not None  # the config model requires it for inferencepool

@@ -80,13 +80,13 @@ def serving_role(label: object, slice_name: object) -> ServingRole:
     return "both"
 
 
-class KubernetesDiscovery(Discovery):
+class KubernetesApiDiscovery(Discovery):
+    """What the discoveries that read the Kubernetes API share: the configured pools, and
+    one API client, made on first use (none at all when discovery never runs)."""
+
     def __init__(self, cfg: DiscoveryConfig, static: list[BackendConfig], pools: set[str]) -> None:
         super().__init__(cfg, static)
         self.pools = pools
-        self.slices: dict[str, dict[str, Any]] = {}
-        self.resource_version = ""
-        self.relists = 0
         self._api: KubernetesApi | None = None
 
     @property
@@ -94,6 +94,14 @@ class KubernetesDiscovery(Discovery):
         if self._api is None:
             self._api = KubernetesApi(self.cfg)
         return self._api
+
+
+class KubernetesDiscovery(KubernetesApiDiscovery):
+    def __init__(self, cfg: DiscoveryConfig, static: list[BackendConfig], pools: set[str]) -> None:
+        super().__init__(cfg, static, pools)
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.resource_version = ""
+        self.relists = 0
 
     def _publish_slices(self) -> None:
         found: dict[str, BackendConfig] = {}

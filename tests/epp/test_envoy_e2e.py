@@ -21,25 +21,14 @@ import pytest
 from loadtest.workload import make_prompt
 from proxy.epp.endpoints import address_of
 from proxy.epp.messages import MAX_CHUNK
-from tests.support.envoy import Envoy, require_envoy, run_envoy
+from tests.support.envoy import Envoy, run_envoy
 from tests.support.epp import Epp, Tap, run_epp
 from tests.support.gateway import fleet_state, gateway_cfg, wait_until
 
+pytestmark = pytest.mark.usefixtures("envoy_installed")
+
 MODEL = "sim-model"
 LONG = 20_000  # a long document's prompt, in tokens
-
-
-@pytest.fixture(autouse=True)
-def _envoy_installed() -> None:
-    require_envoy()
-
-
-@pytest.fixture
-def taps() -> Iterator[list[Tap]]:
-    started: list[Tap] = []
-    yield started
-    for tap in started:
-        tap.stop()
 
 
 @contextmanager

@@ -23,25 +23,14 @@ from loadtest.workload import make_prompt
 from proxy.epp.endpoints import address_of
 from proxy.epp.health import EXT_PROC_SERVICE
 from tests.epp.test_envoy_e2e import MODEL, config_of, inflight, picked, tapped
-from tests.support.envoy import Envoy, require_envoy, run_envoy
+from tests.support.envoy import Envoy, run_envoy
 from tests.support.epp import Tap, epp_process, run_epp
 from tests.support.gateway import fleet_state, gateway_cfg, wait_until
 
+pytestmark = pytest.mark.usefixtures("envoy_installed")
+
 SLOW = {"speedup": 1.0, "decode_tokens_per_s": 50.0}
 STORY = {"model": MODEL, "messages": [{"role": "user", "content": "a story"}], "max_tokens": 2_000}
-
-
-@pytest.fixture(autouse=True)
-def _envoy_installed() -> None:
-    require_envoy()
-
-
-@pytest.fixture
-def taps() -> Iterator[list[Tap]]:
-    started: list[Tap] = []
-    yield started
-    for tap in started:
-        tap.stop()
 
 
 def engine_failures(engine: Any) -> float:
