@@ -53,6 +53,7 @@ from proxy.gateway import attempt, placement, sglang_pd
 from proxy.gateway.attempt import AttemptPorts
 from proxy.gateway.context import RequestContext
 from proxy.gateway.early_prefills import EarlyPrefillBook
+from proxy.gateway.held_room import nodes_kept
 from proxy.gateway.models import CatalogCache, ModelsLookup
 from proxy.gateway.placement import PlacementPorts
 from proxy.routing.decode_fit import DecodeFitPolicy
@@ -126,11 +127,12 @@ async def prefill_while_holding(gw: TwoStepPorts, ctx: RequestContext) -> Respon
         # SGLang's prefill server computes only once the decode server joined the room.
         return None
     avoid = gw.health.avoid() | ctx.ruled_out | ctx.exclude
-    request = RouteRequest(ctx.demand, ctx.cls, avoid)
     now = gw.clock()
     # The view placement ranks on: projected peaks where the memory-pressure projection is on.
     view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
-    if gw.pressure.order.may_place(ctx.reservation_id) and ctx.policy.rank(view, request, now):
+    kept = nodes_kept(gw.pressure, ctx, view, avoid)
+    request = RouteRequest(ctx.demand, ctx.cls, avoid | (kept or frozenset()))
+    if kept is not None and ctx.policy.rank(view, request, now):
         # A decode server fits now: reserve it first, then prefill for it.
         return None
     cached = max((v for n, v in two.cached.items() if n not in two.prefill_only), default=0)

@@ -29,6 +29,7 @@ from proxy.gateway.affinity import Affinity
 from proxy.gateway.client_watch import ClientWatch
 from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import DivertPorts, record_allocation_failure, verdict_for
+from proxy.gateway.held_room import kept_for, nodes_kept
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.queueing import QueueingPorts
@@ -79,9 +80,7 @@ async def _place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
             # No attempt after the request's own deadline: it could only time out, and
             # would count against a backend that did nothing wrong.
             return out_of_time(gw, ctx)
-        avoid = gw.health.avoid() | ctx.ruled_out
-        if ctx.exclude:
-            avoid |= ctx.exclude
+        avoid = gw.health.avoid() | ctx.ruled_out | ctx.exclude
         now = gw.clock()
         view, request, ranked = _rank(gw, ctx, avoid, now)
         if ranked and ctx.failure is not None and not await retry_slot(gw, ctx):
@@ -214,12 +213,13 @@ def _rank(
     """The view ranked (in-flight reservations and projected KV peaks laid over the cached
     snapshot), the request as ranked (affinity may lower its demand), and the candidates."""
     view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
+    # Older held requests overtaken their limit: the nodes kept for them (None: all).
+    kept = nodes_kept(gw.pressure, ctx, view, avoid)
+    avoid |= kept or frozenset()
     # While the model's TTFT predictions miss, queueing nodes rank as a blind router ranks.
     request = RouteRequest(ctx.demand, ctx.cls, avoid, blind=gw.ttft_check.blind)
     request = gw.affinity.route_request(ctx.affinity, request, view, now)
-    # An older held request that reached its overtake limit: the room is kept for it.
-    fair = gw.pressure.order.may_place(ctx.reservation_id)
-    ranked = ctx.policy.rank(view, request, now) if fair else []
+    ranked = ctx.policy.rank(view, request, now) if kept is not None else []
     if not ctx.decided:
         gw.metrics.decision.observe(time.perf_counter() - ctx.started)
         ctx.decided = True
@@ -309,6 +309,7 @@ async def join_queue(
     view = gw.pressure.apply(gw.local.apply(ctx.snap), ctx, now)
     if recheck and gw.pressure.enabled and not queueing.hold_over(gw, ctx, view, avoid):
         return None
+    avoid |= kept_for(gw.pressure, ctx) if recheck else frozenset()
     ranked = gw.queues.ranked(ctx, view, avoid, now)
     backend = await reserve_first(gw, ctx, [name for name, _ in ranked], now, check_fit=False)
     if backend is not None:
@@ -342,12 +343,12 @@ async def wait_for_fit(
             snap = await gw.fleet.snapshot(force=True)
             # The latest view, also for the answer's verdict if the wait ends with nothing.
             ctx.snap = snap
-            request = RouteRequest(ctx.demand, ctx.cls, exclude | gw.health.avoid())
+            avoid = exclude | gw.health.avoid()
             now = gw.clock()
             view = gw.pressure.apply(gw.local.apply(snap), ctx, now)
-            if gw.pressure.order.may_place(ctx.reservation_id) and ctx.policy.rank(
-                view, request, now
-            ):
+            kept = nodes_kept(gw.pressure, ctx, view, avoid)
+            request = RouteRequest(ctx.demand, ctx.cls, avoid | (kept or frozenset()))
+            if kept is not None and ctx.policy.rank(view, request, now):
                 return snap
             if queueing.hold_over(gw, ctx, view, request.exclude):
                 return "hand_over"

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot
 from proxy.gateway.context import RequestContext
+from proxy.gateway.held_room import kept_for
 from proxy.gateway.memory_pressure import MemoryPressure
 from proxy.gateway.ttft_check import TtftCheck
 from proxy.routing.policy import PolicySettings, RouteRequest, eligible
@@ -178,9 +179,10 @@ def hold_over(
     wait (it is short of KV: holding avoids preemption while it lasts).
     """
     if not gw.pressure.order.may_place(ctx.reservation_id):
-        # An older held request reached its overtake limit: it goes first.
+        # An older held request reached its overtake limit and has not named its node yet.
         return False
-    ranked = gw.queues.ranked(ctx, snap, avoid, gw.clock())
+    # The nodes kept for older held requests at their overtake limit (``held_room``).
+    ranked = gw.queues.ranked(ctx, snap, avoid | kept_for(gw.pressure, ctx), gw.clock())
     if not ranked:
         return False
     best = snap.by_name()[ranked[0][0]]
