@@ -39,7 +39,8 @@ class MemoryPressureConfig(_Strict):
     max_overtakes: int = Field(
         default=8,
         ge=0,
-        description="a held request is overtaken at most this many times, then placed first",
+        description="a held request is overtaken at most this many times; then the node it "
+        "is nearest to fitting on is kept for it (what ends before that room frees still goes)",
     )
     preemption_step: float = Field(
         default=0.05,
