@@ -124,9 +124,21 @@ def run_router(
             row["engine_prompt_tokens"] = spread
             if router == "kvroute":
                 row |= hold_figures(gw_url)
+                row["longest_hold_s"] = longest_hold(samples)
         return row
     finally:
         stop_processes(procs)
+
+
+def longest_hold(samples: Sequence[q.Sample]) -> float:
+    """The longest hold at the gateway, from the answers' ``Server-Timing: hold`` (seconds)."""
+    held = [0.0]
+    for s in samples:
+        for part in s.timing.split(","):
+            name, _, dur = part.strip().partition(";dur=")
+            if name == "hold" and dur:
+                held.append(float(dur) / 1000)
+    return max(held)
 
 
 def all_p99(samples: Sequence[q.Sample]) -> float | None:

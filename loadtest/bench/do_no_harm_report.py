@@ -7,7 +7,9 @@ blind policy kvroute lost to) and the best peer:
 * its short-request TTFT p50 and p99 are at most 1.05x power_of_two's (medians over runs),
   and in no single run worse than 1.5x (a median can hide one bad run);
 * where memory binds, its preemptions are at most the best peer's;
-* at overload, its TTFT p99 (all requests) is at most 1.2x the best peer's.
+* at overload, its TTFT p99 (all requests) is at most 1.2x the best peer's, and no request
+  waits in its hold longer than the best peer's TTFT p99 (in any run: the longest
+  ``Server-Timing: hold`` of kvroute's answers against that run's best peer).
 
 A target that cannot be checked (no power_of_two row: vllm-router missing) reads ``n/a``,
 and the cell's verdict is ``INCOMPLETE`` rather than a pass. Pure but for printing.
@@ -37,6 +39,7 @@ FIGURES = (
     "queue_wait_count",
     "queue_wait_s",
     "queued_at_backend",
+    "longest_hold_s",
 )
 BASELINE = "power_of_two"
 
@@ -106,7 +109,26 @@ def cell_checks(entry: Mapping[str, Any], cell: Cell) -> list[dict[str, Any]]:
     if cell.overloaded:
         best = min((p["ttft_p99"] for p in peers if p["ttft_p99"] is not None), default=None)
         checks.append(_check("TTFT p99 / best peer's", ratio(med["ttft_p99"], best), 1.2))
+        checks.append(_check("longest hold / best peer's TTFT p99", longest_hold(entry), 1.0))
     return checks
+
+
+def longest_hold(entry: Mapping[str, Any]) -> float | None:
+    """The worst run's longest kvroute hold over that run's best peer TTFT p99 (all requests)."""
+    routers = entry["routers"]
+    worst: float | None = None
+    for run in routers["kvroute"]["runs"]:
+        peers = [
+            r["ttft_p99"]
+            for name, router in routers.items()
+            if name != "kvroute"
+            for r in router["runs"]
+            if r["run"] == run["run"] and r.get("ttft_p99") is not None
+        ]
+        x = ratio(run.get("longest_hold_s"), min(peers)) if peers else None
+        if x is not None:
+            worst = x if worst is None else max(worst, x)
+    return worst
 
 
 def verdicts(cells: Sequence[dict[str, Any]], specs: Mapping[str, Cell]) -> list[dict[str, Any]]:
@@ -127,7 +149,13 @@ def _f(x: float | None, digits: int = 3) -> str:
 def figures_table(results: Sequence[Mapping[str, Any]]) -> Table:
     t = Table(title="do no harm: medians over runs (TTFT in wall seconds)")
     heads = ["model", "cell", "router", "failed", "short p50", "short p99", "long p50"]
-    heads += ["long p99", "all p99", "preempt", "goodput tok/s", "kvroute holds: n / s / queued"]
+    heads += [
+        "long p99",
+        "all p99",
+        "preempt",
+        "goodput tok/s",
+        "kvroute holds: n / s / queued / longest s",
+    ]
     for h in heads:
         t.add_column(h)
     for entry in results:
@@ -136,7 +164,7 @@ def figures_table(results: Sequence[Mapping[str, Any]]) -> Table:
             holds = ""
             if name == "kvroute":
                 holds = f"{_f(m['queue_wait_count'], 0)} / {_f(m['queue_wait_s'], 2)}"
-                holds += f" / {_f(m['queued_at_backend'], 0)}"
+                holds += f" / {_f(m['queued_at_backend'], 0)} / {_f(m['longest_hold_s'], 2)}"
             t.add_row(
                 entry["model"], entry["cell"], name, f"{r['max_failed']}/{_f(m['requests'], 0)}",
                 _f(m["short_ttft_p50"]), _f(m["short_ttft_p99"]), _f(m["long_ttft_p50"]),

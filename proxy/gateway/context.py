@@ -104,6 +104,8 @@ class RequestContext:
     queue_deadline: float | None = None
     # When holding at the gateway began (monotonic; queueing backends bound it by their wait).
     hold_started: float | None = None
+    # How long it was held before its first placement (``Server-Timing: hold``).
+    held_s: float | None = None
     # The answer if we stop now after an upstream failure; None while nothing failed.
     failure: Response | None = None
     # How the request ends if ``failure`` is the answer (kvroute_requests_total{outcome}).
@@ -145,4 +147,6 @@ class RequestContext:
         )
         if self.two_step is not None:
             merged.update(self.two_step.headers())
+        elif self.held_s is not None:
+            merged["server-timing"] = f"hold;dur={1000 * self.held_s:.1f}"
         return merged

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -267,6 +268,9 @@ class MemoryPressure:
     # ------------------------------------------------------------------ request life
     def placed(self, ctx: RequestContext, backend: str) -> None:
         self.order.placed(ctx.reservation_id)
+        if ctx.hold_started is not None and ctx.held_s is None:
+            # The answer's ``Server-Timing: hold`` (the first placement ends the hold).
+            ctx.held_s = time.monotonic() - ctx.hold_started
         flight = self.flight_for(ctx, project=False)
         flight.engine = self._chosen.pop(ctx.reservation_id, {}).get(backend)
         self.flights.setdefault(backend, {})[ctx.reservation_id] = flight

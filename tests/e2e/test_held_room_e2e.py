@@ -85,10 +85,14 @@ def test_a_starving_request_no_longer_stops_placements_on_the_whole_fleet() -> N
                 wait_until(lambda: queue_depth(gw) == 1, 30, "the document held")
                 chat = send(gw, 100)
                 assert chat.status_code == 200, chat.text
+                assert "server-timing" not in chat.headers  # never held
                 assert not document.done()
             # The streams' clients left: their room goes to the document.
             answer = document.result()
             assert answer.status_code == 200, answer.text
+            # Where its time went: the hold, in milliseconds.
+            held_ms = float(answer.headers["server-timing"].removeprefix("hold;dur="))
+            assert held_ms > 0
 
 
 def test_on_the_kept_node_only_what_ends_before_its_room_frees_goes_first() -> None:
