@@ -77,15 +77,19 @@ CELLS: dict[str, Cell] = {
 DEFAULT_CELLS = ("prefill", "decode", "slots", "memory", "overload")
 
 
+def model_extra_flags(model: str) -> list[str]:
+    """What makes an engine ``model`` (``classic`` or ``v1``), beyond its sizes and rates."""
+    if model == "classic":
+        flags = ["--serial-prefill", "--no-prefix-caching", "--stream-interval", "1"]
+        return [*flags, "--flush-interval-s", "0.05"]
+    if model == "v1":
+        return ["--scheduler", "v1", "--step-base-ms", "30", "--max-num-batched-tokens", "8192"]
+    raise ValueError(f"engine model must be one of {', '.join(MODELS)}, got {model!r}")
+
+
 def model_flags(model: str, cell: Cell, speedup: float) -> list[str]:
     """The flags of one engine of ``model`` in ``cell``."""
-    if model == "classic":
-        extra = ["--serial-prefill", "--no-prefix-caching", "--stream-interval", "1"]
-        extra += ["--flush-interval-s", "0.05"]
-    elif model == "v1":
-        extra = ["--scheduler", "v1", "--step-base-ms", "30", "--max-num-batched-tokens", "8192"]
-    else:
-        raise ValueError(f"engine model must be one of {', '.join(MODELS)}, got {model!r}")
+    extra = model_extra_flags(model)
     return engine_flags(cell.capacity, PREFILL_TOKENS_PER_S, speedup, cell.max_num_seqs, *extra)
 
 

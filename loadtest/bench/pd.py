@@ -18,6 +18,13 @@ bootstrap host, port and room sent to both servers at once) and the peer is the
 ``sglang-router`` package's router in PD mode with its ``round_robin`` and ``cache_aware``
 policies (skipped with the reason printed where it is not installed).
 
+Engine models (``--engine-model``): ``default`` is the engine above with the engines' rates
+given to kvroute and kvroute's levers set for this fleet. ``classic`` and ``v1`` are the
+do-no-harm grid's two models (``do_no_harm_cells.model_extra_flags``: an independent
+vLLM-like engine, and vLLM v1's scheduler), each playing its prefill or decode role; with
+either, kvroute runs as a user first deploys it: each backend's name, URL, kind and role,
+nothing tuned (no rates, no levers; ``--set`` and ``--min-uncached`` still apply).
+
 Reported per router: failed requests, preemptions on the decode servers (their own count,
 from ``/admin/state``: ``vllm:num_preemptions_total`` in vLLM mode), time to first token
 p50/p99 (all, and long requests), and decode KV use (sampled from the decode servers every
@@ -45,6 +52,7 @@ from typing import Any
 import httpx
 import yaml
 
+from loadtest.bench.do_no_harm_cells import MODELS, model_extra_flags
 from loadtest.bench.engine_fleet import (
     DECODE_TOKENS_PER_S,
     MODEL,
@@ -64,6 +72,7 @@ from loadtest.workload import Request, bimodal, chat_overhead_tokens, make_promp
 
 ROUTERS = ("kvroute", "vllm-router:round_robin", "vllm-router:cache_aware")
 SGLANG_ROUTERS = ("kvroute", "sglang-router:round_robin", "sglang-router:cache_aware")
+ENGINE_MODELS = ("default", *MODELS)
 PREFILL = ("p0", "p1")
 DECODE = ("d0", "d1")
 
@@ -125,7 +134,7 @@ def start_engine(
         args.max_num_seqs,
         "--pd-role",
         role,
-        "--serial-prefill",
+        *engine_model_flags(args.engine_model),
     )
     if args.protocol == "sglang":
         flags += ["--pd-protocol", "sglang"]
@@ -134,40 +143,63 @@ def start_engine(
     return start_vllm_engine(name, flags, behaviour=args.protocol)
 
 
+def engine_model_flags(engine_model: str) -> list[str]:
+    """What makes every engine (prefill and decode alike) one of ``ENGINE_MODELS``."""
+    return ["--serial-prefill"] if engine_model == "default" else model_extra_flags(engine_model)
+
+
 def bootstrap_port(url: str) -> int:
     """An SGLang-mode prefill server's bootstrap port, from its own state."""
     return int(httpx.get(url + "/admin/state", timeout=5).json()["bootstrap_port"])
 
 
 def gateway_config(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
-    backends: list[dict[str, Any]] = [
-        {
-            "name": name,
-            "url": urls[name],
-            "kind": args.protocol,
-            "role": "prefill" if name in PREFILL else "decode",
-            "prefill_tokens_per_s": args.prefill * args.speedup,
-            "decode_tokens_per_s": DECODE_TOKENS_PER_S * args.speedup,
-        }
-        for name in (*PREFILL, *DECODE)
-    ]
-    disaggregation: dict[str, Any] = {"min_uncached_prompt_tokens": args.min_uncached}
+    """kvroute's config: tuned for this fleet with the default engine model, else untuned."""
+    backends = [backend(name, urls[name], args) for name in (*PREFILL, *DECODE)]
     if args.protocol == "sglang":
-        # No conditional disaggregation under SGLang's protocol (docs/disaggregation.md).
-        disaggregation = {"protocol": "sglang"}
         for b in backends:
             if b["role"] == "prefill":
                 b["bootstrap_port"] = bootstrap_port(b["url"])
-    cfg = {
-        "listen": {"host": "127.0.0.1", "port": free_port()},
-        "backends": backends,
+    cfg: dict[str, Any] = {"listen": {"host": "127.0.0.1", "port": free_port()}}
+    cfg["backends"] = backends
+    if args.engine_model == "default":
+        cfg |= tuned_sections(args)
+    elif args.protocol == "sglang":
+        # The protocol, not a lever: without it kvroute speaks vLLM's (NIXL) to the servers.
+        cfg["disaggregation"] = {"protocol": "sglang"}
+    elif args.min_uncached is not None:
+        cfg["disaggregation"] = {"min_uncached_prompt_tokens": args.min_uncached}
+    return with_overrides(cfg, args.set)
+
+
+def backend(name: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One backend: name, URL, kind and role; the engines' rates with the default model only."""
+    out: dict[str, Any] = {
+        "name": name,
+        "url": url,
+        "kind": args.protocol,
+        "role": "prefill" if name in PREFILL else "decode",
+    }
+    if args.engine_model == "default":
+        out["prefill_tokens_per_s"] = args.prefill * args.speedup
+        out["decode_tokens_per_s"] = DECODE_TOKENS_PER_S * args.speedup
+    return out
+
+
+def tuned_sections(args: argparse.Namespace) -> dict[str, Any]:
+    """kvroute's levers as the default engine model's runs set them."""
+    min_uncached = 512 if args.min_uncached is None else args.min_uncached
+    disaggregation: dict[str, Any] = {"min_uncached_prompt_tokens": min_uncached}
+    if args.protocol == "sglang":
+        # No conditional disaggregation under SGLang's protocol (docs/disaggregation.md).
+        disaggregation = {"protocol": "sglang"}
+    return {
         "routing": {"policy": "kvroute", "long_threshold_tokens": args.long_min // 2},
         "collector": {"scrape_interval_s": 0.25, "stale_after_s": 5.0},
         "health": {"active": {"enabled": False}},
         "queue": {"max_wait_s": 30.0},
         "disaggregation": disaggregation,
     }
-    return with_overrides(cfg, args.set)
 
 
 def with_overrides(cfg: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -334,7 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--long-min", type=int, default=2_000, help="long prompts: min tokens")
     p.add_argument("--long-max", type=int, default=4_000, help="long prompts: max tokens")
-    p.add_argument("--min-uncached", type=int, default=512, help="kvroute: conditional threshold")
+    p.add_argument(
+        "--min-uncached",
+        type=int,
+        default=None,
+        help="kvroute: conditional threshold (default: 512 with --engine-model default, "
+        "kvroute's own default otherwise)",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -360,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the servers' PD protocol: vllm (NIXL, two steps) or sglang (bootstrap rooms)",
     )
     p.add_argument(
+        "--engine-model",
+        choices=ENGINE_MODELS,
+        default="default",
+        help="every engine's model: default (this benchmark's engine, kvroute tuned for it), "
+        "or the do-no-harm grid's classic or v1 (vLLM v1's scheduler), kvroute untuned",
+    )
+    p.add_argument(
         "--routers",
         default=None,
         help="comma-separated (default: kvroute and the protocol's peer, two policies each)",
@@ -371,7 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.engine_model == "v1" and args.protocol == "sglang":
+        parser.error("--engine-model v1 is vLLM's scheduler: it needs --protocol vllm")
     if args.quick:
         args.duration = min(args.duration, 20.0)
     default = SGLANG_ROUTERS if args.protocol == "sglang" else ROUTERS
@@ -397,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"| {run} | {router} | skipped: {exc} |", flush=True)
                 continue
             res["run"] = run
+            res["engine_model"] = args.engine_model
             rows.append(res)
             print(table([res]).splitlines()[-1], flush=True)
     print(table(rows))

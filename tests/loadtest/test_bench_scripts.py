@@ -271,6 +271,21 @@ def test_bench_pd_sglang_smoke(tmp_path: Path) -> None:
     assert parts["decode_sent"] >= parts["hold"] and parts["ttft"] >= parts["decode_sent"], parts
 
 
+@pytest.mark.parametrize("model", ["classic", "v1"])
+def test_bench_pd_engine_model_smoke(tmp_path: Path, model: str) -> None:
+    # The do-no-harm engine models in their P/D roles, kvroute untuned in front of them.
+    out_json = tmp_path / "pd.json"
+    run_module(
+        "loadtest.bench.pd",
+        "--engine-model", model, "--duration", "2", "--rate", "3", "--speedup", "20",
+        "--routers", "kvroute", "--json", str(out_json),
+    )  # fmt: skip
+    (row,) = json.loads(out_json.read_text())
+    assert row["engine_model"] == model and row["router"] == "kvroute", row
+    assert row["requests"] > 0 and row["failed"] == 0, row
+    assert row["prefill_held_at_end"] == 0 and set(row["decode_kv_mean"]) == {"d0", "d1"}
+
+
 def test_bench_continuation_smoke(tmp_path: Path) -> None:
     out_json = tmp_path / "c.json"
     run_module(

@@ -6,6 +6,7 @@ one test runs a real server on 127.0.0.1 and streams through the official ``open
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
@@ -131,6 +132,65 @@ def test_a_request_that_arrived_after_the_step_began_waits_for_the_next() -> Non
     assert not c.schedule(4.0).scheduled and c.schedule(5.0).scheduled
 
 
+def pulled(prompt: int, max_tokens: int, transfer_tokens_per_s: float) -> SimRequest:
+    """A decode server's request whose prompt KV a prefill server computed (``--pd-role``)."""
+    r = req(prompt, max_tokens)
+    r.transfer_tokens_per_s = transfer_tokens_per_s
+    return r
+
+
+def test_a_pulled_prompt_takes_its_blocks_at_once_and_no_budget_until_the_transfer_ends() -> None:
+    c = core(budget=64)
+    r = pulled(150, 3, transfer_tokens_per_s=100.0)  # 1.5 s of transfer
+    local = req(10, 2)
+    c.submit(r, 0.0)
+    c.submit(local, 0.0)
+    plan = c.schedule(0.0)
+    # Admitted with the whole prompt's 10 blocks, never chunked: the request behind it runs.
+    assert r in c.running and r.blocks == 10 and plan.scheduled == [(local, 10)]
+    c.finish(plan, 1.0)
+    assert all(q is not r for q, _n in c.schedule(1.0).scheduled)
+    # The transfer ended: the prompt's last token is recomputed and samples the first token.
+    plan = c.schedule(1.5)
+    assert (r, 1) in plan.scheduled
+    c.finish(plan, 2.0)
+    assert r.first_token_at == 2.0 and r.generated == 1 and r.blocks == 10
+
+
+def test_a_preempted_pulled_request_recomputes_its_prompt_in_chunks() -> None:
+    c = core(blocks=12, budget=64)
+    old = req(2 * BS - 1, 100)
+    c.submit(old, 0.0)
+    _plan, now = run_step(c, 0.0)
+    r = pulled(150, 20, transfer_tokens_per_s=1e9)
+    c.submit(r, now)
+    # r takes the last 10 blocks; the older request's next block preempts it (the newest).
+    plans = [run_step(c, now)[0]]
+    plans.append(run_step(c, now + 1)[0])
+    assert r.preempted == 1 and r.kv_computed == 0 and plans[-1].preempted == 1
+    # Its pulled KV is gone: it is computed here now, in chunks (the budget less the decode).
+    plan, _end = run_step(c, now + 2)
+    assert plan.scheduled == [(old, 1), (r, 63)] and r.blocks == 4
+
+
+def test_a_v1_core_sleeps_until_a_pulled_prompts_transfer_ends() -> None:
+    async def scenario() -> float:
+        c = V1Core(1_000, BS, 8, 64, 0.001, 0.0)
+        c.start()
+        loop = asyncio.get_running_loop()
+        r = pulled(100, 2, transfer_tokens_per_s=1_000.0)  # 0.1 s of transfer
+        r.arrived_at = loop.time()
+        c.submit(r, r.arrived_at)
+        while not r.done:
+            r.changed.clear()
+            await asyncio.wait_for(r.changed.wait(), 5)
+        await c.stop()
+        assert r.first_token_at is not None
+        return r.first_token_at - r.arrived_at
+
+    assert 0.1 <= asyncio.run(scenario()) < 1.0
+
+
 def test_pacing_cuts_events_and_holds_until_a_full_one() -> None:
     assert Pacing(1).pieces(3) == [1, 1, 1] and Pacing(0).pieces(3) == [3]
     assert Pacing(4).pieces(10) == [4, 4, 2]
@@ -190,4 +250,5 @@ async def test_a_v1_engine_streams_one_event_per_token_and_exports_vllm_metrics(
     assert samples(text, "vllm:time_to_first_token_seconds_count") == 1
     assert samples(text, "vllm:num_requests_running") == 0
     assert samples(text, "vllm:num_preemptions_total") == 0
-    assert server.front.cores[0].steps >= 25
+    engine = server.front.cores[0]
+    assert isinstance(engine, V1Core) and engine.steps >= 25

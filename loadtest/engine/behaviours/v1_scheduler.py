@@ -20,7 +20,14 @@ one model shows up:
 * a step lasts ``step_base_s + step_per_token_s * scheduled_tokens``: a big prefill chunk
   slows every decode in its batch, which the classic model never does;
 * a token is sampled at the end of a step for every request whose computed tokens caught
-  up with its tokens (end of prefill, or a decode).
+  up with its tokens (end of prefill, or a decode);
+* disaggregated serving (``disaggregation.py``): a prefill server's request is scheduled as
+  any other (chunks, budget) and only keeps its blocks after it ends. A decode server's
+  request with pulled KV is admitted FIFO with blocks for its whole prompt, as vLLM's NIXL
+  connector allocates them, then takes no budget until the transfer ends (prompt tokens
+  at ``transfer_tokens_per_s``); vLLM then recomputes the prompt's last token for its
+  logits: one token in the next step, which samples the first token. It never prefills the
+  prompt itself, unless it is preempted: then it recomputes everything, as vLLM does.
 
 No prefix caching here (every prompt is computed): the benchmarks that use this model send
 distinct prompts. The HTTP front, the metrics and the streams are shared with the classic
@@ -31,6 +38,7 @@ model: this class keeps ``PagedCore``'s interface (``submit``, ``abort``, ``step
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 
 from loadtest.engine.behaviours.scheduler import LONG_PROMPT, PagedCore, SimRequest
@@ -98,6 +106,10 @@ class V1Core(PagedCore):
     def step_time(self, plan: StepPlan) -> float:
         return self.step_base_s + self.step_per_token_s * plan.tokens
 
+    def state(self) -> dict[str, int | bool]:
+        """The classic model's ground truth, and the steps run (a pulled prompt takes none)."""
+        return {**super().state(), "steps": self.steps}
+
     # --- scheduling ------------------------------------------------------------------------
 
     def schedule(self, now: float) -> StepPlan:
@@ -112,6 +124,9 @@ class V1Core(PagedCore):
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._transferring(req, plan.start):
+                i += 1
+                continue
             n = min(req.tokens - req.kv_computed, budget)
             if not self._allocate(req, n, plan):
                 # vLLM stops serving running requests at the first that cannot get a block.
@@ -141,6 +156,10 @@ class V1Core(PagedCore):
             head = self.waiting[0]
             if head.arrived_at > now:
                 return  # arrived after this step began (the loop runs a little late)
+            if _pulled(head):
+                if not self._admit_pulled(head, now):
+                    return
+                continue
             n = min(head.tokens - head.kv_computed, budget)
             need = self._blocks_for(head.kv_computed + n) - head.blocks
             if need > self.free_blocks:
@@ -152,6 +171,26 @@ class V1Core(PagedCore):
             self.running.append(head)
             plan.scheduled.append((head, n))
             budget -= n
+
+    def _admit_pulled(self, head: SimRequest, now: float) -> bool:
+        """A decode server's request with pulled KV: blocks for its whole prompt now (FIFO, the
+        head that does not fit waits), no budget until the transfer ends at ``decode_at``."""
+        need = self._blocks_for(head.tokens) - head.blocks
+        if need > self.free_blocks:
+            return False
+        self.waiting.popleft()
+        self._take(need)
+        head.blocks += need
+        self._note_admission(head, now)
+        assert head.transfer_tokens_per_s is not None
+        head.decode_at = now + head.tokens / head.transfer_tokens_per_s
+        # vLLM recomputes the last prompt token (its logits sample the first output token).
+        head.kv_computed = head.tokens - 1
+        self.running.append(head)
+        return True
+
+    def _transferring(self, req: SimRequest, now: float) -> bool:
+        return _pulled(req) and now < req.decode_at
 
     def _note_admission(self, req: SimRequest, now: float) -> None:
         """The figures the classic model keeps at admission, kept the same way here."""
@@ -187,12 +226,7 @@ class V1Core(PagedCore):
         while True:
             plan = None if self.sleeping else self.schedule(clock)
             if plan is None or not plan.scheduled:
-                # Nothing can run (idle, asleep, or a head that arrived after ``clock``).
-                self._wake.clear()
-                if self.waiting and not self.sleeping:
-                    await asyncio.sleep(TICK_S)
-                else:
-                    await self._wake.wait()
+                await self._idle(clock)
                 clock = max(clock, loop.time())
                 continue
             end = clock + self.step_time(plan)
@@ -202,3 +236,26 @@ class V1Core(PagedCore):
             await asyncio.sleep(ahead if ahead > TICK_S else 0)
             self.finish(plan, end)
             clock = end
+
+    async def _idle(self, clock: float) -> None:
+        """Nothing can run (idle, asleep, a head that arrived after ``clock``, or transfers
+        under way): wait for a request, a wake-up, or the first transfer's end."""
+        self._wake.clear()
+        if self.sleeping:
+            await self._wake.wait()
+            return
+        if self.waiting:
+            await asyncio.sleep(TICK_S)
+            return
+        ends = [r.decode_at for r in self.running if self._transferring(r, clock)]
+        if not ends:
+            await self._wake.wait()
+            return
+        pause = max(TICK_S, min(ends) - asyncio.get_running_loop().time())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), pause)
+
+
+def _pulled(req: SimRequest) -> bool:
+    """Its prompt's KV comes from a prefill server (until a preemption makes it recompute)."""
+    return req.transfer_tokens_per_s is not None and not req.preempted
