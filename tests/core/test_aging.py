@@ -68,3 +68,13 @@ def test_holding_again_keeps_the_first_place_in_line() -> None:
     order.hold("a")  # a second wait of the same request: still ahead of b
     order.placed("c")
     assert order.may_place("a") and not order.may_place("b")
+
+
+def test_a_newer_request_that_ends_before_the_kept_room_frees_may_take_that_node() -> None:
+    order = HeldOrder(max_overtakes=0)
+    order.hold("doc")
+    # Its node's room frees in 300 decode steps.
+    order.keep("doc", "n1", free_in=300)
+    assert order.kept("chat", steps=100) == frozenset()  # ends first: backfilled
+    assert order.kept("essay", steps=300) == frozenset({"n1"})  # would still hold room then
+    assert order.kept("unknown") == frozenset({"n1"})  # no expected length: kept from it

@@ -290,6 +290,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "starving-request-stops-the-fleet",
+        "a held request at its overtake limit stops every newer placement, not its one node's",
+        (
+            "tests/core/test_aging.py::test_a_starving_request_keeps_one_node_and_newer_ones_take_the_others",
+        ),
+        "HeldOrder.may_place",
+        r" and h\.target is None",
+        "",
+        fast=True,
+    ),
+    Mutation(
+        "no-backfill",
+        "a newer request that ends before the kept room frees is kept from that node anyway",
+        (
+            "tests/core/test_aging.py::test_a_newer_request_that_ends_before_the_kept_room_frees_may_take_that_node",
+        ),
+        "HeldOrder.kept",
+        r"\n\s*and steps >= h\.free_in",
+        "",
+        fast=True,
+    ),
+    Mutation(
         "projection-peak-at-the-end",
         "a paged node's projected peak taken as what is held now plus the longest remaining",
         ("tests/core/test_projection.py",),
