@@ -191,7 +191,9 @@ def test_a_prompt_no_slot_holds_gets_the_gateways_400(fleet: dict[str, LlamaServ
     )
     with run_gateway(cfg) as gw:
         models = lambda: httpx.get(gw + "/v1/models", timeout=5).json()["data"]  # noqa: E731
-        wait_until(lambda: any("backends" in m for m in models()), 30, "models discovered")
+        # Both servers' models discovered (each server's in its own scrape).
+        both = lambda: any(set(m.get("backends", ())) >= {"p1", "p2"} for m in models())  # noqa: E731
+        wait_until(both, 30, "both servers' models discovered")
         listed = {m["id"]: m for m in models()}
         # The largest slot in the fleet, not a server's whole cache (2,048 on each).
         assert listed[MODEL_ALIAS]["max_model_len"] == 1024
