@@ -22,14 +22,18 @@ How the slots share the KV cache is not shown by any page (the server only logs
   on a partitioned server it under-uses the slots, never overfills them.
 * **partitioned** (``-np N`` without ``--kv-unified``): each slot a fixed region of
   ``n_ctx / N`` cells. The largest free block is the largest idle slot; a busy slot's unused
-  cells count as free but in no block (fragmentation by partition).
+  cells count as free but in no block (fragmentation by partition). A request that fits one
+  slot is never refused for room: with every slot busy the server defers it and starts it
+  when one frees (``queued_up_to_tokens``: the gateway sends it there to wait, as the next
+  in line, rather than holding it, ``proxy.routing.kvroute``).
 
 Both are contiguous allocators in kvroute's terms (``queueing`` off): the report is exact at
 admission, and the gateway's reservations newer than it are subtracted from it; and since
 ``/slots`` shows a request only once the server has read it (seconds late on a loaded CPU),
 every reservation the gateway holds there also counts against the cells at its full demand
 (``counts_flights``: committed = max(what the slots hold, what is in flight)). With no idle
-slot, or requests already deferred, nothing fits now and nothing counts as free. A
+slot, or requests already deferred, nothing fits now and nothing counts as free (a
+partitioned server still queues what one slot holds; ``max_num_seqs`` is the slot count). A
 partitioned server's free cells are split by its configuration, not by use: the restart
 advice leaves it out (``proxy.ops.maintenance.partitioned_slots``). No I/O, no clock.
 """
@@ -203,7 +207,23 @@ def memory_report(
         # /slots shows a request late: a unified pool overfilled fails them all, and
         # partitioned slots would queue more than they hold.
         counts_flights=True,
+        max_num_seqs=len(slots),
+        queued_up_to_tokens=queued_up_to(slots, layout, capacity),
     )
+
+
+def queued_up_to(slots: tuple[Slot, ...], layout: KvLayout, capacity: int) -> int:
+    """The largest request the server defers rather than refuses when no slot has room for it.
+
+    Partitioned: one slot's ``n_ctx`` (the smallest, should they differ). With every slot
+    busy, llama-server defers a new request (``requests_deferred``) and starts it in the
+    first slot that frees, which holds it whole: it waits, it never fails for room. A
+    unified pool: 0, since a deferred request that starts when a slot frees may overfill
+    the shared cells, which fails every request in flight there.
+    """
+    if layout == "unified":
+        return 0
+    return min(min(s.n_ctx for s in slots), capacity)
 
 
 def parse_models(body: bytes) -> ModelsInfo:

@@ -59,6 +59,12 @@ class MemoryReport:
     # overfilling it fails every request in flight (llama.cpp's unified KV pool). Besides the
     # contiguous rule, every live reservation then counts against it at its full demand.
     counts_flights: bool = False
+    # The largest request the server takes into its own queue when it has no room for it now,
+    # and starts as soon as room frees, never refusing it for room (llama.cpp's partitioned
+    # slots: one slot's ``n_ctx``; every busy slot defers a new request, and any slot holds
+    # it); 0: none, the server takes only what has room now (a unified pool overfilled fails
+    # every request in flight).
+    queued_up_to_tokens: int = 0
 
     def whole_blocks(self, tokens: float) -> float:
         """``tokens`` rounded up to whole blocks where the allocator hands out blocks (paged)."""
@@ -174,18 +180,35 @@ class NodeView:
             return min(block, lazy_headroom(self.report, self.overlay.reserved_tokens))
         return block
 
+    def queued_block(self) -> int:
+        """The largest request this node's server queues when it has no room now (0: none)."""
+        return self.report.queued_up_to_tokens if self.report is not None else 0
+
     def ceiling_active(self, now: float) -> bool:
         return self.overlay.ceiling_tokens is not None and now < self.overlay.ceiling_until
 
-    def fits(self, demand: int, now: float, safety_margin: float = 0.0) -> bool:
+    def _need(self, demand: int, now: float, safety_margin: float) -> float | None:
+        """The room ``demand`` takes here (margin, whole blocks); None: refused whatever the room
+        (a learned ceiling, or the node full for new work)."""
         if self.ceiling_active(now) and demand >= (self.overlay.ceiling_tokens or 0):
-            return False
+            return None
         if self.overlay.pressure:
-            return False
+            return None
         need = demand * (1.0 + safety_margin)
         if self.report is not None:
             need = self.report.whole_blocks(need)
-        return need <= self.usable_block()
+        return need
+
+    def fits_now(self, demand: int, now: float, safety_margin: float = 0.0) -> bool:
+        """Room for ``demand`` now (``usable_block``)."""
+        need = self._need(demand, now, safety_margin)
+        return need is not None and need <= self.usable_block()
+
+    def fits(self, demand: int, now: float, safety_margin: float = 0.0) -> bool:
+        """The node takes ``demand``: room now, or a server that queues it (``queued_block``)
+        rather than refusing it."""
+        need = self._need(demand, now, safety_margin)
+        return need is not None and (need <= self.queued_block() or need <= self.usable_block())
 
 
 @dataclass(frozen=True, slots=True)

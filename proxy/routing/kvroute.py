@@ -8,7 +8,7 @@ from proxy.core.fleet import FleetSnapshot, NodeView
 from proxy.routing.affinity import demand_on, prefer_cached
 from proxy.routing.expected_ttft import by_expected_ttft
 from proxy.routing.policy import Policy, PolicySettings, RequestClass, RouteRequest, eligible
-from proxy.routing.queueing import queue_load, slot_turns
+from proxy.routing.queueing import queue_load, queued_ahead, slot_turns
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,20 @@ def _takes(n: NodeView, demand: int, now: float, margin: float) -> bool:
     return n.fits(demand, now, margin)
 
 
+def _waits(n: NodeView, demand: int, now: float, margin: float) -> bool:
+    """A node where the request would wait in the server's own queue: no slot free for it now.
+
+    Every slot taken, by the report or by the gateway's count (``slot_turns``: its flights
+    that llama.cpp's ``/slots`` does not show yet hold slots too), where the report gives
+    the slot count (``max_num_seqs``); or, on a server that queues what one slot holds
+    (llama.cpp's partitioned slots, ``NodeView.queued_block``), no idle slot that holds it.
+    Queueing (paged) servers have their own order (``_queue_key``).
+    """
+    if _queueing(n):
+        return False
+    return slot_turns(n) > 0 or (n.queued_block() > 0 and not n.fits_now(demand, now, margin))
+
+
 @dataclass
 class KvroutePolicy(Policy):
     """Length- and fragmentation-aware placement.
@@ -90,6 +104,17 @@ class KvroutePolicy(Policy):
     (``_queue_key``: a free slot first, the request's own pool first among those), and a
     node whose slots alone are full still takes work (``_takes``).
 
+    A contiguous server that defers rather than refuses what one slot holds (llama.cpp's
+    partitioned slots, ``report.queued_up_to_tokens``) takes such a request with every slot
+    busy: it waits in that server's queue, not at the gateway until ``/slots`` shows room
+    (seconds late on a loaded CPU). Such nodes, and those with room but every slot taken by
+    the gateway's count (``_waits``), come after every node that starts the request now, the
+    fewest slot turns first, and only where the request is the next in line: further back
+    it is held at the gateway, which places it on whichever server makes room first. On
+    the llama.cpp benchmark (docs/results.md), joining any queue sent the documents that
+    only the 2,048-token slots hold 11 deep there while the other servers sat idle for the
+    run's last 50 s (goodput 0.50 requests/s); next in line only, 0.68-0.71.
+
     Prefix-cache and session affinity (``proxy.routing.affinity``) then move the nodes that
     fit and probably hold this prompt's prefix ahead of that order, unless they are loaded;
     among queueing servers a node whose expected TTFT (prefill backlog plus the prompt's
@@ -106,6 +131,7 @@ class KvroutePolicy(Policy):
         affinity = self.settings.affinity
         cached = req.cached
         fit: list[NodeView] = []
+        waiting: list[NodeView] = []
         unknown: list[NodeView] = []
         for n in eligible(snapshot, req, now, self.settings):
             r = n.report
@@ -113,44 +139,22 @@ class KvroutePolicy(Policy):
             demand = demand_on(n, req.demand, cached, affinity) if cached else req.demand
             if r is None:
                 unknown.append(n)
-            # usable block < demand can never fit (margin and block rounding only add): skip fits()
-            elif r.largest_free_block_tokens - n.overlay.pending_tokens >= demand and _takes(
-                n, demand, now, margin
-            ):
-                fit.append(n)
-
-        queued = [n for n in fit if _queueing(n)]
-        if queued:
-            # Queueing nodes by their queues (``_queue_key``; ``_blind_key`` while the model
-            # misses), after any that allocate at admission (contiguous order kept for those).
-            queued.sort(key=_blind_key if req.blind else lambda n: _queue_key(n, req.cls))
-            fit = [n for n in fit if not _queueing(n)]
-        if req.cls == "long":
-            # Long pool first; in each, the tightest block that holds it (the largest blocks
-            # stay whole for the largest requests).
-            fit.sort(key=lambda n: (n.role != "long", n.usable_block(), n.overlay.inflight, n.name))
-            ordered = fit + queued
-        else:
-            long_pool = [n for n in fit if n.role == "long"]
-            general = [n for n in fit if n.role != "long"]
-            w = self.weights
-            threshold = self.settings.long_threshold_tokens
-
-            def short_score(n: NodeView) -> tuple[float, str]:
-                # A node whose largest block could still hold a long request is "fresh": keep it so.
-                fresh = 1.0 - _fragmentation(n) if n.usable_block() >= threshold else 0.0
-                return (
-                    w.load * _utilisation(n)
-                    + w.freshness * fresh
-                    + w.inflight * n.overlay.inflight,
-                    n.name,
-                )
-
-            general.sort(key=short_score)
-            long_pool.sort(
-                key=lambda n: (-n.usable_block(), n.name)
-            )  # spill: least harm where most room
-            ordered = general + long_pool + queued
+            # Neither a usable block nor the server's queue holds it: it can never fit (margin
+            # and block rounding only add), so fits() is skipped.
+            elif (
+                r.largest_free_block_tokens - n.overlay.pending_tokens >= demand
+                or r.queued_up_to_tokens >= demand
+            ) and _takes(n, demand, now, margin):
+                if not _waits(n, demand, now, margin):
+                    fit.append(n)
+                elif not queued_ahead(n):
+                    # Next in that server's line; further back, held (the class docstring).
+                    waiting.append(n)
+        ordered = self._order(fit, req)
+        if waiting:
+            # After every node that starts it now: the fewest slot turns to wait (the slots'
+            # queue, the gateway's flights counted), today's order among equals.
+            ordered += sorted(self._order(waiting, req), key=slot_turns)
         # No affinity or expected-TTFT reordering while the model misses (``req.blind``).
         if not req.blind and (cached or req.session_node is not None or req.indexed is not None):
             ordered = prefer_cached(ordered, cached, req.session_node, affinity, req.indexed)
@@ -161,3 +165,33 @@ class KvroutePolicy(Policy):
         want = "long" if req.cls == "long" else "general"
         unknown.sort(key=lambda n: (n.role != want, n.overlay.inflight, n.name))
         return [n.name for n in ordered] + [n.name for n in unknown]
+
+    def _order(self, fit: list[NodeView], req: RouteRequest) -> list[NodeView]:
+        """``fit`` best first, before affinity: contiguous nodes by length (best fit for long
+        requests, the most broken-up memory for short ones), queueing nodes after them."""
+        queued = [n for n in fit if _queueing(n)]
+        if queued:
+            # Queueing nodes by their queues (``_queue_key``; ``_blind_key`` while the model
+            # misses), after any that allocate at admission (contiguous order kept for those).
+            queued.sort(key=_blind_key if req.blind else lambda n: _queue_key(n, req.cls))
+            fit = [n for n in fit if not _queueing(n)]
+        if req.cls == "long":
+            # Long pool first; in each, the tightest block that holds it (the largest blocks
+            # stay whole for the largest requests).
+            fit.sort(key=lambda n: (n.role != "long", n.usable_block(), n.overlay.inflight, n.name))
+            return fit + queued
+        long_pool = [n for n in fit if n.role == "long"]
+        general = [n for n in fit if n.role != "long"]
+        w = self.weights
+        threshold = self.settings.long_threshold_tokens
+
+        def short_score(n: NodeView) -> tuple[float, str]:
+            # A node whose largest block could still hold a long request is "fresh": keep it so.
+            fresh = 1.0 - _fragmentation(n) if n.usable_block() >= threshold else 0.0
+            score = w.load * _utilisation(n) + w.freshness * fresh
+            return (score + w.inflight * n.overlay.inflight, n.name)
+
+        general.sort(key=short_score)
+        # Spill: least harm where most room.
+        long_pool.sort(key=lambda n: (-n.usable_block(), n.name))
+        return general + long_pool + queued

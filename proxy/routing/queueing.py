@@ -86,6 +86,16 @@ def slot_turns(n: NodeView) -> float:
     return max(0, occupied + 1 - r.max_num_seqs) / r.max_num_seqs
 
 
+def queued_ahead(n: NodeView) -> int:
+    """Requests that would start before a new one here: those beyond its slots, running and
+    waiting by the report or the gateway's own in flight, whichever is more (0: the limit
+    ``max_num_seqs`` is not known, or no request waits)."""
+    r = n.report
+    if r is None or not r.max_num_seqs:
+        return 0
+    return max(0, max(n.overlay.inflight, r.running + r.waiting) - r.max_num_seqs)
+
+
 def expected_wait_s(n: NodeView, prompt_tokens: int, demand: int, rates: Rates) -> float:
     """Seconds until this request's first token on ``n`` (an estimate; lower is better)."""
     ov, r = n.overlay, n.report

@@ -214,12 +214,16 @@ def reservation_fits(
     For a lazily allocating server (``report.queueing``) the demand must instead fit beside
     every live reservation at its full demand (``reserved``; ``proxy.core.lazy``), since
     its report shows only what is already cached; where the report ``counts_flights``, it
-    must fit both ways (``NodeView.usable_block``). With no report there is nothing to check
-    against, so the reservation is allowed.
+    must fit both ways (``NodeView.usable_block``). A demand the server queues rather than
+    refuses (``queued_up_to_tokens``: llama.cpp's partitioned slots) is always allowed, as
+    ``NodeView.fits`` allows it. With no report there is nothing to check against, so the
+    reservation is allowed.
     """
     if report is None:
         return True
     need = tokens * (1.0 + headroom)
+    if need <= report.queued_up_to_tokens:
+        return True
     if report.queueing:
         return need <= lazy_headroom(report, reserved)
     if pending + need > report.largest_free_block_tokens:

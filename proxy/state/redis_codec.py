@@ -49,6 +49,7 @@ REPORT_EXTRA_FIELDS = (
     "max_num_seqs",
     "flags",
     "prefill",
+    "queued_up_to_tokens",
 )
 REPORT_FIELDS = (
     *REPORT_INT_FIELDS,
@@ -190,7 +191,12 @@ def _report_from_fields(values: tuple[str | None, ...]) -> tuple[MemoryReport | 
 def _parse_extra(h: dict[str, str]) -> dict[str, Any] | str:
     """The optional fields of ``REPORT_EXTRA_FIELDS`` as MemoryReport keywords, or a reason."""
     out: dict[str, Any] = {}
-    for key, minimum in (("preemptions", 0), ("engines", 1), ("max_num_seqs", 0)):
+    for key, minimum in (
+        ("preemptions", 0),
+        ("engines", 1),
+        ("max_num_seqs", 0),
+        ("queued_up_to_tokens", 0),
+    ):
         if key in h:
             v = _count(h[key], minimum)
             if v is None:
@@ -237,6 +243,7 @@ def report_fields(report: MemoryReport) -> dict[str, str]:
         + ("s" if report.sleeping else "")
         + ("f" if report.counts_flights else ""),
         "prefill": f"{redis_float(report.prefill_tokens)},{redis_float(report.prefill_seconds)}",
+        "queued_up_to_tokens": str(int(report.queued_up_to_tokens)),
     }
 
 

@@ -34,13 +34,14 @@ local function count(s, min)
 end
 
 -- Returns largest_free_block_tokens, reported_at, a table {cap, frees} for a report whose
--- reservations count at full demand (queueing, or counts_flights), and whether it counts
--- flights on top of the contiguous rule; or nil for an invalid report.
+-- reservations count at full demand (queueing, or counts_flights), whether it counts
+-- flights on top of the contiguous rule, and the largest demand the server queues rather
+-- than refuses (queued_up_to_tokens, 0 when absent); or nil for an invalid report.
 local function read_report(key)
   local f = redis.call('HMGET', key, 'capacity_tokens', 'free_tokens',
     'largest_free_block_tokens', 'reported_at', 'allocator', 'block_size',
     'running', 'waiting', 'started_at', 'engine_free', 'flags', 'preemptions', 'engines',
-    'max_num_seqs')
+    'max_num_seqs', 'queued_up_to_tokens')
   if count(f[1], 0) == nil or count(f[2], 0) == nil then return nil end
   local largest = count(f[3], 0)
   local reported_at = num(f[4])
@@ -56,6 +57,7 @@ local function read_report(key)
   if f[12] and count(f[12], 0) == nil then return nil end
   if f[13] and count(f[13], 1) == nil then return nil end
   if f[14] and count(f[14], 0) == nil then return nil end
+  if f[15] and count(f[15], 0) == nil then return nil end
   if f[11] and string.find(f[11], '[^qsf]') then return nil end
   local frees = {}
   if f[10] and f[10] ~= '' then
@@ -76,7 +78,9 @@ local function read_report(key)
     if #frees == 0 then frees[1] = count(f[2], 0) end
     lazy = {cap = count(f[1], 0), frees = frees}
   end
-  return largest, reported_at, lazy, flights
+  local queued = 0
+  if f[15] then queued = count(f[15], 0) end
+  return largest, reported_at, lazy, flights, queued
 end
 
 -- The lease id of a reservation field "<id>@<lease>" (after its first "@", not at the start),
@@ -131,7 +135,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[3])
 -- The same, as versions before the gone set wrote it ("~" .. id in res), until those expire.
 local tomb = num(string.match(redis.call('HGET', KEYS[2], '~' .. id) or '', '^~ (%S+)$'))
 if tomb ~= nil and tomb > now then return 0 end
-local largest, reported_at, lazy, flights = read_report(KEYS[1])
+local largest, reported_at, lazy, flights, queued = read_report(KEYS[1])
 local leases = {}
 local lf = redis.call('HGETALL', KEYS[4])
 for i = 1, #lf, 2 do leases[lf[i]] = num(lf[i + 1]) or 0 end
@@ -165,7 +169,9 @@ for i = 1, #dead, 500 do
 end
 if ARGV[5] == '1' and largest ~= nil then
   local need = tokens * (1.0 + headroom)
-  if lazy ~= nil and not flights then
+  if need <= queued then
+    -- the server queues it rather than refusing it (llama.cpp's partitioned slots)
+  elseif lazy ~= nil and not flights then
     if need > lazy_room(lazy, reserved, largest) then return 0 end
   elseif pending + need > largest then
     return 0

@@ -196,3 +196,35 @@ def test_a_unified_pool_counts_the_gateways_flights_that_slots_do_not_show_yet()
     assert NodeView("p", report=partitioned, overlay=sent).usable_block() == 2048
     crowded = Overlay(reserved_tokens=7000, inflight=9)
     assert NodeView("p", report=partitioned, overlay=crowded).usable_block() == 1192
+
+
+def test_partitioned_slots_queue_what_one_slot_holds_a_unified_pool_nothing() -> None:
+    full = slots_body(busy(1024, 300, 64), busy(1024, 900, 64))
+    deferred = "llamacpp:requests_deferred 2\n"
+    split = report(props_body(2, 1024), full, "partitioned", deferred)
+    # No room now, yet the server defers a request one slot holds and starts it when a slot
+    # frees: it waits there, it never fails for room.
+    assert (split.largest_free_block_tokens, split.waiting) == (0, 2)
+    assert (split.queued_up_to_tokens, split.max_num_seqs) == (1024, 2)
+    # A unified pool's deferred request may overfill the shared cells when it starts.
+    pool = report(props_body(2, 1024), full, "unified", deferred)
+    assert (pool.queued_up_to_tokens, pool.max_num_seqs) == (0, 2)
+    # An operator's smaller capacity bounds it too.
+    pages = {PROPS_PATH: props_body(2, 1024), SLOTS_PATH: full}
+    capped = parse_report("llamacpp", deferred, NOW, 800, pages, "partitioned")
+    assert capped.queued_up_to_tokens == 800
+
+
+def test_a_partitioned_server_with_every_slot_busy_takes_what_one_slot_holds() -> None:
+    full = slots_body(busy(1024, 300, 64), busy(1024, 900, 64))
+    split = report(props_body(2, 1024), full, "partitioned")
+    node = NodeView("p", report=split, overlay=Overlay(reserved_tokens=1500, inflight=2))
+    assert node.usable_block() == 0 and not node.fits_now(100, NOW)
+    assert node.fits(1024, NOW) and node.fits(1000, NOW, safety_margin=0.02)
+    # Larger than a slot: the server's 400, so never sent where no slot holds it.
+    assert not node.fits(1025, NOW) and not node.fits(1010, NOW, safety_margin=0.02)
+    # A learned ceiling still refuses (a context failure there).
+    failed = Overlay(reserved_tokens=1500, inflight=2, ceiling_tokens=800, ceiling_until=NOW + 5)
+    assert not NodeView("p", report=split, overlay=failed).fits(900, NOW)
+    pool = report(props_body(2, 1024), full, "unified")
+    assert not NodeView("u", report=pool).fits(100, NOW)

@@ -185,6 +185,42 @@ def test_a_long_prompt_goes_to_the_slot_that_holds_it(fleet: dict[str, LlamaServ
         assert r.status_code == 200
 
 
+def metric_value(text: str, name: str) -> float:
+    """The value of an unlabelled series ``name`` in a Prometheus page (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_partitioned_server_defers_what_its_busy_slots_cannot_start_not_the_gateway(
+    fleet: dict[str, LlamaServer],
+) -> None:
+    """p1's two slots of 1,024 take two requests; a third, sent with them, goes to p1 too
+    and waits in the server's own queue (``llamacpp:requests_deferred``), not held at the
+    gateway: a request one slot holds never fails there for room."""
+    with run_gateway(config(backend("p1", fleet["p1"], "partitioned"))) as gw:
+        wait_until(lambda: all_reported(gw, 1), 30, "p1 scraped")
+        deferred = 0.0
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            # ignore_eos: each runs its 60 tokens, so the first two hold both slots a while.
+            futures = [
+                pool.submit(complete, gw, prose(300, seed), 60, ignore_eos=True)
+                for seed in (51, 52, 53)
+            ]
+            while not all(f.done() for f in futures):
+                page = httpx.get(fleet["p1"].url + "/metrics", timeout=30).text
+                deferred = max(deferred, metric_value(page, "llamacpp:requests_deferred"))
+                time.sleep(0.05)
+            answers = [f.result() for f in futures]
+        assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+        # None held at the gateway: no hold in any answer, no wait in the admission queue.
+        assert [r.headers.get("server-timing") for r in answers] == [None, None, None]
+        waits = httpx.get(gw + "/metrics", timeout=5).text
+        assert metric_value(waits, "kvroute_queue_wait_seconds_count") == 0
+    assert deferred >= 1
+
+
 def test_a_prompt_no_slot_holds_gets_the_gateways_400(fleet: dict[str, LlamaServer]) -> None:
     cfg = config(
         backend("p1", fleet["p1"], "partitioned"), backend("p2", fleet["p2"], "partitioned")

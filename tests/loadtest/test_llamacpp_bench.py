@@ -23,10 +23,10 @@ def test_a_stream_cut_by_an_error_event_counts_as_failed() -> None:
     run = RouterRun(
         "r",
         [
-            Outcome("chat", True, ttft_s=1.0, tokens=10),
-            Outcome("document", True, ttft_s=3.0, tokens=20),
+            Outcome("chat", True, ttft_s=1.0, tokens=10, prompt_words=100),
+            Outcome("document", True, ttft_s=3.0, tokens=20, prompt_words=900),
             Outcome("document", False, "stream error", ttft_s=2.0, tokens=5),
-            Outcome("document", False, "HTTP 400"),
+            Outcome("document", False, "HTTP 400", prompt_words=1500),
         ],
         wall_s=10.0,
     )
@@ -36,4 +36,6 @@ def test_a_stream_cut_by_an_error_event_counts_as_failed() -> None:
     assert (s["ttft_p50_s"], s["document_ttft_p50_s"]) == (3.0, 3.0)
     # Goodput counts what succeeded only: 2 requests, 30 tokens in 10 s.
     assert (s["goodput_requests_per_s"], s["goodput_tokens_per_s"]) == (0.2, 3.0)
+    # And the prompts it served: 1,000 words in 10 s (the failed document's not among them).
+    assert s["served_prompt_words_per_s"] == 100.0
     assert "| r | 2/4 | 2/3 | HTTP 400: 1, stream error: 1 |" in table([s])

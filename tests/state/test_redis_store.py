@@ -216,6 +216,8 @@ async def test_minimal_push_without_sadd(admin: aioredis.Redis, redis_server: st
         ("free_tokens", ""),
         ("allocator", "buddy"),
         ("block_size", "0"),
+        ("queued_up_to_tokens", "-1"),
+        ("queued_up_to_tokens", "many"),
     ],
 )
 async def test_malformed_push_reads_as_no_report(

@@ -298,6 +298,45 @@ async def test_reserve_where_the_server_shows_requests_late_counts_every_flight(
     assert await store.reserve("s", "a", 1_000, T0 + 3, 60)
 
 
+async def test_reserve_where_the_server_queues_what_one_slot_holds_is_never_refused_for_room(
+    store: StateStore,
+) -> None:
+    """llama.cpp's partitioned slots (``queued_up_to_tokens``): every slot busy, and the
+    gateway's flights there beyond its cells, yet a request one slot holds waits in the
+    server's queue, never refused; one larger than a slot still needs room now."""
+    await store.reserve("p", "a", 4_000, T0 - 1, 60, check_fit=False)
+    full = rep(
+        0,
+        T0,
+        capacity_tokens=4_096,
+        free_tokens=0,
+        running=4,
+        waiting=2,
+        max_num_seqs=4,
+        counts_flights=True,
+        queued_up_to_tokens=1_024,
+    )
+    await store.put_report("p", full, ttl_s=60)
+    assert (await one(store, "p", T0 + 1)).report == full
+    assert await store.reserve("p", "b", 1_024, T0 + 1, 60)
+    assert await store.reserve("p", "c", 800, T0 + 1, 60, headroom=0.25)  # exactly 1,000
+    assert not await store.reserve("p", "d", 820, T0 + 1, 60, headroom=0.25)  # 1,025
+    assert not await store.reserve("p", "d", 1_025, T0 + 1, 60)
+    # A larger request fits only where its room is, as before.
+    idle = rep(
+        2_048,
+        T0 + 2,
+        capacity_tokens=8_192,
+        free_tokens=8_192,
+        counts_flights=True,
+        queued_up_to_tokens=1_024,
+    )
+    await store.put_report("q", idle, ttl_s=60)
+    assert await store.reserve("q", "a", 2_000, T0 + 3, 60)
+    assert not await store.reserve("q", "b", 2_000, T0 + 3, 60)  # pending 2,000 of 2,048
+    assert await store.reserve("q", "b", 1_024, T0 + 3, 60)
+
+
 async def test_reserve_data_parallel_assumes_all_reservations_on_one_engine(
     store: StateStore,
 ) -> None:
