@@ -98,6 +98,8 @@ class RequestContext:
     attempts: int = 0
     # Retries taken from the retry budget (given back when the request ends).
     retries: int = 0
+    # The retry now due holds its budget slot (taken before a hold, not again after it).
+    retry_slot_taken: bool = False
     # The routing decision's latency is observed once, at the first ranking.
     decided: bool = False
     # When waiting in the admission queue must end (set on first entry, monotonic clock).

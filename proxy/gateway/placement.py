@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from collections.abc import Coroutine
 from typing import Any, Literal, Protocol
@@ -22,26 +21,27 @@ from typing import Any, Literal, Protocol
 from starlette.responses import Response
 
 from proxy.core.fleet import FleetSnapshot
-from proxy.errors import ApiError, upstream_answer
 from proxy.gateway import queueing
 from proxy.gateway.admission import Admission
 from proxy.gateway.affinity import Affinity
 from proxy.gateway.client_watch import ClientWatch
 from proxy.gateway.context import RequestContext
-from proxy.gateway.divert import DivertPorts, record_allocation_failure, verdict_for
+from proxy.gateway.divert import DivertPorts, verdict_for
 from proxy.gateway.held_room import kept_for, nodes_kept
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.local_view import LocalReservations
+from proxy.gateway.placement_answers import (
+    client_left_while_held,
+    give_up,
+    nothing_fits,
+    out_of_time,
+)
 from proxy.gateway.queueing import QueueingPorts
 from proxy.gateway.retry_budget import RetryBudget, retry_slot
 from proxy.routing.nothing_fits import NothingFits
 from proxy.routing.policy import RouteRequest
 from proxy.state.base import StoreUnavailable
 from proxy.state.fleet_cache import FleetCache
-
-log = logging.getLogger("kvroute.gateway")
-# The status of an answer to a client that left (nobody reads it), as ``attempt`` answers it.
-CLIENT_LEFT = 499
 
 
 class PlacementPorts(DivertPorts, QueueingPorts, Protocol):
@@ -83,8 +83,13 @@ async def _place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
         avoid = gw.health.avoid() | ctx.ruled_out | ctx.exclude
         now = gw.clock()
         view, request, ranked = _rank(gw, ctx, avoid, now)
-        if ranked and ctx.failure is not None and not await retry_slot(gw, ctx):
-            return give_up(gw, ctx)
+        verdict = None if ranked else verdict_for(gw, ctx, view, now)
+        if ctx.failure is not None:
+            if verdict is not None and verdict.cause == "unavailable":
+                # No other backend can serve, now or later: the last failure is the answer.
+                return give_up(gw, ctx)
+            if not await _retry_slot_once(gw, ctx):
+                return give_up(gw, ctx)
         demands = (
             {n: gw.affinity.demand_on(request, view, n) for n in ranked} if request.cached else None
         )
@@ -94,13 +99,12 @@ async def _place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
             _begin_attempt(gw, ctx)
             queueing.predict_ttft(gw, ctx, view, backend)
             return backend
-        if ctx.failure is not None:
-            # No other backend can serve: the last failure is the answer.
-            return give_up(gw, ctx)
-        verdict = verdict_for(gw, ctx, view, now)
+        verdict = verdict or verdict_for(gw, ctx, view, now)
         if verdict.cause == "unavailable":
             # An outage: no report will make room, so the queue would only delay the 503.
-            return nothing_fits(gw, ctx, verdict)
+            return give_up(gw, ctx) if ctx.failure is not None else nothing_fits(gw, ctx, verdict)
+        # A retry that nothing takes now is held as a first attempt is: the backends left
+        # are busy, not gone, and one of them can still serve it.
         held = await _hold(gw, ctx, view, avoid)
         if held is not None:
             return held
@@ -120,14 +124,6 @@ async def watched_hold(
     return client_left_while_held(gw, ctx)
 
 
-def client_left_while_held(gw: PlacementPorts, ctx: RequestContext) -> Response:
-    """The client went away during the hold: nothing was reserved; nobody reads the answer."""
-    log.info("request %s: the client went away while it was held", ctx.request_id)
-    if ctx.counts_request:
-        gw.metrics.requests.labels(ctx.cls, "none", "client_disconnect").inc()
-    return Response(status_code=CLIENT_LEFT)
-
-
 def hold_limit_s(gw: PlacementPorts, ctx: RequestContext, view: FleetSnapshot) -> float:
     """The longest hold: ``queue.max_wait_s``, or longer where a lazily allocating node waits.
 
@@ -144,29 +140,18 @@ def _verdict_now(gw: PlacementPorts, ctx: RequestContext) -> NothingFits:
     return verdict_for(gw, ctx, gw.local.apply(ctx.snap), gw.clock())
 
 
-def give_up(gw: PlacementPorts, ctx: RequestContext) -> Response:
-    """The last upstream failure is the answer: count the request once, by that outcome."""
-    assert ctx.failure is not None
-    backend = ctx.failed_on[-1] if ctx.failed_on else "none"
-    if ctx.counts_request:
-        gw.metrics.requests.labels(ctx.cls, backend, ctx.failure_outcome).inc()
-    return ctx.failure
-
-
-def out_of_time(gw: PlacementPorts, ctx: RequestContext) -> Response:
-    """The request's total time ran out between attempts: its last failure, or a 504."""
-    if ctx.failure is None:
-        limit = ctx.cfg.upstream.total_timeout_s
-        ctx.failure = upstream_answer(
-            "total_timeout", f"the request ran past its total time limit ({limit:g}s)"
-        )
-        ctx.failure.headers.update(ctx.answer_headers(ctx.backend or "none"))
-        ctx.failure_outcome = "upstream_timeout"
-    return give_up(gw, ctx)
+async def _retry_slot_once(gw: PlacementPorts, ctx: RequestContext) -> bool:
+    """The retry budget's slot for the retry now due, taken once whether the retry is placed
+    at once or after a hold (``retry_slot``; given back when the request ends)."""
+    if ctx.retry_slot_taken:
+        return True
+    ctx.retry_slot_taken = await retry_slot(gw, ctx)
+    return ctx.retry_slot_taken
 
 
 def _begin_attempt(gw: PlacementPorts, ctx: RequestContext) -> None:
     ctx.attempts += 1
+    ctx.retry_slot_taken = False
     if ctx.attempts > 1:
         gw.metrics.retries.labels(
             "upstream_failure" if ctx.failure is not None else "diverted"
@@ -310,10 +295,14 @@ async def join_queue(
     if recheck and gw.pressure.enabled and not queueing.hold_over(gw, ctx, view, avoid):
         return None
     avoid |= kept_for(gw.pressure, ctx) if recheck else frozenset()
-    ranked = gw.queues.ranked(ctx, view, avoid, now)
-    backend = await reserve_first(gw, ctx, [name for name, _ in ranked], now, check_fit=False)
+    names = [name for name, _ in gw.queues.ranked(ctx, view, avoid, now)]
+    if not recheck:
+        # The hold ran its limit: a server that queues rather than refuses is a place to wait.
+        names += gw.queues.deferring(ctx, view, avoid, now)
+    backend = await reserve_first(gw, ctx, names, now, check_fit=False)
     if backend is not None:
-        gw.queues.handed.labels(backend, "hold_over").inc()
+        # ``why``: the hold ended early for that queue (hold_over), or ran its limit.
+        gw.queues.handed.labels(backend, "hold_over" if recheck else "hold_limit").inc()
         _begin_attempt(gw, ctx)
         queueing.predict_ttft(gw, ctx, view, backend)
     return backend
@@ -356,44 +345,3 @@ async def wait_for_fit(
         gw.admission.leave()
         gw.metrics.queue_depth.set(gw.admission.depth)
         gw.metrics.queue_wait.observe(time.monotonic() - start)
-
-
-def nothing_fits(
-    gw: PlacementPorts, ctx: RequestContext, verdict: NothingFits, exhausted: bool = False
-) -> Response:
-    """A 503 that says why nothing can take the request: an outage, fragmentation or capacity."""
-    cause, why = verdict.cause, verdict.message
-    if exhausted and ctx.failed_on:
-        why = f"tried {', '.join(ctx.failed_on)}: all failed; " + why
-    record_allocation_failure(gw, "", cause, ctx.demand, verdict)
-    retry_after = {"retry-after": str(ctx.cfg.queue.retry_after_s)}
-    # Step 1 of two is not the request: what fails there is not its outcome.
-    counted = ctx.counts_request
-    if cause == "unavailable":
-        if counted:
-            gw.metrics.requests.labels(ctx.cls, "none", "unavailable").inc()
-        err = ApiError(
-            503,
-            why,
-            type="service_unavailable",
-            code="no_backend_available",
-            headers=retry_after,
-            extra={
-                "cause": cause,
-                "demand_tokens": ctx.demand,
-                "backends_reachable": verdict.reachable,
-                "backends": verdict.total,
-            },
-        )
-    else:
-        if counted:
-            gw.metrics.requests.labels(ctx.cls, "none", "no_fit").inc()
-        err = ApiError(
-            503,
-            why,
-            type="kv_cache_unavailable",
-            code=f"no_backend_fits_{cause}",
-            headers=retry_after,
-            extra={"cause": cause, "demand_tokens": ctx.demand},
-        )
-    return err.response(ctx.answer_headers(ctx.backend or "none"))

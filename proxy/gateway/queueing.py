@@ -39,6 +39,7 @@ from proxy.routing.queueing import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     QueueingSettings,
     Rates,
+    by_line_length,
     is_queueing,
     rank_by_wait,
 )
@@ -157,6 +158,25 @@ class BackendQueues:
         nodes = [n for n in eligible(snap, req, now, self.policy_settings) if is_queueing(n)]
         settings = self.current(snap)
         return rank_by_wait(nodes, ctx.prompt_tokens, ctx.demand, ctx.cls, settings)
+
+    def deferring(
+        self, ctx: RequestContext, snap: FleetSnapshot, avoid: frozenset[str], now: float
+    ) -> list[str]:
+        """Servers that queue the request rather than refuse it for room, fewest ahead first.
+
+        llama.cpp's partitioned slots (``NodeView.queued_block``): the policy sends a request
+        there only as the next in line, and holds it otherwise; a hold that ran its limit
+        joins the shortest such line rather than be answered 503, as a hold for a queueing
+        backend joins its queue.
+        """
+        req = RouteRequest(ctx.demand, ctx.cls, avoid)
+        margin = self.policy_settings.safety_margin
+        nodes = [
+            n
+            for n in eligible(snap, req, now, self.policy_settings)
+            if not is_queueing(n) and n.queued_block() and n.fits(ctx.demand, now, margin)
+        ]
+        return [n.name for n in by_line_length(nodes)]
 
 
 class QueueingPorts(Protocol):

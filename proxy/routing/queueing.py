@@ -96,6 +96,12 @@ def queued_ahead(n: NodeView) -> int:
     return max(0, max(n.overlay.inflight, r.running + r.waiting) - r.max_num_seqs)
 
 
+def by_line_length(nodes: Iterable[NodeView]) -> list[NodeView]:
+    """Servers by how long a new request waits in their line: the fewest requests ahead of it
+    (``queued_ahead``), then the fewest slot turns, then the fewest in flight."""
+    return sorted(nodes, key=lambda n: (queued_ahead(n), slot_turns(n), n.overlay.inflight, n.name))
+
+
 def expected_wait_s(n: NodeView, prompt_tokens: int, demand: int, rates: Rates) -> float:
     """Seconds until this request's first token on ``n`` (an estimate; lower is better)."""
     ov, r = n.overlay, n.report

@@ -221,6 +221,29 @@ def test_a_partitioned_server_defers_what_its_busy_slots_cannot_start_not_the_ga
     assert deferred >= 1
 
 
+def test_a_request_held_its_limit_joins_a_partitioned_servers_line_not_a_503(
+    fleet: dict[str, LlamaServer],
+) -> None:
+    """Six requests at once on p1's two slots: two run, one waits in p1's queue as the next
+    in line, the rest are held at the gateway. A hold that runs ``queue.max_wait_s`` (0.3 s
+    here, far less than a slot's turn) joins p1's line, as a hold for a queueing backend
+    joins its queue: every request is served, none answered 503 for room p1 would make."""
+    cfg = config(backend("p1", fleet["p1"], "partitioned"))
+    cfg = cfg.model_copy(update={"queue": cfg.queue.model_copy(update={"max_wait_s": 0.3})})
+    with run_gateway(cfg) as gw:
+        wait_until(lambda: all_reported(gw, 1), 30, "p1 scraped")
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            # ignore_eos: each writes its 80 tokens, so both slots stay busy for seconds.
+            futures = [
+                pool.submit(complete, gw, prose(200, seed), 80, ignore_eos=True)
+                for seed in range(61, 67)
+            ]
+            answers = [f.result() for f in futures]
+        assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+        joined = gateway_metric(gw, "kvroute_queued_at_backend_total", why="hold_limit")
+        assert joined >= 1, "no request was held to its limit: the test did not test the path"
+
+
 def test_a_prompt_no_slot_holds_gets_the_gateways_400(fleet: dict[str, LlamaServer]) -> None:
     cfg = config(
         backend("p1", fleet["p1"], "partitioned"), backend("p2", fleet["p2"], "partitioned")
