@@ -96,6 +96,8 @@ class Outcome:
     detail: str = ""  # the error body or event, cut short
     # The user message's words: its tokens to the server (``prose``), the bulk of the prompt.
     prompt_words: int = 0
+    # When the request was sent, seconds into the run (the list's arrival time).
+    sent_s: float = 0.0
 
 
 @dataclass
@@ -159,7 +161,7 @@ def workload(args: argparse.Namespace) -> list[Job]:
 
 async def send(client: httpx.AsyncClient, url: str, job: Job, t0: float) -> Outcome:
     """One streamed chat: ok when it ends with ``[DONE]`` and no error event came."""
-    out = Outcome(job.kind, False, prompt_words=job.prompt_words)
+    out = Outcome(job.kind, False, prompt_words=job.prompt_words, sent_s=job.arrival_s)
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=job.body) as resp:
             out.backend = resp.headers.get("x-kvroute-backend", "")
@@ -386,14 +388,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("vllm-router skipped: not installed (PATH, /tmp/vllm-router-venv)", flush=True)
         routers = [r for r in routers if not r.startswith("vllm-router:")]
     jobs = workload(args)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    raw: list[dict[str, Any]] = []
     for router in routers:
         run = run_router(router, jobs, args)
         rows.append(run.summary())
         print(f"{router}: {json.dumps(rows[-1])}", flush=True)
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            raw = [{"router": router, **asdict(o)} for o in run.outcomes]
-            args.json.write_text(json.dumps({"rows": rows, "last_raw": raw}, indent=1))
+            raw += [{"router": router, **asdict(o)} for o in run.outcomes]
+            args.json.write_text(json.dumps({"rows": rows, "outcomes": raw}, indent=1))
     print(table(rows))
     return 0

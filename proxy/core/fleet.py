@@ -113,9 +113,13 @@ class Overlay:
     # Data-parallel servers whose engine the gateway pins (``X-data-parallel-rank``): the
     # engine this request would go to, chosen with the projection; None: the server picks.
     engine: int | None = None
+    # This replica's requests there that ended after the report was taken: the report's
+    # running and waiting counts still show them (``proxy.routing.queueing.occupied``).
+    ended_since_report: int = 0
 
-    def plus_pending(self, tokens: int, count: int) -> Overlay:
-        """With ``count`` more reservations (``tokens`` in all) that the report cannot show yet.
+    def plus_pending(self, tokens: int, count: int, ended: int = 0) -> Overlay:
+        """With ``count`` more reservations (``tokens`` in all) that the report cannot show yet,
+        and ``ended`` requests it still shows that ended since.
 
         Field by field, not ``dataclasses.replace`` (done per node per request: measured
         2x faster); a test checks it keeps every other field.
@@ -131,6 +135,7 @@ class Overlay:
             self.pressure,
             self.projected_tokens,
             self.engine,
+            self.ended_since_report + ended,
         )
 
 

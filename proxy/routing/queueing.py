@@ -60,6 +60,22 @@ def is_queueing(n: NodeView) -> bool:
     return n.report is not None and n.report.queueing
 
 
+def occupied(n: NodeView) -> int:
+    """Requests running or waiting on ``n`` now: its report's, less those of this replica that
+    ended since the report was taken, or the gateway's own in flight, whichever is more.
+
+    The report also counts other clients' requests; the gateway's in-flight count covers
+    what it sent since. A report a scrape old still counts requests that have ended: taken
+    as it is, a server whose slots had just freed ranked as full, and new work went to the
+    others (the slots cells of the do-no-harm grid, docs/routing.md).
+    """
+    r = n.report
+    ov = n.overlay
+    if r is None:
+        return ov.inflight
+    return max(ov.inflight, r.running + r.waiting - ov.ended_since_report)
+
+
 def queue_load(n: NodeView) -> float:
     """Requests on a queueing node per engine: running and waiting, or the gateway's in flight.
 
@@ -70,7 +86,7 @@ def queue_load(n: NodeView) -> float:
     r = n.report
     if r is None:
         return float(n.overlay.inflight)
-    return max(n.overlay.inflight, r.running + r.waiting) / max(1, r.engines)
+    return occupied(n) / max(1, r.engines)
 
 
 def slot_turns(n: NodeView) -> float:
@@ -82,8 +98,7 @@ def slot_turns(n: NodeView) -> float:
     r = n.report
     if r is None or not r.max_num_seqs:
         return 0.0
-    occupied = max(n.overlay.inflight, r.running + r.waiting)
-    return max(0, occupied + 1 - r.max_num_seqs) / r.max_num_seqs
+    return max(0, occupied(n) + 1 - r.max_num_seqs) / r.max_num_seqs
 
 
 def queued_ahead(n: NodeView) -> int:
@@ -93,7 +108,7 @@ def queued_ahead(n: NodeView) -> int:
     r = n.report
     if r is None or not r.max_num_seqs:
         return 0
-    return max(0, max(n.overlay.inflight, r.running + r.waiting) - r.max_num_seqs)
+    return max(0, occupied(n) - r.max_num_seqs)
 
 
 def by_line_length(nodes: Iterable[NodeView]) -> list[NodeView]:

@@ -1009,6 +1009,37 @@ MUTATIONS: tuple[Mutation, ...] = (
         r"\1return generic_class(status)  # MUTATION",
         fast=True,
     ),
+    Mutation(
+        "stale-report-occupancy",
+        "a report a scrape old counts requests that ended since as still running",
+        (
+            "tests/routing/test_ended_since_report.py::test_requests_that_ended_since_the_report_free_their_slots_at_once",
+        ),
+        "queueing:occupied",
+        r"r\.running \+ r\.waiting - ov\.ended_since_report",
+        "r.running + r.waiting",
+        fast=True,
+    ),
+    Mutation(
+        "retry-not-held",
+        "a retry that nothing takes now gets the last failure at once (a busy backend could serve it)",
+        (
+            "tests/e2e/test_retry_held_e2e.py::test_a_retry_that_nothing_takes_now_waits_for_a_busy_backend_not_a_502",
+        ),
+        "placement:_place",
+        r"return give_up\(gw, ctx\) if ctx\.failure is not None else nothing_fits\(gw, ctx, verdict\)",
+        "return give_up(gw, ctx) if ctx.failure is not None else nothing_fits(gw, ctx, verdict)\n        if ctx.failure is not None:\n            return give_up(gw, ctx)",
+    ),
+    Mutation(
+        "hold-limit-no-partitioned-line",
+        "a hold that ran its limit is answered 503 though a llama.cpp partitioned server would queue it",
+        (
+            "tests/e2e/test_llamacpp_e2e.py::test_a_request_held_its_limit_joins_a_partitioned_servers_line_not_a_503",
+        ),
+        "join_queue",
+        r"names \+= gw\.queues\.deferring\(ctx, view, avoid, now\)",
+        "pass",
+    ),
     # ---- the endpoint picker (proxy/epp)
     Mutation(
         "epp-no-release-when-closed",
