@@ -251,6 +251,16 @@ def trace_fleet(url: str, path: Path, procs: list[Any]) -> None:
             time.sleep(0.5)
 
 
+def min_slot(servers: dict[str, LlamaServer]) -> int:
+    """The smallest slot in the fleet (``-c`` over ``-np``, as ``FLEET`` starts each server)."""
+    sizes = []
+    for name, flags, _layout in FLEET:
+        if name in servers:
+            ctx, slots = int(flags[flags.index("-c") + 1]), int(flags[flags.index("-np") + 1])
+            sizes.append(ctx if "--kv-unified" in flags else ctx // slots)
+    return min(sizes)
+
+
 def gateway_config(
     servers: dict[str, LlamaServer], model: Path, report_grace_s: float, timeout_s: float
 ) -> dict[str, Any]:
@@ -273,6 +283,10 @@ def gateway_config(
             "stale_after_s": max(30.0, 3 * timeout_s),
         },
         "queue": {"max_wait_s": 300.0},
+        # Long: more than the fleet's smallest slot holds (b's 1,024). Long requests then
+        # take the tightest slot that holds them (c's 2,048 before a's pool), and chats fill
+        # the small slots first, keeping the big ones for documents (docs/backends.md).
+        "routing": {"long_threshold_tokens": min_slot(servers)},
         # A request one partitioned slot holds waits in that server's queue, not the
         # gateway's: its first token may come as late as a hold would have ended.
         "upstream": {"ttfb_timeout_s": 300.0},

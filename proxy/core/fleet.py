@@ -113,13 +113,13 @@ class Overlay:
     # Data-parallel servers whose engine the gateway pins (``X-data-parallel-rank``): the
     # engine this request would go to, chosen with the projection; None: the server picks.
     engine: int | None = None
-    # This replica's requests there that ended after the report was taken: the report's
-    # running and waiting counts still show them (``proxy.routing.queueing.occupied``).
-    ended_since_report: int = 0
+    # This replica sent a request there, or saw one end, after the report was taken: the
+    # report's running and waiting counts are out of date (``proxy.routing.queueing.occupied``).
+    moved_since_report: bool = False
 
-    def plus_pending(self, tokens: int, count: int, ended: int = 0) -> Overlay:
+    def plus_pending(self, tokens: int, count: int, moved: bool = False) -> Overlay:
         """With ``count`` more reservations (``tokens`` in all) that the report cannot show yet,
-        and ``ended`` requests it still shows that ended since.
+        and ``moved`` if this replica's traffic there changed since the report.
 
         Field by field, not ``dataclasses.replace`` (done per node per request: measured
         2x faster); a test checks it keeps every other field.
@@ -135,7 +135,7 @@ class Overlay:
             self.pressure,
             self.projected_tokens,
             self.engine,
-            self.ended_since_report + ended,
+            self.moved_since_report or moved,
         )
 
 

@@ -15,27 +15,20 @@ concurrency (at 64 connections it was 3% of the gateway's CPU). A confirmed rese
 leaves the sums once a snapshot read after its confirmation is applied (a heap by
 confirmation time); a view of an older snapshot than the newest applied is walked as before.
 
-It also remembers when this replica's requests ended on each backend (``end``), for a
-while: a report taken before a request ended still counts it running or waiting, so the
-view says how many of those there are (``Overlay.ended_since_report``). A server whose
-slots just freed then ranks as free at once, not a scrape later (slots-bound cells of the
-do-no-harm grid, docs/routing.md).
+It also remembers when this replica last sent a request to each backend or saw one end
+there: a report taken before that no longer shows how many requests run and wait there
+(``Overlay.moved_since_report``, read by ``proxy.routing.queueing.occupied``).
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proxy.core.fleet import FleetSnapshot, NodeView
-
-# How long an ended request is remembered: longer than any report is used (stale_after_s).
-ENDED_MEMORY_S = 60.0
 
 
 @dataclass(slots=True, eq=False)
@@ -91,11 +84,13 @@ class LocalReservations:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._by_backend: dict[str, _Backend] = {}
         self._seq = itertools.count()
-        # When this replica's requests ended, per backend, oldest first (the reports' clock).
-        self._ended: dict[str, deque[float]] = {}
+        # When this replica last sent a request to each backend or saw one end there (the
+        # reports' clock: ``MemoryReport.reported_at``).
+        self._moved: dict[str, float] = {}
         self._clock = clock
 
     def add(self, backend: str, reservation_id: str, tokens: int) -> None:
+        self._moved[backend] = self._clock()
         b = self._by_backend.get(backend)
         if b is None:
             b = self._by_backend[backend] = _Backend()
@@ -150,50 +145,35 @@ class LocalReservations:
             del self._by_backend[backend]
 
     def end(self, backend: str, reservation_id: str) -> None:
-        """The request ended on ``backend`` (answered, failed or left): ``remove``, and remember
-        when, since reports taken before now still show it there."""
+        """The request ended on ``backend`` (answered, failed or left): ``remove``, and note
+        that reports taken before now still count it there."""
         self.remove(backend, reservation_id)
-        now = self._clock()
-        ended = self._ended.setdefault(backend, deque())
-        ended.append(now)
-        while ended[0] < now - ENDED_MEMORY_S:
-            ended.popleft()
-
-    def ended_since(self, backend: str, reported_at: float) -> int:
-        """This replica's requests on ``backend`` that ended after ``reported_at``."""
-        ended = self._ended.get(backend)
-        if not ended:
-            return 0
-        return len(ended) - bisect.bisect_right(ended, reported_at)
+        self._moved[backend] = self._clock()
 
     def count(self) -> int:
         return sum(len(b.entries) for b in self._by_backend.values())
 
     def apply(self, snap: FleetSnapshot) -> FleetSnapshot:
         """``snap`` with this replica's reservations that it cannot show yet added as pending."""
-        held, ended = self._by_backend, self._ended
-        if not held and not ended:
+        moved = self._moved
+        if not moved:
             return snap
         taken_at = snap.taken_at
-        nodes = tuple(
-            [
-                self._apply_one(n, taken_at) if n.name in held or n.name in ended else n
-                for n in snap.nodes
-            ]
-        )
+        nodes = tuple([self._apply_one(n, taken_at) if n.name in moved else n for n in snap.nodes])
+        if all(a is b for a, b in zip(nodes, snap.nodes, strict=True)):
+            return snap  # nothing to lay over it (the cached snapshot, not a copy)
         return FleetSnapshot(nodes, taken_at=taken_at)
 
     def _apply_one(self, n: NodeView, taken_at: float) -> NodeView:
         b = self._by_backend.get(n.name)
         tokens = count = 0
-        if b is None:
-            pass
-        elif taken_at >= b.seen:
+        if b is not None and taken_at >= b.seen:
             b.advance(taken_at)
             tokens, count = b.tokens, b.count
-        else:
+        elif b is not None:
             tokens, count = b.walked(taken_at)
-        gone = self.ended_since(n.name, n.report.reported_at) if n.report is not None else 0
-        if not count and not gone:
+        report = n.report
+        moved = report is not None and self._moved[n.name] > report.reported_at
+        if not count and not moved:
             return n
-        return n.with_overlay(n.overlay.plus_pending(tokens, count, gone))
+        return n.with_overlay(n.overlay.plus_pending(tokens, count, moved))

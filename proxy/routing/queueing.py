@@ -61,28 +61,30 @@ def is_queueing(n: NodeView) -> bool:
 
 
 def occupied(n: NodeView) -> int:
-    """Requests running or waiting on ``n`` now: its report's, less those of this replica that
-    ended since the report was taken, or the gateway's own in flight, whichever is more.
+    """Requests running or waiting on ``n`` now.
 
-    The report also counts other clients' requests; the gateway's in-flight count covers
-    what it sent since. A report a scrape old still counts requests that have ended: taken
-    as it is, a server whose slots had just freed ranked as full, and new work went to the
-    others (the slots cells of the do-no-harm grid, docs/routing.md).
+    The report's count (running and waiting, other clients' requests included) while it is
+    current: the gateway has sent nothing there and seen nothing end since it was taken.
+    Once it has, the gateway's own count (its live reservations there, every replica's
+    through the store), which changes at once. The report's figure is then a scrape old,
+    and on a server bound by its slots that is much of a request's life: it still counts
+    requests that have ended. Taken as ``max(report, in flight)``, a server whose slots had
+    just freed ranked as full, and the next requests queued on the others: the do-no-harm
+    grid's slots cells lost their TTFT p99 to ``power_of_two`` (2.13x and 2.25x, medians of
+    3 runs; docs/routing.md). Other clients' requests on a server that the gateway keeps
+    busy are then not seen in this count, as a blind router sees none.
     """
     r = n.report
     ov = n.overlay
-    if r is None:
+    if r is None or ov.moved_since_report:
         return ov.inflight
-    return max(ov.inflight, r.running + r.waiting - ov.ended_since_report)
+    return max(ov.inflight, r.running + r.waiting)
 
 
 def queue_load(n: NodeView) -> float:
-    """Requests on a queueing node per engine: running and waiting, or the gateway's in flight.
-
-    Whichever is larger: the report also counts other clients' requests, while the gateway's
-    own in-flight count (updated at once, ``proxy.gateway.local_view``) covers what it sent
-    since the report; so requests ranked on one snapshot spread.
-    """
+    """Requests on a queueing node per engine (``occupied``: the gateway's own in flight,
+    updated at once by ``proxy.gateway.local_view``, so requests ranked on one snapshot
+    spread)."""
     r = n.report
     if r is None:
         return float(n.overlay.inflight)
@@ -102,9 +104,8 @@ def slot_turns(n: NodeView) -> float:
 
 
 def queued_ahead(n: NodeView) -> int:
-    """Requests that would start before a new one here: those beyond its slots, running and
-    waiting by the report or the gateway's own in flight, whichever is more (0: the limit
-    ``max_num_seqs`` is not known, or no request waits)."""
+    """Requests that would start before a new one here: those beyond its slots (``occupied``;
+    0: the limit ``max_num_seqs`` is not known, or no request waits)."""
     r = n.report
     if r is None or not r.max_num_seqs:
         return 0

@@ -1011,13 +1011,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stale-report-occupancy",
-        "a report a scrape old counts requests that ended since as still running",
+        "the slot order takes a report that the gateway's own sends and ends have overtaken",
         (
-            "tests/routing/test_ended_since_report.py::test_requests_that_ended_since_the_report_free_their_slots_at_once",
+            "tests/routing/test_slot_order_counts_flights.py::test_a_server_whose_slots_freed_since_its_report_ranks_free_at_once",
         ),
         "queueing:occupied",
-        r"r\.running \+ r\.waiting - ov\.ended_since_report",
-        "r.running + r.waiting",
+        r"if r is None or ov\.moved_since_report:",
+        "if r is None:",
         fast=True,
     ),
     Mutation(

@@ -91,6 +91,9 @@ def busy(
         24_000, 20_000, 20_000, "paged", 16, running=running, waiting=waiting,
         max_num_seqs=slots, queueing=True, reported_at=1.0,
     )  # fmt: skip
+    # The gateway sent every request the report shows, unless the test says otherwise: the
+    # slot order counts the gateway's own flights (``proxy.routing.queueing.occupied``).
+    ov.setdefault("inflight", running + waiting)
     return NodeView(name, role=role, report=report, overlay=Overlay(**ov))  # type: ignore[arg-type]
 
 

@@ -42,20 +42,24 @@ def test_the_ranking_falls_back_when_predictions_miss_and_returns_when_they_are_
     assert backends["a"]["misses"] == 10
 
 
-def _queueing(name: str, inflight: int, running: int, reserved: int = 0) -> NodeView:
+def _queueing(
+    name: str, inflight: int, running: int, reserved: int = 0, role: str = "general"
+) -> NodeView:
     report = MemoryReport(
         100_000, 90_000, 90_000, "paged", 16, running=running, queueing=True, reported_at=1.0
     )
-    return NodeView(name, report=report, overlay=Overlay(0, reserved, inflight))
+    overlay = Overlay(0, reserved, inflight)
+    return NodeView(name, role=role, report=report, overlay=overlay)  # type: ignore[arg-type]
 
 
 def test_the_blind_ranking_is_least_outstanding_requests_then_tokens_fit_kept() -> None:
-    # The model's order prefers "a" (fewer requests per its report); blind, the gateway's own
-    # outstanding counts decide: "b" has the fewest, "c" ties it with more tokens.
+    # The model's order keeps a short request in its own pool ("a", general) while it has a
+    # free slot; blind, the gateway's own outstanding counts decide: "b" has the fewest, "c"
+    # ties it with more tokens.
     nodes = (
         _queueing("a", inflight=6, running=0),
-        _queueing("b", inflight=2, running=9, reserved=1_000),
-        _queueing("c", inflight=2, running=9, reserved=5_000),
+        _queueing("b", inflight=2, running=9, reserved=1_000, role="long"),
+        _queueing("c", inflight=2, running=9, reserved=5_000, role="long"),
     )
     snap = FleetSnapshot(nodes, taken_at=1.0)
     policy = KvroutePolicy()
