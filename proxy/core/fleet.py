@@ -113,13 +113,9 @@ class Overlay:
     # Data-parallel servers whose engine the gateway pins (``X-data-parallel-rank``): the
     # engine this request would go to, chosen with the projection; None: the server picks.
     engine: int | None = None
-    # This replica sent a request there, or saw one end, after the report was taken: the
-    # report's running and waiting counts are out of date (``proxy.routing.queueing.occupied``).
-    moved_since_report: bool = False
 
-    def plus_pending(self, tokens: int, count: int, moved: bool = False) -> Overlay:
-        """With ``count`` more reservations (``tokens`` in all) that the report cannot show yet,
-        and ``moved`` if this replica's traffic there changed since the report.
+    def plus_pending(self, tokens: int, count: int) -> Overlay:
+        """With ``count`` more reservations (``tokens`` in all) that the report cannot show yet.
 
         Field by field, not ``dataclasses.replace`` (done per node per request: measured
         2x faster); a test checks it keeps every other field.
@@ -135,7 +131,6 @@ class Overlay:
             self.pressure,
             self.projected_tokens,
             self.engine,
-            self.moved_since_report or moved,
         )
 
 

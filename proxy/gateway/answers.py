@@ -101,7 +101,7 @@ async def error_answer(
     if verdict.verdict == "client_error":
         gw.metrics.attempts.labels(backend, verdict.verdict).inc()
         gw.health.success(backend)
-        gw.local.end(backend, ctx.reservation_id)
+        gw.local.remove(backend, ctx.reservation_id)
         gw.pressure.ended(ctx, backend)
         await gw.ledger.release(backend, ctx.reservation_id)
         gw.metrics.requests.labels(ctx.cls, backend, "rejected").inc()

@@ -55,7 +55,7 @@ class Background:
 
     def release_later(self, ctx: RequestContext, backend: str) -> None:
         """Free this request's reservation on ``backend`` (the ledger retries a failed release)."""
-        self.local.end(backend, ctx.reservation_id)
+        self.local.remove(backend, ctx.reservation_id)
         self.pressure.ended(ctx, backend)
         if not self.ledger.release_at_once(backend, ctx.reservation_id):
             self.spawn(self.ledger.release(backend, ctx.reservation_id))

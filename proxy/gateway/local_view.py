@@ -14,18 +14,12 @@ walked: walking every reservation in flight made each request's cost grow with t
 concurrency (at 64 connections it was 3% of the gateway's CPU). A confirmed reservation
 leaves the sums once a snapshot read after its confirmation is applied (a heap by
 confirmation time); a view of an older snapshot than the newest applied is walked as before.
-
-It also remembers when this replica last sent a request to each backend or saw one end
-there: a report taken before that no longer shows how many requests run and wait there
-(``Overlay.moved_since_report``, read by ``proxy.routing.queueing.occupied``).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proxy.core.fleet import FleetSnapshot, NodeView
@@ -81,16 +75,11 @@ class _Backend:
 class LocalReservations:
     """Reservations in flight through this replica, by backend and reservation id."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self) -> None:
         self._by_backend: dict[str, _Backend] = {}
         self._seq = itertools.count()
-        # When this replica last sent a request to each backend or saw one end there (the
-        # reports' clock: ``MemoryReport.reported_at``).
-        self._moved: dict[str, float] = {}
-        self._clock = clock
 
     def add(self, backend: str, reservation_id: str, tokens: int) -> None:
-        self._moved[backend] = self._clock()
         b = self._by_backend.get(backend)
         if b is None:
             b = self._by_backend[backend] = _Backend()
@@ -144,36 +133,25 @@ class LocalReservations:
         if not b.entries:
             del self._by_backend[backend]
 
-    def end(self, backend: str, reservation_id: str) -> None:
-        """The request ended on ``backend`` (answered, failed or left): ``remove``, and note
-        that reports taken before now still count it there."""
-        self.remove(backend, reservation_id)
-        self._moved[backend] = self._clock()
-
     def count(self) -> int:
         return sum(len(b.entries) for b in self._by_backend.values())
 
     def apply(self, snap: FleetSnapshot) -> FleetSnapshot:
         """``snap`` with this replica's reservations that it cannot show yet added as pending."""
-        moved = self._moved
-        if not moved:
+        held = self._by_backend
+        if not held:
             return snap
         taken_at = snap.taken_at
-        nodes = tuple([self._apply_one(n, taken_at) if n.name in moved else n for n in snap.nodes])
-        if all(a is b for a, b in zip(nodes, snap.nodes, strict=True)):
-            return snap  # nothing to lay over it (the cached snapshot, not a copy)
+        nodes = tuple([self._apply_one(n, taken_at) if n.name in held else n for n in snap.nodes])
         return FleetSnapshot(nodes, taken_at=taken_at)
 
     def _apply_one(self, n: NodeView, taken_at: float) -> NodeView:
-        b = self._by_backend.get(n.name)
-        tokens = count = 0
-        if b is not None and taken_at >= b.seen:
+        b = self._by_backend[n.name]
+        if taken_at >= b.seen:
             b.advance(taken_at)
             tokens, count = b.tokens, b.count
-        elif b is not None:
+        else:
             tokens, count = b.walked(taken_at)
-        report = n.report
-        moved = report is not None and self._moved[n.name] > report.reported_at
-        if not count and not moved:
+        if not count:
             return n
-        return n.with_overlay(n.overlay.plus_pending(tokens, count, moved))
+        return n.with_overlay(n.overlay.plus_pending(tokens, count))

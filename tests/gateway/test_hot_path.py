@@ -29,7 +29,7 @@ from proxy.upstream.client import forward_headers, header
 
 def test_plus_pending_keeps_every_other_field() -> None:
     # Every field set away from its default: a field plus_pending forgets shows here.
-    ov = Overlay(1, 2, 3, True, 4.0, 5, 6.0, "queue", 7, 1, True)
+    ov = Overlay(1, 2, 3, True, 4.0, 5, 6.0, "queue", 7, 1)
     assert {f.name for f in fields(Overlay)} == {
         "pending_tokens",
         "reserved_tokens",
@@ -41,10 +41,8 @@ def test_plus_pending_keeps_every_other_field() -> None:
         "pressure",
         "projected_tokens",
         "engine",
-        "moved_since_report",
     }, "a new Overlay field: add it to Overlay.plus_pending"
     assert ov.plus_pending(10, 2) == replace(ov, pending_tokens=11, reserved_tokens=12, inflight=5)
-    assert replace(ov, moved_since_report=False).plus_pending(0, 0, True).moved_since_report
     node = NodeView("b", "long", "long", False, MemoryReport(9, 8, 7), ov)
     assert {f.name for f in fields(NodeView)} == {
         "name",

@@ -1011,12 +1011,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stale-report-occupancy",
-        "the slot order takes a report that the gateway's own sends and ends have overtaken",
+        "the slot order takes a report a scrape old over the gateway's own flights",
         (
             "tests/routing/test_slot_order_counts_flights.py::test_a_server_whose_slots_freed_since_its_report_ranks_free_at_once",
         ),
         "queueing:occupied",
-        r"if r is None or ov\.moved_since_report:",
+        r"if r is None or n\.overlay\.inflight:",
         "if r is None:",
         fast=True,
     ),
