@@ -94,6 +94,13 @@ class Outcome:
         )
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
+    def goodput(self) -> float:
+        """Output tokens of the requests that succeeded, per second from the first arrival to
+        the last token of any request."""
+        ok = [s for s in self.samples if s.status == 200 and s.ttft_s is not None]
+        end = max((s.sent_s + (s.total_s or 0.0) for s in self.samples), default=0.0)
+        return sum(s.tokens for s in ok) / end if end > 0 else 0.0
+
     def summary(self) -> dict[str, Any]:
         means = {n: sum(u) / len(u) if u else 0.0 for n, u in self.usage.items()}
         return {
@@ -107,6 +114,7 @@ class Outcome:
             # What TTFT does not show: a preempted request stalls mid-stream, then recomputes.
             "max_gap_p99": pct([s.max_gap_s for s in self.samples if s.ttft_s is not None], 0.99),
             "latency_p99": pct([s.total_s for s in self.samples if s.total_s is not None], 0.99),
+            "goodput_tokens_per_s": self.goodput(),
             "decode_kv_mean": means,
             "decode_kv_gap_pp": 100 * (max(means.values()) - min(means.values())) if means else 0.0,
             "prefill_held_at_end": self.held_at_end,

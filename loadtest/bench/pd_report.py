@@ -65,15 +65,16 @@ def fmt(x: float | None) -> str:
 def table(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         "| run | router | failed | decode preemptions | TTFT p50 / p99 (s) | long TTFT p99 (s) "
-        "| longest stall p99 (s) | latency p99 (s) "
+        "| longest stall p99 (s) | latency p99 (s) | goodput (tok/s) "
         "| decode KV use, mean per server | gap (pp) | prefill holds left |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [
         f"| {r.get('run', 1)} | {r['router']} | {r['failed']}/{r['requests']} "
         f"| {r['decode_preemptions']} "
         f"| {fmt(r['ttft_p50'])} / {fmt(r['ttft_p99'])} | {fmt(r['long_ttft_p99'])} "
         f"| {fmt(r.get('max_gap_p99'))} | {fmt(r.get('latency_p99'))} "
+        f"| {r.get('goodput_tokens_per_s', 0.0):.0f} "
         f"| {' / '.join(f'{100 * v:.0f}%' for v in r['decode_kv_mean'].values())} "
         f"| {r['decode_kv_gap_pp']:.1f} | {r['prefill_held_at_end']} |"
         for r in rows
