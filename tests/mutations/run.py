@@ -1021,6 +1021,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "slot-turns-with-unknown-limits",
+        "slot turns rank servers whose limit is not learned yet as free beside those with one",
+        (
+            "tests/routing/test_slot_order_counts_flights.py::test_a_server_whose_limit_is_not_learned_yet_does_not_look_free",
+        ),
+        "_slot_turns_comparable",
+        r"return all\(n\.report is not None and n\.report\.max_num_seqs for n in nodes\)",
+        "return True",
+        fast=True,
+    ),
+    Mutation(
         "retry-not-held",
         "a retry that nothing takes now gets the last failure at once (a busy backend could serve it)",
         (

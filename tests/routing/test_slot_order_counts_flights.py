@@ -18,7 +18,7 @@ NOW = 10_000.0
 KVROUTE = make_policy("kvroute", PolicySettings(safety_margin=0.0, stale_after_s=5.0))
 
 
-def vllm(name: str, running: int, waiting: int, inflight: int) -> NodeView:
+def vllm(name: str, running: int, waiting: int, inflight: int, max_num_seqs: int = 4) -> NodeView:
     """A paged, queueing server with four slots and KV to spare, as its last report shows it."""
     report = MemoryReport(
         capacity_tokens=200_000,
@@ -29,7 +29,7 @@ def vllm(name: str, running: int, waiting: int, inflight: int) -> NodeView:
         running=running,
         waiting=waiting,
         queueing=True,
-        max_num_seqs=4,
+        max_num_seqs=max_num_seqs,
         reported_at=NOW - 0.2,
     )
     overlay = Overlay(reserved_tokens=500 * inflight, inflight=inflight)
@@ -64,3 +64,19 @@ def test_a_server_the_gateway_has_nothing_on_is_judged_by_its_report() -> None:
         "idle",
         "busy",
     ]
+
+
+def test_a_server_whose_limit_is_not_learned_yet_does_not_look_free() -> None:
+    # vLLM does not export max_num_seqs; the collector learns it per server, at different
+    # times. "late" has no limit yet and 12 requests in flight; "a" and "b" have learned 4
+    # and hold 5 each. Ranked on slot turns, "late" had 0 turns and took every request.
+    late = vllm("late", running=4, waiting=8, inflight=12, max_num_seqs=0)
+    a = vllm("a", running=4, waiting=1, inflight=5)
+    b = vllm("b", running=4, waiting=1, inflight=5)
+    assert slot_turns(late) == 0.0 and slot_turns(a) > 0.0
+    ranked = KVROUTE.rank(FleetSnapshot((late, a, b)), RouteRequest(300, "short"), NOW)
+    assert ranked == ["a", "b", "late"]
+    # Once every limit is known, turns order them again: a free slot first.
+    c = vllm("c", running=3, waiting=0, inflight=3, max_num_seqs=8)
+    d = vllm("d", running=4, waiting=0, inflight=2, max_num_seqs=2)
+    assert KVROUTE.rank(FleetSnapshot((d, c)), RouteRequest(300, "short"), NOW) == ["c", "d"]
