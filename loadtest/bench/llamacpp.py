@@ -23,9 +23,11 @@ It reports failed requests (an error status, or a stream cut by an error event),
 p99 of the requests that succeeded (all, and documents alone), and goodput: requests that
 succeeded per second of the run, their output tokens per second, and the prompt words
 (tokens, by construction) they carried per second: a router that fails the longest documents
-at once has that much less prefill to do.
+at once has that much less prefill to do. The default rate, 0.6 per second, is a load three
+one-thread servers carry on two cores with every document served; at 1.2 they cannot, and
+the routers that fail documents have less to do (docs/benchmarks.md section 13).
 
-    python -m loadtest.bench llamacpp --requests 60 --rate 1.2 --json out/llamacpp.json
+    python -m loadtest.bench llamacpp --requests 60 --rate 0.6 --json out/llamacpp.json
 """
 
 from __future__ import annotations
@@ -363,7 +365,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench llamacpp", description=__doc__)
     p.add_argument("--requests", type=int, default=60)
-    p.add_argument("--rate", type=float, default=1.2, help="arrivals per second")
+    p.add_argument("--rate", type=float, default=0.6, help="arrivals per second")
     p.add_argument("--document-share", type=float, default=0.3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=7)
