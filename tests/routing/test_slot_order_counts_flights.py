@@ -19,7 +19,8 @@ KVROUTE = make_policy("kvroute", PolicySettings(safety_margin=0.0, stale_after_s
 
 
 def vllm(name: str, running: int, waiting: int, inflight: int, max_num_seqs: int = 4) -> NodeView:
-    """A paged, queueing server with four slots and KV to spare, as its last report shows it."""
+    """A paged, queueing server with four slots (unless told) and KV to spare, as its last report
+    shows it (``max_num_seqs=0``: its limit not learned yet)."""
     report = MemoryReport(
         capacity_tokens=200_000,
         free_tokens=150_000,
