@@ -8,7 +8,7 @@ from proxy.core.fleet import FleetSnapshot, NodeView
 from proxy.routing.affinity import demand_on, prefer_cached
 from proxy.routing.expected_ttft import by_expected_ttft
 from proxy.routing.policy import Policy, PolicySettings, RequestClass, RouteRequest, eligible
-from proxy.routing.queueing import queue_load, queued_ahead, slot_turns
+from proxy.routing.queueing import queue_load, queued_ahead, slot_limits_known, slot_turns
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ def _slot_turns_comparable(nodes: list[NodeView]) -> bool:
     ``power_of_two``'s 0.71 s. Without turns, requests per engine (``queue_load``) order
     the nodes, as the turns would among equal limits.
     """
-    return all(n.report is not None and n.report.max_num_seqs for n in nodes)
+    return slot_limits_known(nodes)
 
 
 def _blind_key(n: NodeView) -> tuple[int, int, str]:

@@ -118,8 +118,25 @@ def by_line_length(nodes: Iterable[NodeView]) -> list[NodeView]:
     return sorted(nodes, key=lambda n: (queued_ahead(n), slot_turns(n), n.overlay.inflight, n.name))
 
 
-def expected_wait_s(n: NodeView, prompt_tokens: int, demand: int, rates: Rates) -> float:
-    """Seconds until this request's first token on ``n`` (an estimate; lower is better)."""
+def slot_limits_known(nodes: Iterable[NodeView]) -> bool:
+    """Whether every node has a known ``max_num_seqs``: only then do slot waits compare them.
+
+    vLLM does not export the limit; the collector learns it per server, each when its own
+    reports show it pinned (``proxy.core.slot_limit``), and it decays on each at its own time.
+    A node whose limit is not known has no slot wait however many requests it holds, so
+    beside nodes with a known limit it looks free to every request.
+    """
+    return all(n.report is not None and n.report.max_num_seqs for n in nodes)
+
+
+def expected_wait_s(
+    n: NodeView, prompt_tokens: int, demand: int, rates: Rates, slot_wait: bool = True
+) -> float:
+    """Seconds until this request's first token on ``n`` (an estimate; lower is better).
+
+    ``slot_wait``: count the wait for a slot where the limit is known (off when ``n`` is
+    compared with nodes whose limit is not, ``slot_limits_known``).
+    """
     ov, r = n.overlay, n.report
     running = r.running if r is not None else 0
     waiting = r.waiting if r is not None else 0
@@ -133,7 +150,7 @@ def expected_wait_s(n: NodeView, prompt_tokens: int, demand: int, rates: Rates) 
         if deficit > 0:
             kv = deficit / (max(1, running) * rates.decode_tokens_per_s)
     slots = 0.0
-    if r is not None and r.max_num_seqs and running >= r.max_num_seqs:
+    if slot_wait and r is not None and r.max_num_seqs and running >= r.max_num_seqs:
         per_slot = DEFAULT_REMAINING_OUTPUT_TOKENS / rates.decode_tokens_per_s
         slots = (queued + 1) * per_slot / r.max_num_seqs
     return prefill + kv + slots
@@ -146,10 +163,16 @@ def rank_by_wait(
     cls: RequestClass,
     settings: QueueingSettings,
 ) -> list[tuple[str, float]]:
-    """(name, expected wait) best first; long requests keep to the long pool within the margin."""
+    """(name, expected wait) best first; long requests keep to the long pool within the margin.
+
+    Slot waits count only where every node's slot limit is known (``slot_limits_known``).
+    """
+    nodes = list(nodes)
+    slot_wait = slot_limits_known(nodes)
 
     def wait(n: NodeView) -> float:
-        return expected_wait_s(n, prompt_tokens, demand, settings.rates.get(n.name, Rates()))
+        rates = settings.rates.get(n.name, Rates())
+        return expected_wait_s(n, prompt_tokens, demand, rates, slot_wait)
 
     scored = sorted(((wait(n), n.name, n.role) for n in nodes), key=lambda t: (t[0], t[1]))
     if cls != "long":

@@ -1027,8 +1027,19 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/routing/test_slot_order_counts_flights.py::test_a_server_whose_limit_is_not_learned_yet_does_not_look_free",
         ),
         "_slot_turns_comparable",
-        r"return all\(n\.report is not None and n\.report\.max_num_seqs for n in nodes\)",
+        r"return slot_limits_known\(nodes\)",
         "return True",
+        fast=True,
+    ),
+    Mutation(
+        "slot-wait-with-unknown-limits",
+        "the expected wait sends a held request to a server whose limit is not learned yet",
+        (
+            "tests/routing/test_catalog_and_queueing.py::test_the_expected_wait_leaves_slot_waits_out_where_a_limit_is_not_known",
+        ),
+        "rank_by_wait",
+        r"slot_wait = slot_limits_known\(nodes\)",
+        "slot_wait = True",
         fast=True,
     ),
     Mutation(

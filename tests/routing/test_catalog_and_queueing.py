@@ -215,3 +215,20 @@ def test_expected_wait_counts_the_gateways_own_requests_in_flight() -> None:
     assert expected_wait_s(busy_a, 500, 600, rates) > expected_wait_s(idle_b, 500, 600, rates)
     order = rank_by_wait([busy_a, idle_b], 500, 600, "short", QueueingSettings())
     assert [name for name, _ in order] == ["b", "a"]
+
+
+def test_the_expected_wait_leaves_slot_waits_out_where_a_limit_is_not_known() -> None:
+    # "known" has 4 running at its limit of 4 and nothing queued; "unknown" (no limit learned
+    # yet: vLLM does not export it) runs 12 with 3 waiting. With a slot wait counted only on
+    # "known", "unknown" looked faster and a hold sent its request to the longer line.
+    known = busy("known", running=4, slots=4, reserved_tokens=4 * 1_000)
+    unknown = busy("unknown", running=12, waiting=3, slots=0, reserved_tokens=15 * 1_000)
+    order = rank_by_wait([known, unknown], 500, 600, "short", QueueingSettings())
+    assert [name for name, _ in order] == ["known", "unknown"]
+    # Among servers whose limits are all known the slot wait still counts: a full server's
+    # line waits for a slot, a server with one free starts at once.
+    free = busy("free", running=3, slots=4, reserved_tokens=3 * 1_000)
+    order = rank_by_wait([known, free], 500, 600, "short", QueueingSettings())
+    assert [name for name, _ in order] == ["free", "known"]
+    # One server alone (the TTFT check's prediction) keeps its slot wait.
+    assert expected_wait_s(known, 500, 600, Rates()) > expected_wait_s(free, 500, 600, Rates())
