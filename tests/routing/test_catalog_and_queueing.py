@@ -226,9 +226,10 @@ def test_the_expected_wait_leaves_slot_waits_out_where_a_limit_is_not_known() ->
     order = rank_by_wait([known, unknown], 500, 600, "short", QueueingSettings())
     assert [name for name, _ in order] == ["known", "unknown"]
     # Among servers whose limits are all known the slot wait still counts: a full server's
-    # line waits for a slot, a server with one free starts at once.
-    free = busy("free", running=3, slots=4, reserved_tokens=3 * 1_000)
-    order = rank_by_wait([known, free], 500, 600, "short", QueueingSettings())
-    assert [name for name, _ in order] == ["free", "known"]
+    # line waits for a slot, a server with one free starts at once (without the slot wait
+    # the two tie, and the name would put "known" first).
+    spare = busy("spare", running=3, slots=4, reserved_tokens=3 * 1_000)
+    order = rank_by_wait([known, spare], 500, 600, "short", QueueingSettings())
+    assert [name for name, _ in order] == ["spare", "known"]
     # One server alone (the TTFT check's prediction) keeps its slot wait.
-    assert expected_wait_s(known, 500, 600, Rates()) > expected_wait_s(free, 500, 600, Rates())
+    assert expected_wait_s(known, 500, 600, Rates()) > expected_wait_s(spare, 500, 600, Rates())
