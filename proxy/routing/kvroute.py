@@ -47,27 +47,12 @@ def _queue_key(
     can start the request now, and back as soon as a slot frees (no hysteresis).
 
     Slot turns count only where every node compared has a known slot limit (``turns``;
-    ``_slot_turns_comparable``): a node whose limit is unknown has 0 turns however many
+    ``slot_limits_known``): a node whose limit is unknown has 0 turns however many
     requests it holds, so beside nodes with a known limit it looked free to every request.
     """
     own = "long" if cls == "long" else "general"
     waits = slot_turns(n) if turns else 0.0
     return (waits, n.role != own, queue_load(n), _utilisation(n), n.name)
-
-
-def _slot_turns_comparable(nodes: list[NodeView]) -> bool:
-    """Whether slot turns compare ``nodes`` fairly: each has a known ``max_num_seqs``.
-
-    vLLM does not export the limit; the collector learns it per server, each when its own
-    reports show it pinned (``proxy.core.slot_limit``), and it decays on each at its own
-    time. Between those moments some servers have a limit and some do not, and ranking on
-    turns sent every request to a server without one: on the do-no-harm grid's slots cell
-    (classic, 377 requests) one engine took half of them for 2 s with 10-15 in flight
-    against the others' 3-5, and the short TTFT p99 was 1.04-1.89 s against
-    ``power_of_two``'s 0.71 s. Without turns, requests per engine (``queue_load``) order
-    the nodes, as the turns would among equal limits.
-    """
-    return slot_limits_known(nodes)
 
 
 def _blind_key(n: NodeView) -> tuple[int, int, str]:
@@ -195,7 +180,7 @@ class KvroutePolicy(Policy):
         if queued:
             # Queueing nodes by their queues (``_queue_key``; ``_blind_key`` while the model
             # misses), after any that allocate at admission (contiguous order kept for those).
-            turns = _slot_turns_comparable(queued)
+            turns = slot_limits_known(queued)
             queued.sort(key=_blind_key if req.blind else lambda n: _queue_key(n, req.cls, turns))
             fit = [n for n in fit if not _queueing(n)]
         if req.cls == "long":

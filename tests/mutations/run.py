@@ -1026,9 +1026,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             "tests/routing/test_slot_order_counts_flights.py::test_a_server_whose_limit_is_not_learned_yet_does_not_look_free",
         ),
-        "_slot_turns_comparable",
-        r"return slot_limits_known\(nodes\)",
-        "return True",
+        "KvroutePolicy._order",
+        r"turns = slot_limits_known\(queued\)",
+        "turns = True",
         fast=True,
     ),
     Mutation(
