@@ -352,7 +352,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "drain-seen-late",
         "a drain made by this replica waits for the next fleet read to be seen",
-        ("tests/api/test_admin.py::test_requests_sent_right_after_a_drain_avoid_the_node",),
+        (
+            "tests/state/test_fleet_cache.py::test_a_drain_made_here_is_in_the_very_next_snapshot",
+            "tests/api/test_admin.py::test_requests_sent_right_after_a_drain_avoid_the_node",
+        ),
         "Maintenance.set_draining",
         r"self\.fleet\.invalidate\(\)",
         "pass",

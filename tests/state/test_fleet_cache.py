@@ -11,6 +11,7 @@ from typing import Any
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot, MemoryReport
+from proxy.ops.maintenance import Maintenance
 from proxy.state.base import BackendState, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache, node_from_state
 from proxy.state.memory import InProcessStore
@@ -223,3 +224,24 @@ async def test_store_down_keeps_the_last_snapshot_then_routes_by_length_only() -
 def test_a_backend_never_seen_is_up_and_unknown() -> None:
     node = node_from_state(config(), "b", None, 0.0)
     assert node.up and node.report is None and node.pool == "general"
+
+
+async def test_a_drain_made_here_is_in_the_very_next_snapshot() -> None:
+    # The clock stands still: without the drain's own invalidation the snapshot read before
+    # it would serve for ever. (The admin e2e test shows the same with real processes, but
+    # there a loaded box can let the 20 ms refresh pass between two requests.)
+    clock, store = Clock(), Store()
+    cfg = config()
+    cache = FleetCache(cfg, store, clock=clock, refresh_s=0.02)
+    maintenance = Maintenance(cfg, store, cache, owner="gw", clock=clock)
+    await put(store, "a", clock)
+    before = await cache.snapshot()
+    assert not drained(before, "a")
+    await maintenance.set_draining("a", True)
+    assert drained(await cache.snapshot(), "a")
+    await maintenance.set_draining("a", False)
+    assert not drained(await cache.snapshot(), "a")
+
+
+def drained(snap: FleetSnapshot, name: str) -> bool:
+    return next(n for n in snap.nodes if n.name == name).overlay.draining
