@@ -9,8 +9,9 @@ them. So the blocks held for waiting requests are counted per prefill server and
 a fraction of its KV (``disaggregation.early_prefill_fraction``); a server at its cap takes
 no early prefill (the request prefills after its decode placement, as without the overlap).
 
-Pure: the gateway says when blocks start to be held (step 1 answered during a hold) and
-when the hold ends (step 2 sent, or the request ended any other way).
+Pure: the gateway says when blocks start to be held (step 1 decided during a hold, before
+it is placed: ``proxy.gateway.hold_prefill``), where step 1 landed, and when the hold ends
+(step 2 sent, or the request ended any other way).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class EarlyPrefills:
     held: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def add(self, backend: str, key: str, tokens: int) -> None:
-        """Step 1 of ``key`` answered on ``backend`` during its hold: its blocks stay there."""
+        """Step 1 of ``key`` decided during its hold, for ``backend``: its blocks will stay there."""
         self.held.setdefault(backend, {})[key] = tokens
 
     def release(self, key: str) -> list[str]:
@@ -40,6 +41,18 @@ class EarlyPrefills:
                 if not mine:
                     del self.held[backend]
         return freed
+
+    def move(self, key: str, backend: str) -> list[str]:
+        """``key``'s share, taken when its step 1 was decided, goes to the server step 1
+        landed on (nothing if it holds none); the backends whose count changed."""
+        for name, mine in list(self.held.items()):
+            if key in mine and name != backend:
+                tokens = mine.pop(key)
+                if not mine:
+                    del self.held[name]
+                self.add(backend, key, tokens)
+                return [name, backend]
+        return []
 
     def tokens(self, backend: str) -> int:
         return sum(self.held.get(backend, {}).values())

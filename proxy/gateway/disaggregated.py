@@ -52,8 +52,8 @@ from proxy.core.two_step import (
 from proxy.gateway import attempt, placement, sglang_pd
 from proxy.gateway.attempt import AttemptPorts
 from proxy.gateway.context import RequestContext
-from proxy.gateway.early_prefills import EarlyPrefillBook
 from proxy.gateway.held_room import nodes_kept
+from proxy.gateway.hold_prefill import claim_share, prefill_pending
 from proxy.gateway.models import CatalogCache, ModelsLookup
 from proxy.gateway.placement import PlacementPorts
 from proxy.routing.decode_fit import DecodeFitPolicy
@@ -66,8 +66,6 @@ log = logging.getLogger("kvroute.gateway")
 class TwoStepPorts(AttemptPorts, PlacementPorts, Protocol):
     """A two-step request places and attempts each step like any request."""
 
-    # Prefills run during a decode hold, capped per prefill server.
-    early_prefills: EarlyPrefillBook
     # The model catalog: step 1 needs a context for the prompt only.
     catalogs: CatalogCache
     models_info: ModelsLookup
@@ -115,16 +113,19 @@ def _long_enough_for_step_1(gw: TwoStepPorts, ctx: RequestContext) -> frozenset[
     return whole - catalog.too_small(model, ctx.prompt_tokens + 1)
 
 
-async def prefill_while_holding(gw: TwoStepPorts, ctx: RequestContext) -> Response | None:
+async def prefill_while_holding(
+    gw: TwoStepPorts, ctx: RequestContext, during_hold: bool = False
+) -> Response | None:
     """Step 1 before the decode placement when no decode server fits now.
 
     The decode step will hold at the gateway until one fits; step 1 does not need it, so the
     prompt is computed meanwhile (the prefill server holds the blocks a little longer, well
-    within its pull timeout). A Response ends the request (nothing reserved yet).
+    within its pull timeout). ``during_hold``: asked again by the hold, now that a prefill
+    server has its share free (``proxy.gateway.hold_prefill``). A Response ends the request
+    (nothing reserved yet).
     """
     two = ctx.two_step
-    if two is None or two.step == "decode" or _sglang(ctx):
-        # SGLang's prefill server computes only once the decode server joined the room.
+    if two is None or not prefill_pending(ctx):
         return None
     avoid = gw.health.avoid() | ctx.ruled_out | ctx.exclude
     now = gw.clock()
@@ -135,23 +136,18 @@ async def prefill_while_holding(gw: TwoStepPorts, ctx: RequestContext) -> Respon
     if kept is not None and ctx.policy.rank(view, request, now):
         # A decode server fits now: reserve it first, then prefill for it.
         return None
-    cached = max((v for n, v in two.cached.items() if n not in two.prefill_only), default=0)
-    if not worth_two_steps(
-        ctx.prompt_tokens, cached, ctx.cfg.disaggregation.min_uncached_prompt_tokens
-    ):
+    full = claim_share(gw.early_prefills, ctx, two)
+    if full is None:
+        # Every prefill server holds its share for waiting requests: step 1 when one frees
+        # (``hold_prefill``), or after the decode placement.
+        if not during_hold:
+            gw.metrics.two_step.labels("prefill", "after_holding").inc()
         return None
-    servers = frozenset(b.name for b in ctx.cfg.backends) - two.decode_only - two.ruled_out
-    fraction = ctx.cfg.disaggregation.early_prefill_fraction
-    full = gw.early_prefills.full(servers, ctx.snap, ctx.prompt_tokens, fraction)
-    if servers <= full | two.prefill_exclude:
-        # Every prefill server holds its share for waiting requests: prefill after the hold.
-        gw.metrics.two_step.labels("prefill", "after_holding").inc()
-        return None
-    gw.metrics.two_step.labels("prefill", "while_holding").inc()
-    answer = await _prefill(gw, ctx, two, full)
-    if two.params is not None:
-        # Its blocks stay on that server until step 2 is sent (``end`` / ``prefill_if_wanted``).
-        gw.early_prefills.add(two.prefill_backend, ctx.reservation_id, ctx.prompt_tokens)
+    gw.metrics.two_step.labels("prefill", "during_hold" if during_hold else "while_holding").inc()
+    answer = await _prefill(gw, ctx, two, full, early=True)
+    if two.params is None:
+        # No blocks held for it after all (step 1 failed, or no KV connector there).
+        gw.early_prefills.release(ctx.reservation_id)
     return answer
 
 
@@ -192,9 +188,16 @@ async def _prefill_for(
 
 
 async def _prefill(
-    gw: TwoStepPorts, ctx: RequestContext, two: TwoStep, full: frozenset[str] = frozenset()
+    gw: TwoStepPorts,
+    ctx: RequestContext,
+    two: TwoStep,
+    full: frozenset[str] = frozenset(),
+    early: bool = False,
 ) -> Response | None:
-    """Step 1 on the prefill server with the shortest expected wait (``full``: left out)."""
+    """Step 1 on the prefill server with the shortest expected wait (``full``: left out).
+
+    ``early``: during the decode hold, its share (``hold_prefill.claim_share``) moves to the
+    server step 1 lands on."""
     sub = _prefill_context(gw, ctx, two)
     sub.exclude |= full
     started = time.perf_counter()
@@ -204,6 +207,8 @@ async def _prefill(
             if isinstance(placed, Response):
                 _no_prefill(gw, ctx, two, placed)
                 return None
+            if early:
+                gw.early_prefills.move(ctx.reservation_id, placed)
             answer = await attempt.forward(gw, sub, placed)
             if answer is None:
                 await placement.move_on(gw, sub, placed)

@@ -38,6 +38,10 @@ class EarlyPrefillBook:
         self.holds.add(backend, key, tokens)
         self.gauge.labels(backend).set(self.holds.tokens(backend))
 
+    def move(self, key: str, backend: str) -> None:
+        for name in self.holds.move(key, backend):
+            self.gauge.labels(name).set(self.holds.tokens(name))
+
     def release(self, key: str) -> None:
         for backend in self.holds.release(key):
             self.gauge.labels(backend).set(self.holds.tokens(backend))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from proxy.core.fleet import FleetSnapshot, NodeView
 from proxy.core.projection import steps_until_free
+from proxy.gateway.hold_prefill import prefill_pending
 
 if TYPE_CHECKING:
     from proxy.gateway.context import RequestContext
@@ -79,6 +80,8 @@ def nodes_kept(
     if target is not None:
         node = next((n for n in view.nodes if n.name == target), None)
         order.keep(key, target, free_in(pressure, ctx, node))
-    if not order.may_place(key):
+    if not order.may_place(key) or prefill_pending(ctx):
+        # A long two-step request computes its prompt first while others are held: a decode
+        # room reserved before that would stay empty (``proxy.gateway.hold_prefill``).
         return None
     return kept_for(pressure, ctx)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, Literal, Protocol
 
 from starlette.responses import Response
@@ -27,7 +27,9 @@ from proxy.gateway.affinity import Affinity
 from proxy.gateway.client_watch import ClientWatch
 from proxy.gateway.context import RequestContext
 from proxy.gateway.divert import DivertPorts, verdict_for
+from proxy.gateway.early_prefills import EarlyPrefillBook
 from proxy.gateway.held_room import kept_for, nodes_kept
+from proxy.gateway.hold_prefill import prefill_due, prefill_pending
 from proxy.gateway.ledger import ReservationLedger
 from proxy.gateway.local_view import LocalReservations
 from proxy.gateway.placement_answers import (
@@ -46,7 +48,8 @@ from proxy.state.fleet_cache import FleetCache
 
 class PlacementPorts(DivertPorts, QueueingPorts, Protocol):
     """What ranking and reserving use: the fleet view and this replica's reservations laid
-    over it, affinity, the ledger, the retry budget and the admission queue."""
+    over it, affinity, the ledger, the retry budget and the admission queue; and step 1 of a
+    held two-step request (``proxy.gateway.hold_prefill``)."""
 
     fleet: FleetCache
     local: LocalReservations
@@ -56,6 +59,13 @@ class PlacementPorts(DivertPorts, QueueingPorts, Protocol):
     admission: Admission
     # Requests in flight on this replica (the retry budget's share is of these).
     active: int
+    # Prefills run during a decode hold, capped per prefill server.
+    early_prefills: EarlyPrefillBook
+
+    def prefill_during_hold(self, ctx: RequestContext) -> Awaitable[Response | None]:
+        """Step 1 of a held two-step request (``disaggregated``, which places through
+        here); a Response ends the request."""
+        ...
 
 
 async def place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
@@ -115,7 +125,7 @@ async def _place(gw: PlacementPorts, ctx: RequestContext) -> str | Response:
 
 async def watched_hold(
     gw: PlacementPorts, ctx: RequestContext, avoid: frozenset[str], deadline: float
-) -> FleetSnapshot | Literal["hand_over"] | Response | None:
+) -> FleetSnapshot | Literal["hand_over", "prefill"] | Response | None:
     """``wait_for_fit``, the client watched: one that leaves ends its hold (and its place in
     line) at once, not when the hold runs out."""
     with ClientWatch(ctx.request.receive):
@@ -180,6 +190,9 @@ async def _hold(
     if isinstance(waited, Response):
         # The client went away while held.
         return waited
+    if waited == "prefill":
+        # Step 1 now; then placed as any held request whose prompt is computed.
+        return await gw.prefill_during_hold(ctx)
     if waited == "hand_over":
         # None: the room went to a request that joined first, hold again.
         return await join_queue(gw, ctx, avoid, recheck=True)
@@ -310,11 +323,12 @@ async def join_queue(
 
 async def wait_for_fit(
     gw: PlacementPorts, ctx: RequestContext, exclude: frozenset[str], deadline: float
-) -> FleetSnapshot | Literal["hand_over"] | None:
+) -> FleetSnapshot | Literal["hand_over", "prefill"] | None:
     """The admission queue: wait (bounded) for a report that shows a big enough block.
 
     ``"hand_over"``: a queueing backend's queue is now the better place (``hold_over``);
-    None: the wait's time ran out or the admission queue is full.
+    ``"prefill"``: a prefill server has its share free for this request's step 1
+    (``hold_prefill``); None: the wait's time ran out or the admission queue is full.
     """
     if time.monotonic() >= deadline or not gw.admission.try_enter():
         return None
@@ -322,7 +336,10 @@ async def wait_for_fit(
     start = time.monotonic()
     if ctx.hold_started is None:
         ctx.hold_started = start
-    gw.pressure.order.hold(ctx.reservation_id)
+    if not prefill_pending(ctx):
+        # One whose prompt is still to be computed takes no place in line until then: it
+        # could not use a room kept for it (``hold_prefill``).
+        gw.pressure.order.hold(ctx.reservation_id)
     try:
         while True:
             remaining = deadline - time.monotonic()
@@ -341,6 +358,8 @@ async def wait_for_fit(
                 return snap
             if queueing.hold_over(gw, ctx, view, request.exclude):
                 return "hand_over"
+            if prefill_due(gw.early_prefills, ctx):
+                return "prefill"
     finally:
         gw.admission.leave()
         gw.metrics.queue_depth.set(gw.admission.depth)

@@ -242,6 +242,10 @@ class Gateway:
             self.pressure.forget(ctx)
             disaggregated.end(self, ctx)
 
+    def prefill_during_hold(self, ctx: RequestContext) -> Awaitable[Response | None]:
+        """Step 1 of a held two-step request, now that a prefill server has its share free."""
+        return disaggregated.prefill_while_holding(self, ctx, during_hold=True)
+
     def _store_lost(self, degraded: bool) -> None:
         """A store outage (a failover) may have lost reservations it acknowledged."""
         if degraded:

@@ -30,3 +30,20 @@ def test_release_frees_the_request_everywhere_once() -> None:
     assert holds.release("a") == []
     assert holds.release("b") == ["p1"]
     assert len(holds) == 0 and holds.held == {}
+
+
+def test_a_share_moves_to_the_server_step_1_landed_on() -> None:
+    holds = EarlyPrefills()
+    capacity = {"p1": 2_000, "p2": 2_000}
+    # Taken on p1 when step 1 was decided: p1 is full for the next one at once.
+    holds.add("p1", "a", 1_000)
+    assert holds.full(["p1", "p2"], capacity, 1, 0.5) == {"p1"}
+    # Step 1 landed on p2: the share goes with it.
+    assert sorted(holds.move("a", "p2")) == ["p1", "p2"]
+    assert (holds.tokens("p1"), holds.tokens("p2")) == (0, 1_000)
+    assert holds.full(["p1", "p2"], capacity, 1, 0.5) == {"p2"}
+    assert holds.held == {"p2": {"a": 1_000}}
+    # Already there, or never taken (nothing counted): nothing moves.
+    assert holds.move("a", "p2") == []
+    assert holds.move("b", "p1") == []
+    assert holds.held == {"p2": {"a": 1_000}}
