@@ -26,13 +26,31 @@ class EarlyPrefills:
 
     # backend -> request key -> prompt tokens held there for it
     held: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Held requests waiting for a share, in the order they first found none (a dict: ordered).
+    waiting: dict[str, None] = field(default_factory=dict)
 
     def add(self, backend: str, key: str, tokens: int) -> None:
         """Step 1 of ``key`` decided during its hold, for ``backend``: its blocks will stay there."""
         self.held.setdefault(backend, {})[key] = tokens
+        self.waiting.pop(key, None)
+
+    def wait(self, key: str) -> None:
+        """``key`` found no share free: it joins the line for one (or keeps its place)."""
+        self.waiting.setdefault(key, None)
+
+    def turn(self, key: str) -> bool:
+        """``key`` may take a share now: nobody waits for one, or it waits longest.
+
+        Without the line, a share that freed went to whichever held request looked first,
+        often one that had just arrived: in the disaggregated benchmark at its larger scale,
+        documents that found every share taken waited out their whole hold (60 s) while
+        newer ones took the shares.
+        """
+        return next(iter(self.waiting), key) == key
 
     def release(self, key: str) -> list[str]:
         """``key``'s hold ended (step 2 sent, or the request ended); the backends it freed."""
+        self.waiting.pop(key, None)
         freed = []
         for backend in list(self.held):
             mine = self.held[backend]

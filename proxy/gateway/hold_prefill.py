@@ -12,6 +12,8 @@ that pay on a fleet whose decode servers stay full (measured at issue scale, bel
   room stayed empty through the prefill server's queue and the prefill itself. Now it
   waits at the gateway, and every look of its hold asks again (``prefill_due``): once a
   share frees, step 1 runs, and the request then takes the first decode room that frees.
+* **Shares go in arrival order** (``EarlyPrefills.turn``): a request that found none free
+  waits in line for one, and a newer one does not take the next before it.
 * **A share is taken when step 1 is decided, before any await** (``claim_share``), on the
   open server holding least, and moved to the server step 1 lands on. Counted only when
   step 1 answered, one report woke 68 held requests at once; each saw the same share free
@@ -62,20 +64,23 @@ def full_servers(book: EarlyPrefillBook, ctx: RequestContext, two: TwoStep) -> f
 
 
 def prefill_due(book: EarlyPrefillBook, ctx: RequestContext) -> bool:
-    """A held request whose step 1 is pending and some prefill server has its share free."""
+    """A held request whose step 1 is pending, its turn for a share come, and some prefill
+    server with its share free."""
     two = ctx.two_step
-    if two is None or not prefill_pending(ctx):
+    if two is None or not prefill_pending(ctx) or not book.holds.turn(ctx.reservation_id):
         return False
     return not prefill_servers(ctx, two) <= full_servers(book, ctx, two)
 
 
 def claim_share(book: EarlyPrefillBook, ctx: RequestContext, two: TwoStep) -> frozenset[str] | None:
     """Take this prompt's share on the open server holding least; the servers step 1 must
-    leave out (None: every one is full, nothing taken). ``disaggregated._prefill`` moves the
-    share to the server step 1 lands on; the request's end releases it."""
+    leave out (None: every one is full, or an older held request waits for a share: it
+    joins their line). ``disaggregated._prefill`` moves the share to the server step 1 lands
+    on; the request's end releases it (and its place in the line)."""
     full = full_servers(book, ctx, two)
     open_ = prefill_servers(ctx, two) - full
-    if not open_:
+    if not open_ or not book.holds.turn(ctx.reservation_id):
+        book.holds.wait(ctx.reservation_id)
         return None
     first = min(open_, key=lambda n: (book.holds.tokens(n), n))
     book.add(first, ctx.reservation_id, ctx.prompt_tokens)

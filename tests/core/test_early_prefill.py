@@ -47,3 +47,19 @@ def test_a_share_moves_to_the_server_step_1_landed_on() -> None:
     assert holds.move("a", "p2") == []
     assert holds.move("b", "p1") == []
     assert holds.held == {"p2": {"a": 1_000}}
+
+
+def test_a_freed_share_goes_to_the_request_that_waited_longest() -> None:
+    holds = EarlyPrefills()
+    # Nobody waits: any request may take a share.
+    assert holds.turn("new")
+    holds.wait("a")
+    holds.wait("b")
+    holds.wait("a")  # looking again keeps its place
+    assert holds.turn("a") and not holds.turn("b") and not holds.turn("new")
+    # a takes one (leaves the line): b is next, still before a newcomer.
+    holds.add("p1", "a", 100)
+    assert holds.turn("b") and not holds.turn("new")
+    # b's request ends while it waits: its place goes too.
+    holds.release("b")
+    assert holds.turn("new") and holds.waiting == {}
