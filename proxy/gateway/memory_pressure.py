@@ -18,7 +18,7 @@ import asyncio
 import hashlib
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from proxy.config import Config
 from proxy.core.aging import HeldOrder
 from proxy.core.answer_usage import answer_usage
+from proxy.core.ended_flights import EndedFlights
 from proxy.core.fleet import FleetSnapshot, MemoryReport, NodeView, Overlay
 from proxy.core.preemption_headroom import HeadroomSettings, PreemptionHeadroom
 from proxy.core.projection import (
@@ -55,8 +56,14 @@ def client_key(ctx: RequestContext) -> str | None:
 class MemoryPressure:
     """Flights per backend, learned output ratios, per-node budgets, the held line."""
 
-    def __init__(self, cfg: Config, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, cfg: Config, registry: CollectorRegistry, clock: Callable[[], float] | None = None
+    ) -> None:
         mp = cfg.memory_pressure
+        # Flights ended since a node's report (``proxy.core.ended_flights``), on ``clock``, the
+        # store's (reports are stamped with it); without one, none are kept.
+        self.clock = clock
+        self.freed = EndedFlights()
         self.enabled = mp.enabled
         self.per_client = mp.per_client
         self.max_hold_s = mp.max_hold_s
@@ -183,7 +190,7 @@ class MemoryPressure:
         else:
             # Usage its flights do not explain (other clients, work ended since the report)
             # stays: the peak is on top of it (``proxy.core.lazy.projected_headroom``).
-            used_now = r.capacity_tokens - r.free_tokens
+            used_now = r.capacity_tokens - r.free_tokens - self.freed.since(n.name, r.reported_at)
             per_engine += max(0, used_now - sum(f.now_tokens for f in others)) / engines
         committed = per_engine + foreign / engines + marginal + spare
         return self._with_projection(n, max(0, math.ceil(committed) - ctx.demand), engine)
@@ -346,7 +353,11 @@ class MemoryPressure:
         self.counts.pop(ctx.reservation_id, None)
         held = self.flights.get(backend)
         if held is not None:
-            held.pop(ctx.reservation_id, None)
+            flight = held.pop(ctx.reservation_id, None)
+            if flight is not None and flight.generated and ctx.counts_request and self.clock:
+                # It ran (it wrote), so the server held its blocks until now; step 1's stay
+                # on its prefill server until the decode server pulls them.
+                self.freed.ended(backend, self.clock(), flight.now_tokens)
             if not held:
                 del self.flights[backend]
 

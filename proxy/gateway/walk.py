@@ -166,7 +166,7 @@ class Gateway:
         # Prefills run while their request waits for a decode server (bounded per server).
         self.early_prefills = EarlyPrefillBook(metrics.registry)
         # Projected KV peaks, learned output lengths, held-request fairness (paged engines).
-        self.pressure = MemoryPressure(cfg, metrics.registry)
+        self.pressure = MemoryPressure(cfg, metrics.registry, self.clock)
         # The model checks itself: predicted against observed TTFT; blind ranking while it misses.
         self.ttft_check = TtftCheck(metrics.registry)
         # The servers' usage.prompt_tokens against the gateway's counts, per model.

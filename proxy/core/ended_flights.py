@@ -1,0 +1,48 @@
+"""KV that this gateway's flights held when they ended, until a report shows it freed.
+
+The projection of a lazily allocating server (``proxy.gateway.memory_pressure``) lays this
+gateway's flights over the server's last report and keeps any usage they do not explain
+(other clients, work it cannot see) on top. A flight that ended since that report is no
+longer among the flights, but the report still shows its blocks: they counted as foreign
+usage until the next scrape (a second by default), so the room a finished document freed
+stood empty for half a scrape interval on average while held requests waited for it. On a
+fleet of decode servers full of documents that each decode for a few seconds, that is an
+eighth of their KV (measured in the disaggregated benchmark, docs/results.md).
+
+So the tokens a flight held at its end are kept here with the time it ended, and the
+projection takes them out of a report read before that time. A report read after it shows
+the server's own figure; the entry is dropped then.
+
+Pure: the caller gives the time (the store's clock, as reports carry it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EndedFlights:
+    """Per backend: (when it ended, tokens it held) of flights ended since its last report."""
+
+    _ended: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+
+    def ended(self, backend: str, at: float, tokens: int) -> None:
+        """A flight on ``backend`` ended at ``at`` holding ``tokens`` (its prompt and output)."""
+        if tokens > 0:
+            self._ended.setdefault(backend, deque()).append((at, tokens))
+
+    def since(self, backend: str, reported_at: float) -> int:
+        """Tokens of flights ended after a report read at ``reported_at``: that report still
+        counts them, the server no longer holds them. Older entries are dropped (reports
+        only get newer)."""
+        mine = self._ended.get(backend)
+        if not mine:
+            return 0
+        while mine and mine[0][0] <= reported_at:
+            mine.popleft()
+        if not mine:
+            del self._ended[backend]
+            return 0
+        return sum(tokens for _, tokens in mine)
