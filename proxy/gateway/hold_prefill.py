@@ -2,8 +2,8 @@
 
 A two-step request that no decode server fits computes its prompt while it waits
 (``disaggregated.prefill_while_holding``), within a share of each prefill server's KV
-(``disaggregation.early_prefill_fraction``, ``proxy.core.early_prefill``). Two rules make
-that pay on a fleet whose decode servers stay full (measured at issue scale, below):
+(``disaggregation.early_prefill_fraction``, ``proxy.core.early_prefill``). Three rules make
+that pay on a fleet whose decode servers stay full (measured at a larger scale, below):
 
 * **While any request is held, a long two-step request reserves no decode room before its
   prompt is computed** (``prefill_pending``, read by ``held_room.nodes_kept``), and takes
@@ -23,7 +23,8 @@ that pay on a fleet whose decode servers stay full (measured at issue scale, bel
   pull timeout broke (38-123 of 843 requests failed after 120 s).
 
 Measured (2 prefill + 2 decode servers of 120,000 tokens, 15-30k-token documents at 20
-requests/s, ``python -m loadtest.bench pd``): docs/results.md, "Disaggregated fleets".
+requests/s, ``python -m loadtest.bench pd``): docs/results.md, "Does disaggregated prefill
+and decode place decode by fit?".
 """
 
 from __future__ import annotations

@@ -1046,6 +1046,62 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "early-share-claimed-late",
+        "a held request's prefill share is not taken when step 1 is decided: every held request woken at once sees it free",
+        (
+            "tests/gateway/test_hold_prefill.py::test_a_share_is_taken_when_step_1_is_decided_and_in_the_order_requests_found_none",
+        ),
+        "claim_share",
+        r"book\.add\(first, ctx\.reservation_id, ctx\.prompt_tokens\)",
+        "pass",
+        fast=True,
+    ),
+    Mutation(
+        "shares-out-of-order",
+        "a prefill share that frees goes to whichever held request looks first, not the one that waited longest",
+        (
+            "tests/core/test_early_prefill.py::test_a_freed_share_goes_to_the_request_that_waited_longest",
+            "tests/gateway/test_hold_prefill.py::test_a_share_is_taken_when_step_1_is_decided_and_in_the_order_requests_found_none",
+        ),
+        "EarlyPrefills.turn",
+        r"return next\(iter\(self\.waiting\), key\) == key",
+        "return True",
+        fast=True,
+    ),
+    Mutation(
+        "held-document-reserves-decode-first",
+        "while others are held, a document reserves decode room before its prompt is computed (the room stands empty)",
+        (
+            "tests/gateway/test_hold_prefill.py::test_while_anything_is_held_a_document_reserves_no_decode_room_before_its_prompt",
+        ),
+        "held_room:nodes_kept",
+        r"if not order\.may_place\(key\) or prefill_pending\(ctx\):",
+        "if not order.may_place(key):",
+        fast=True,
+    ),
+    Mutation(
+        "ended-flight-not-freed",
+        "KV a flight held when it ended counts as foreign usage until the next scrape",
+        (
+            "tests/gateway/test_projection_decides.py::test_room_a_flight_freed_since_the_report_is_free_at_once_and_counted_once",
+        ),
+        "MemoryPressure._project",
+        r"r\.capacity_tokens - r\.free_tokens - self\.freed\.since\(n\.name, r\.reported_at\)",
+        "r.capacity_tokens - r.free_tokens",
+        fast=True,
+    ),
+    Mutation(
+        "ended-step-1-freed",
+        "step 1's end frees its prefill server's KV in the projection, though the blocks stay until pulled",
+        (
+            "tests/gateway/test_projection_decides.py::test_room_a_flight_freed_since_the_report_is_free_at_once_and_counted_once",
+        ),
+        "MemoryPressure.ended",
+        r" and ctx\.counts_request",
+        "",
+        fast=True,
+    ),
+    Mutation(
         "retry-not-held",
         "a retry that nothing takes now gets the last failure at once (a busy backend could serve it)",
         (
