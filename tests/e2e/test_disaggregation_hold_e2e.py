@@ -89,40 +89,56 @@ def cfg(urls: dict[str, str], **memory_pressure: Any) -> Any:
     )
 
 
+@contextmanager
+def pd_pair(
+    prefill: dict[str, Any], **memory_pressure: Any
+) -> Iterator[tuple[dict[str, str], str]]:
+    """Prefill server p1 (``prefill``: its flags), decode server d1 and the gateway, both
+    servers reported: (their URLs, the gateway's)."""
+    with engines(("vllm", "p1", prefill), ("vllm", "d1", SLOW_DECODE)) as urls:
+        with run_gateway(cfg(urls, **memory_pressure)) as gw:
+            wait_until(lambda: all_reported(gw, 2), what="reports")
+            yield urls, gw
+
+
+@contextmanager
+def l1_decoding(gw: str, urls: dict[str, str]) -> Iterator[None]:
+    """L1 decodes on d1, holding its room, until the block ends (its client leaves)."""
+    with raw_client(gw, long_prompt(1), stream=True):
+        wait_until(lambda: decode_running(urls["d1"]) == 1, 30, "L1 decoding")
+        yield
+
+
 @pytest.mark.parametrize("max_overtakes", [0, 8])
 def test_held_requests_keep_their_arrival_order_within_the_overtake_limit(
     max_overtakes: int,
 ) -> None:
     # p1 keeps what it computed for a held request (vLLM's 480 s) until d1 pulls it.
     prefill = {"pd_role": "prefill", "speedup": 20, "kv_hold_timeout_s": 480 * 20}
-    specs = [("vllm", "p1", prefill), ("vllm", "d1", SLOW_DECODE)]
-    with engines(*specs) as urls:
-        with run_gateway(cfg(urls, max_overtakes=max_overtakes)) as gw:
-            wait_until(lambda: all_reported(gw, 2), what="reports")
-            pool = concurrent.futures.ThreadPoolExecutor(2)
-            with pool, raw_client(gw, long_prompt(1), stream=True):
-                wait_until(lambda: decode_running(urls["d1"]) == 1, 30, "L1 decoding")
-                # L2 needs L1's room: it holds (its prompt computed meanwhile).
-                held = pool.submit(send, gw, long_prompt(2) + "[eos:4]", BIG)
-                wait_until(lambda: two_step(gw, "while_holding") == 1, 30, "L2 prefilled")
-                wait_until(lambda: metric(gw, "kvroute_queue_depth ") == 1, 30, "L2 held")
-                # A short one-step request that fits beside L1 now. It may overtake the held
-                # request (8 times at most); with no overtakes allowed (L2 keeps d1's room)
-                # it still goes first: it ends (8 tokens) long before L1 frees L2's room, so
-                # it delays nothing (backfilling, proxy/core/aging.py).
-                short = pool.submit(send, gw, SHORT_PROMPT, 8)
-                assert short.result().status_code == 200
-                assert not held.done()
-            # L1's client left: its room goes to L2, then to the short one.
-            assert held.result().status_code == 200, held.result().text
+    with pd_pair(prefill, max_overtakes=max_overtakes) as (urls, gw):
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        with pool, l1_decoding(gw, urls):
+            # L2 needs L1's room: it holds (its prompt computed meanwhile).
+            held = pool.submit(send, gw, long_prompt(2) + "[eos:4]", BIG)
+            wait_until(lambda: two_step(gw, "while_holding") == 1, 30, "L2 prefilled")
+            wait_until(lambda: metric(gw, "kvroute_queue_depth ") == 1, 30, "L2 held")
+            # A short one-step request that fits beside L1 now. It may overtake the held
+            # request (8 times at most); with no overtakes allowed (L2 keeps d1's room)
+            # it still goes first: it ends (8 tokens) long before L1 frees L2's room, so
+            # it delays nothing (backfilling, proxy/core/aging.py).
+            short = pool.submit(send, gw, SHORT_PROMPT, 8)
             assert short.result().status_code == 200
-            answer = held.result()
-            assert answer.headers["x-kvroute-prefill-backend"] == "p1"
-            # Step 1 ran, and ended, during the hold; step 2 went once the hold was over.
-            parts = timing(answer.headers["server-timing"])
-            assert set(parts) == {"hold", "prefill", "decode_sent"}
-            assert parts["prefill"] <= parts["hold"] <= parts["decode_sent"]
-            wait_until(lambda: nothing_held(gw, urls), 30, "nothing held")
+            assert not held.done()
+        # L1's client left: its room goes to L2, then to the short one.
+        assert held.result().status_code == 200, held.result().text
+        assert short.result().status_code == 200
+        answer = held.result()
+        assert answer.headers["x-kvroute-prefill-backend"] == "p1"
+        # Step 1 ran, and ended, during the hold; step 2 went once the hold was over.
+        parts = timing(answer.headers["server-timing"])
+        assert set(parts) == {"hold", "prefill", "decode_sent"}
+        assert parts["prefill"] <= parts["hold"] <= parts["decode_sent"]
+        wait_until(lambda: nothing_held(gw, urls), 30, "nothing held")
 
 
 def test_prefills_during_a_hold_are_capped_per_prefill_server_and_released() -> None:
@@ -131,66 +147,59 @@ def test_prefills_during_a_hold_are_capped_per_prefill_server_and_released() -> 
     prefill = {"pd_role": "prefill", "speedup": 20, "capacity_tokens": 2048}
     # Blocks nobody pulls (a client gone between the steps) expire after 15 s here.
     prefill["kv_hold_timeout_s"] = 300
-    with engines(("vllm", "p1", prefill), ("vllm", "d1", SLOW_DECODE)) as urls:
-        with run_gateway(cfg(urls)) as gw:
-            wait_until(lambda: all_reported(gw, 2), what="reports")
-            held_gauge = 'kvroute_prefill_held_for_waiting_tokens{backend="p1"}'
-            with raw_client(gw, long_prompt(1), stream=True):
-                wait_until(lambda: decode_running(urls["d1"]) == 1, 30, "L1 decoding")
-                with raw_client(gw, long_prompt(2) + "[eos:4]"):
-                    with raw_client(gw, long_prompt(3) + "[eos:4]"):
-                        wait_until(lambda: two_step(gw, "while_holding") == 2, 30, "2 prefilled")
-                        both = metric(gw, held_gauge)
-                        assert both > 0
-                        with raw_client(gw, long_prompt(4) + "[eos:4]"):
-                            # p1 holds its share: the fourth waits for a decode server first.
-                            wait_until(lambda: two_step(gw, "after_holding") == 1, 30, "capped")
-                            assert two_step(gw, "while_holding") == 2
-                            assert metric(gw, held_gauge) == both
-                    # L3's client left (L4's too): its prompt is no longer counted against p1.
-                    wait_until(lambda: 0 < metric(gw, held_gauge) < both, 30, "L3 released")
-                # L2's client left as well: nothing is counted for waiting requests any more.
-                wait_until(lambda: metric(gw, held_gauge) == 0, 30, "all released")
-                # Their holds ended with their clients, while d1 is still full.
-                assert metric(gw, "kvroute_queue_depth ") == 0
-                assert decode_running(urls["d1"]) == 1
-            # ... and p1's own hold timeout frees the blocks that nobody pulled.
-            wait_until(lambda: nothing_held(gw, urls), 60, "nothing held")
+    with pd_pair(prefill) as (urls, gw):
+        held_gauge = 'kvroute_prefill_held_for_waiting_tokens{backend="p1"}'
+        with l1_decoding(gw, urls):
+            with raw_client(gw, long_prompt(2) + "[eos:4]"):
+                with raw_client(gw, long_prompt(3) + "[eos:4]"):
+                    wait_until(lambda: two_step(gw, "while_holding") == 2, 30, "2 prefilled")
+                    both = metric(gw, held_gauge)
+                    assert both > 0
+                    with raw_client(gw, long_prompt(4) + "[eos:4]"):
+                        # p1 holds its share: the fourth waits for a decode server first.
+                        wait_until(lambda: two_step(gw, "after_holding") == 1, 30, "capped")
+                        assert two_step(gw, "while_holding") == 2
+                        assert metric(gw, held_gauge) == both
+                # L3's client left (L4's too): its prompt is no longer counted against p1.
+                wait_until(lambda: 0 < metric(gw, held_gauge) < both, 30, "L3 released")
+            # L2's client left as well: nothing is counted for waiting requests any more.
+            wait_until(lambda: metric(gw, held_gauge) == 0, 30, "all released")
+            # Their holds ended with their clients, while d1 is still full.
+            assert metric(gw, "kvroute_queue_depth ") == 0
+            assert decode_running(urls["d1"]) == 1
+        # ... and p1's own hold timeout frees the blocks that nobody pulled.
+        wait_until(lambda: nothing_held(gw, urls), 60, "nothing held")
 
 
 def test_a_request_held_while_every_prefill_server_was_full_prefills_once_one_has_room() -> None:
     # p1 holds two waiting prompts of ~400 tokens (half its 2,048), not three.
     prefill = {"pd_role": "prefill", "speedup": 20, "capacity_tokens": 2048}
     prefill["kv_hold_timeout_s"] = 300
-    with engines(("vllm", "p1", prefill), ("vllm", "d1", SLOW_DECODE)) as urls:
-        with run_gateway(cfg(urls)) as gw:
-            wait_until(lambda: all_reported(gw, 2), what="reports")
-            pool = concurrent.futures.ThreadPoolExecutor(1)
-            with pool:
-                with raw_client(gw, long_prompt(1), stream=True):
-                    wait_until(lambda: decode_running(urls["d1"]) == 1, 30, "L1 decoding")
-                    with raw_client(gw, long_prompt(2) + "[eos:4]"):
-                        with raw_client(gw, long_prompt(3) + "[eos:4]"):
-                            wait_until(lambda: two_step(gw, "while_holding") == 2, 30, "2 in")
-                            late = pool.submit(send, gw, long_prompt(4) + "[eos:4]", BIG)
-                            wait_until(lambda: two_step(gw, "after_holding") == 1, 30, "capped")
-                            assert two_step(gw, "during_hold") == 0
-                        # L3's client left: p1 has room for one more waiting prompt, and L4
-                        # takes it during its hold (d1 is still L1's), not after it.
-                        wait_until(lambda: two_step(gw, "during_hold") == 1, 30, "L4 prefilled")
-                        assert decode_running(urls["d1"]) == 1
-                        # Still held, L2 and L4 both.
-                        assert metric(gw, "kvroute_queue_depth ") == 2
-                        assert not late.done()
-                # L1's (and L2's) clients left: d1's room goes to L4, whose prompt is computed.
-                answer = late.result()
-            assert answer.status_code == 200, answer.text
-            assert answer.headers["x-kvroute-prefill-backend"] == "p1"
-            assert two_step(gw, "while_holding") == 2
-            assert two_step(gw, "after_holding") == 1
-            parts = timing(answer.headers["server-timing"])
-            assert parts["prefill"] <= parts["hold"] <= parts["decode_sent"]
-            wait_until(lambda: nothing_held(gw, urls), 60, "nothing held")
+    with pd_pair(prefill) as (urls, gw):
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        with pool, l1_decoding(gw, urls):
+            with raw_client(gw, long_prompt(2) + "[eos:4]"):
+                with raw_client(gw, long_prompt(3) + "[eos:4]"):
+                    wait_until(lambda: two_step(gw, "while_holding") == 2, 30, "2 in")
+                    late = pool.submit(send, gw, long_prompt(4) + "[eos:4]", BIG)
+                    wait_until(lambda: two_step(gw, "after_holding") == 1, 30, "capped")
+                    assert two_step(gw, "during_hold") == 0
+                # L3's client left: p1 has room for one more waiting prompt, and L4
+                # takes it during its hold (d1 is still L1's), not after it.
+                wait_until(lambda: two_step(gw, "during_hold") == 1, 30, "L4 prefilled")
+                assert decode_running(urls["d1"]) == 1
+                # Still held, L2 and L4 both.
+                assert metric(gw, "kvroute_queue_depth ") == 2
+                assert not late.done()
+        # L1's (and L2's) clients left: d1's room goes to L4, whose prompt is computed.
+        answer = late.result()
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-kvroute-prefill-backend"] == "p1"
+        assert two_step(gw, "while_holding") == 2
+        assert two_step(gw, "after_holding") == 1
+        parts = timing(answer.headers["server-timing"])
+        assert parts["prefill"] <= parts["hold"] <= parts["decode_sent"]
+        wait_until(lambda: nothing_held(gw, urls), 60, "nothing held")
 
 
 def test_a_share_that_frees_goes_to_one_held_request_not_to_every_one_that_sees_it() -> None:
@@ -199,30 +208,23 @@ def test_a_share_that_frees_goes_to_one_held_request_not_to_every_one_that_sees_
     prefill = {"pd_role": "prefill", "speedup": 1, "capacity_tokens": 2048}
     prefill |= {"prefill_tokens_per_s": 200, "kv_hold_timeout_s": 300}
     held_gauge = 'kvroute_prefill_held_for_waiting_tokens{backend="p1"}'
-    with engines(("vllm", "p1", prefill), ("vllm", "d1", SLOW_DECODE)) as urls:
-        with run_gateway(cfg(urls)) as gw:
-            wait_until(lambda: all_reported(gw, 2), what="reports")
-            pool = concurrent.futures.ThreadPoolExecutor(2)
-            with pool:
-                with raw_client(gw, long_prompt(1), stream=True):
-                    wait_until(lambda: decode_running(urls["d1"]) == 1, 30, "L1 decoding")
-                    with raw_client(gw, long_prompt(2) + "[eos:4]"):
-                        with raw_client(gw, long_prompt(3) + "[eos:4]"):
-                            # Step 1 of L1 (placed at once), L2 and L3 (during their holds) answered.
-                            wait_until(lambda: two_step(gw, "ok") == 3, 60, "2 prefilled")
-                            late = [
-                                pool.submit(send, gw, long_prompt(i) + "[eos:4]", BIG)
-                                for i in (4, 5)
-                            ]
-                            wait_until(lambda: two_step(gw, "after_holding") == 2, 30, "capped")
-                        # L3's client left: one share is free, and both L4 and L5 see it.
-                        wait_until(lambda: two_step(gw, "during_hold") == 1, 30, "one in")
-                        # Until that step 1 answers, the other must not take the same share.
-                        wait_until(lambda: two_step(gw, "ok") == 4, 60, "its step 1 done")
-                        assert two_step(gw, "during_hold") == 1
-                        assert metric(gw, held_gauge) <= 1024
-                        assert not any(f.done() for f in late)
-                # L1's and L2's clients left: d1 serves the one prefilled, then the other.
-                answers = [f.result() for f in late]
-            assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
-            wait_until(lambda: metric(gw, held_gauge) == 0, 30, "all released")
+    with pd_pair(prefill) as (urls, gw):
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        with pool, l1_decoding(gw, urls):
+            with raw_client(gw, long_prompt(2) + "[eos:4]"):
+                with raw_client(gw, long_prompt(3) + "[eos:4]"):
+                    # Step 1 of L1 (placed at once), L2 and L3 (during their holds) answered.
+                    wait_until(lambda: two_step(gw, "ok") == 3, 60, "2 prefilled")
+                    late = [pool.submit(send, gw, long_prompt(i) + "[eos:4]", BIG) for i in (4, 5)]
+                    wait_until(lambda: two_step(gw, "after_holding") == 2, 30, "capped")
+                # L3's client left: one share is free, and both L4 and L5 see it.
+                wait_until(lambda: two_step(gw, "during_hold") == 1, 30, "one in")
+                # Until that step 1 answers, the other must not take the same share.
+                wait_until(lambda: two_step(gw, "ok") == 4, 60, "its step 1 done")
+                assert two_step(gw, "during_hold") == 1
+                assert metric(gw, held_gauge) <= 1024
+                assert not any(f.done() for f in late)
+        # L1's and L2's clients left: d1 serves the one prefilled, then the other.
+        answers = [f.result() for f in late]
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        wait_until(lambda: metric(gw, held_gauge) == 0, 30, "all released")
