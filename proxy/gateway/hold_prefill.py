@@ -20,7 +20,7 @@ that pay on a fleet whose decode servers stay full (measured at a larger scale, 
   and all sent step 1 to the same server. Its KV filled with prompts nobody pulled, and
   the step 1s of requests already placed on a decode server queued behind them while their
   decode rooms stood empty: a wait of each for the other that only the prefill server's
-  pull timeout broke (38-123 of 843 requests failed after 120 s).
+  pull timeout broke (38-131 of 843 requests failed after 120 s).
 
 Measured (2 prefill + 2 decode servers of 120,000 tokens, 15-30k-token documents at 20
 requests/s, ``python -m loadtest.bench pd``): docs/results.md, "Does disaggregated prefill
