@@ -11,7 +11,9 @@ eighth of their KV (measured in the disaggregated benchmark, docs/results.md).
 
 So the tokens a flight held at its end are kept here with the time it ended, and the
 projection takes them out of a report read before that time. A report read after it shows
-the server's own figure; the entry is dropped then.
+the server's own figure; the entry is dropped then, or once it is older than any report
+still in use (``HORIZON_S``: a backend no projection reads, a contiguous one, is never
+asked, and its entries must not pile up).
 
 Pure: the caller gives the time (the store's clock, as reports carry it).
 """
@@ -20,6 +22,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+#: Seconds an entry is kept at most: a report older than this is not ranked on (reports
+#: expire after ``collector.report_ttl_s``, 60 s by default; stale ones far sooner).
+HORIZON_S = 60.0
 
 
 @dataclass
@@ -30,8 +36,11 @@ class EndedFlights:
 
     def ended(self, backend: str, at: float, tokens: int) -> None:
         """A flight on ``backend`` ended at ``at`` holding ``tokens`` (its prompt and output)."""
+        mine = self._ended.setdefault(backend, deque())
+        while mine and mine[0][0] < at - HORIZON_S:
+            mine.popleft()
         if tokens > 0:
-            self._ended.setdefault(backend, deque()).append((at, tokens))
+            mine.append((at, tokens))
 
     def since(self, backend: str, reported_at: float) -> int:
         """Tokens of flights ended after a report read at ``reported_at``: that report still
