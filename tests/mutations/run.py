@@ -1091,6 +1091,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "ended-flights-unbounded",
+        "ended flights on a backend no projection reads are kept for ever (memory grows with every request)",
+        (
+            "tests/core/test_ended_flights.py::test_a_node_no_projection_asks_about_keeps_no_more_than_the_horizon",
+        ),
+        "EndedFlights.ended",
+        r"while mine and mine\[0\]\[0\] < at - HORIZON_S:",
+        "while False:",
+        fast=True,
+    ),
+    Mutation(
         "ended-step-1-freed",
         "step 1's end frees its prefill server's KV in the projection, though the blocks stay until pulled",
         (
