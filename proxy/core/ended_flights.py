@@ -33,25 +33,31 @@ class EndedFlights:
     """Per backend: (when it ended, tokens it held) of flights ended since its last report."""
 
     _ended: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+    # Per backend, the sum of its entries' tokens: every ranking asks for it, per node, and
+    # a scrape interval of ends at a high request rate is hundreds of entries to add up.
+    _tokens: dict[str, int] = field(default_factory=dict)
 
     def ended(self, backend: str, at: float, tokens: int) -> None:
         """A flight on ``backend`` ended at ``at`` holding ``tokens`` (its prompt and output)."""
-        mine = self._ended.setdefault(backend, deque())
-        while mine and mine[0][0] < at - HORIZON_S:
-            mine.popleft()
+        self._drop(backend, at - HORIZON_S, inclusive=False)
         if tokens > 0:
-            mine.append((at, tokens))
+            self._ended.setdefault(backend, deque()).append((at, tokens))
+            self._tokens[backend] = self._tokens.get(backend, 0) + tokens
 
     def since(self, backend: str, reported_at: float) -> int:
         """Tokens of flights ended after a report read at ``reported_at``: that report still
         counts them, the server no longer holds them. Older entries are dropped (reports
         only get newer)."""
+        self._drop(backend, reported_at, inclusive=True)
+        return self._tokens.get(backend, 0)
+
+    def _drop(self, backend: str, before: float, inclusive: bool) -> None:
+        """Drop ``backend``'s entries that ended before ``before`` (or at it)."""
         mine = self._ended.get(backend)
-        if not mine:
-            return 0
-        while mine and mine[0][0] <= reported_at:
-            mine.popleft()
+        if mine is None:
+            return
+        while mine and (mine[0][0] <= before if inclusive else mine[0][0] < before):
+            self._tokens[backend] -= mine.popleft()[1]
         if not mine:
             del self._ended[backend]
-            return 0
-        return sum(tokens for _, tokens in mine)
+            del self._tokens[backend]
