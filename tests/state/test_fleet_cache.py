@@ -118,6 +118,24 @@ async def test_a_quiet_gateway_sees_nothing_older_than_refresh_s() -> None:
     assert figures(await cache.snapshot())["b"] == 10_000
 
 
+async def test_a_quiet_gateway_does_not_see_a_released_reservation() -> None:
+    # Serving the last view to the request that starts the next read (at an LLM server's
+    # request rates, every request) was tried again: a reservation this replica released
+    # since that view stayed in it. On a lazily allocating node the projection counts a
+    # reservation it has no flight for as another replica's (``MemoryPressure._foreign``),
+    # and there the store, not the projection, decides the fit.
+    clock, store = Clock(), Store()
+    cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
+    await put(store, "b", clock)
+    assert await store.reserve("b", "r1", 20_000, clock.now, 60.0)
+    held = await cache.snapshot()
+    assert {n.name: n.overlay.reserved_tokens for n in held.nodes}["b"] == 20_000
+    await store.release("b", "r1")
+    clock.now += 0.05  # the next request, past refresh_s, within stale_s
+    view = await cache.snapshot()
+    assert {n.name: n.overlay.reserved_tokens for n in view.nodes}["b"] == 0
+
+
 async def test_a_snapshot_past_stale_s_waits_for_the_read() -> None:
     clock, store, cache, _ = await seen_then_changed()
     store.gate = asyncio.Event()
