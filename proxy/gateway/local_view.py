@@ -14,12 +14,22 @@ walked: walking every reservation in flight made each request's cost grow with t
 concurrency (at 64 connections it was 3% of the gateway's CPU). A confirmed reservation
 leaves the sums once a snapshot read after its confirmation is applied (a heap by
 confirmation time); a view of an older snapshot than the newest applied is walked as before.
+
+The other way round, a reservation released here stays in every snapshot read after its
+confirmation and before its release (``FleetCache`` serves a snapshot up to ``stale_s`` old
+while the next read runs). Counted there, it made the room it held look taken, and on a
+lazily allocating node the projection took it for another replica's reservation
+(``MemoryPressure._foreign``). So a released reservation is taken out of such a snapshot:
+from its reserved tokens and count, and from its pending tokens when it was made after the
+snapshot's report (made within the store's grace before it, it stays: the conservative
+side). Kept until a snapshot read after the release is applied.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proxy.core.fleet import FleetSnapshot, NodeView
@@ -30,6 +40,8 @@ class _Local:
     tokens: int
     # The fleet cache's clock when the store confirmed it; None until then (or never).
     confirmed_at: float | None = None
+    # When it was made, as the store records it (pending against reports older than that).
+    created_at: float | None = None
     # In its backend's running sums: not confirmed, or confirmed no earlier than the newest
     # snapshot applied (which cannot show it yet).
     counted: bool = True
@@ -45,6 +57,9 @@ class _Backend:
     # Confirmed entries by confirmation time (ties in order): (at, seq, entry). An item
     # whose entry was confirmed again since, or is gone, is skipped when it comes up.
     confirmed: list[tuple[float, int, _Local]] = field(default_factory=list)
+    # Confirmed reservations released here, in release order: (released at, entry). A
+    # snapshot read between its confirmation and its release still shows it.
+    released: list[tuple[float, _Local]] = field(default_factory=list)
 
     def uncount(self, e: _Local) -> None:
         if e.counted:
@@ -56,6 +71,9 @@ class _Backend:
         """Apply a snapshot read at ``taken_at`` (not older than ``seen``): it shows what was
         confirmed before it."""
         self.seen = taken_at
+        if self.released and self.released[0][0] < taken_at:
+            # Released before this read: no snapshot applied from now on shows them.
+            self.released = [item for item in self.released if item[0] >= taken_at]
         heap = self.confirmed
         while heap and heap[0][0] < taken_at:
             at, _, e = heapq.heappop(heap)
@@ -73,11 +91,16 @@ class _Backend:
 
 
 class LocalReservations:
-    """Reservations in flight through this replica, by backend and reservation id."""
+    """Reservations in flight through this replica, by backend and reservation id.
 
-    def __init__(self) -> None:
+    ``clock``: the fleet cache's (the store's time, as snapshots are stamped); releases are
+    laid over the snapshots read before them only with one.
+    """
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self._by_backend: dict[str, _Backend] = {}
         self._seq = itertools.count()
+        self.clock = clock
 
     def add(self, backend: str, reservation_id: str, tokens: int) -> None:
         b = self._by_backend.get(backend)
@@ -90,12 +113,15 @@ class LocalReservations:
         b.tokens += tokens
         b.count += 1
 
-    def confirm(self, backend: str, reservation_id: str, at: float) -> None:
+    def confirm(
+        self, backend: str, reservation_id: str, at: float, created_at: float | None = None
+    ) -> None:
         b = self._by_backend.get(backend)
         e = b.entries.get(reservation_id) if b is not None else None
         if b is None or e is None:
             return
         e.confirmed_at = at  # a later confirmation replaces an earlier one
+        e.created_at = created_at
         if at < b.seen:
             b.uncount(e)  # a snapshot newer than its confirmation is applied already
         else:
@@ -130,7 +156,9 @@ class LocalReservations:
         e = b.entries.pop(reservation_id, None)
         if e is not None:
             b.uncount(e)
-        if not b.entries:
+            if e.confirmed_at is not None and self.clock is not None:
+                b.released.append((self.clock(), e))
+        if not b.entries and not b.released:
             del self._by_backend[backend]
 
     def count(self) -> int:
@@ -152,6 +180,32 @@ class LocalReservations:
             tokens, count = b.tokens, b.count
         else:
             tokens, count = b.walked(taken_at)
-        if not count:
+        pending = tokens
+        if b.released:
+            gone, gone_pending, n_gone = _released_in(b.released, taken_at, n)
+            tokens, pending, count = tokens - gone, pending - gone_pending, count - n_gone
+        elif not b.entries:
+            del self._by_backend[n.name]
+        if not count and not tokens:
             return n
-        return n.with_overlay(n.overlay.plus_pending(tokens, count))
+        ov = n.overlay
+        # Never below nothing: the store may already have dropped one (its TTL).
+        tokens, pending = max(tokens, -ov.reserved_tokens), max(pending, -ov.pending_tokens)
+        return n.with_overlay(ov.plus_pending(tokens, max(count, -ov.inflight), pending))
+
+
+def _released_in(
+    released: list[tuple[float, _Local]], taken_at: float, n: NodeView
+) -> tuple[int, int, int]:
+    """Tokens, pending tokens and count of the reservations released here that a snapshot
+    read at ``taken_at`` still shows (confirmed before it, released after it)."""
+    reported_at = n.report.reported_at if n.report is not None else float("-inf")
+    tokens = pending = count = 0
+    for released_at, e in released:
+        confirmed = e.confirmed_at
+        if confirmed is not None and confirmed < taken_at <= released_at:
+            tokens += e.tokens
+            count += 1
+            if e.created_at is not None and e.created_at >= reported_at:
+                pending += e.tokens
+    return tokens, pending, count

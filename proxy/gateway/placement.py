@@ -284,7 +284,7 @@ async def reserve_first(
             gw.local.remove(name, ctx.reservation_id)
             raise
         if ok:
-            gw.local.confirm(name, ctx.reservation_id, gw.fleet.clock())
+            gw.local.confirm(name, ctx.reservation_id, gw.fleet.clock(), created_at=now)
             gw.affinity.placed(ctx.affinity, name, now)
             return name
         gw.local.remove(name, ctx.reservation_id)

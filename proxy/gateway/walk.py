@@ -151,8 +151,9 @@ class Gateway:
         )
         # A store outage (failover) may have lost reservations the store acknowledged.
         fleet.on_degraded_change.append(self._store_lost)
-        # This replica's reservations in flight, laid over the cached snapshot when ranking.
-        self.local = LocalReservations()
+        # This replica's reservations in flight, laid over the cached snapshot when ranking
+        # (and those it released, over a snapshot read before the release).
+        self.local = LocalReservations(fleet.clock)
         self.on_allocation_failure: list[AllocationFailureHook] = []
 
     def _rank_and_hold(self, cfg: Config, metrics: GatewayMetrics) -> None:

@@ -124,3 +124,99 @@ def test_a_reservation_confirmed_before_the_snapshot_leaves_the_view_once_it_is_
     assert local.apply(snapshot(3.0)).nodes[0].overlay.pending_tokens == 0
     # A request still ranking on an older snapshot sees it as that snapshot could not.
     assert local.apply(snapshot(1.5)).nodes[0].overlay.pending_tokens == 500
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _Stored:
+    tokens: int
+    confirmed_at: float | None = None
+    released_at: float | None = None
+
+
+def store_view(held: dict[str, _Stored], taken_at: float) -> FleetSnapshot:
+    """What the store shows at ``taken_at``: confirmed before it, not released by then.
+
+    Every reservation counts as pending (the report is older than all of them)."""
+    shown = [
+        e
+        for e in held.values()
+        if e.confirmed_at is not None
+        and e.confirmed_at < taken_at
+        and (e.released_at is None or e.released_at >= taken_at)
+    ]
+    tokens = sum(e.tokens for e in shown)
+    report = MemoryReport(100_000, 100_000, 100_000, reported_at=-1.0)
+    overlay = Overlay(tokens, tokens, len(shown))
+    return FleetSnapshot((NodeView(name="a", report=report, overlay=overlay),), taken_at=taken_at)
+
+
+life = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 900)),
+    st.tuples(st.just("confirm"), st.integers(0, 3), st.just(0)),
+    st.tuples(st.just("remove"), st.integers(0, 3), st.just(0)),
+    st.tuples(st.just("tick"), st.just(0), st.integers(1, 3)),
+    st.tuples(st.just("view"), st.just(0), st.integers(0, 3)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(life, max_size=40))
+# Read between a reservation's confirmation and its release, served after the release.
+@example([("add", 0, 500), ("confirm", 0, 0), ("tick", 0, 1), ("remove", 0, 0), ("view", 0, 1)])
+def test_a_snapshot_read_before_a_release_shows_only_what_is_still_held(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    # Each snapshot is read at most ``age`` ticks ago and never older than one applied
+    # before (a fleet cache serves the newest it has): this replica's view then holds
+    # exactly the reservations it still holds, the released ones taken out of it.
+    clock = Clock()
+    local = LocalReservations(clock)
+    held: dict[str, _Stored] = {}
+    newest = float("-inf")
+    for kind, n, value in ops:
+        rid = f"r{n}"
+        if kind == "add" and rid not in held:
+            held[rid] = _Stored(value)
+            local.add("a", rid, value)
+        elif kind == "confirm" and rid in held and held[rid].released_at is None:
+            held[rid].confirmed_at = clock.now
+            local.confirm("a", rid, clock.now, created_at=clock.now)
+        elif kind == "remove" and rid in held and held[rid].released_at is None:
+            held[rid].released_at = clock.now
+            local.remove("a", rid)
+        elif kind == "tick":
+            clock.now += value
+        elif kind == "view":
+            taken_at = max(newest, clock.now - value)
+            newest = taken_at
+            (node,) = local.apply(store_view(held, taken_at)).nodes
+            alive = [e for e in held.values() if e.released_at is None]
+            want = (sum(e.tokens for e in alive), len(alive))
+            assert (node.overlay.reserved_tokens, node.overlay.inflight) == want
+            assert node.overlay.pending_tokens == want[0]
+
+
+def test_a_released_reservation_made_before_the_report_is_no_pending_to_take_out() -> None:
+    # The report already shows what it allocated: the snapshot counted it as reserved only.
+    clock = Clock()
+    local = LocalReservations(clock)
+    local.add("a", "r1", 500)
+    local.confirm("a", "r1", 1.0, created_at=1.0)
+    clock.now = 3.0
+    local.remove("a", "r1")
+    report = MemoryReport(100_000, 99_500, 99_500, reported_at=2.0)
+    node = NodeView(name="a", report=report, overlay=Overlay(0, 500, 1))
+    (seen,) = local.apply(FleetSnapshot((node,), taken_at=2.5)).nodes
+    assert (seen.overlay.pending_tokens, seen.overlay.reserved_tokens, seen.overlay.inflight) == (
+        0,
+        0,
+        0,
+    )
