@@ -237,8 +237,6 @@ async def start_collector(w: Wiring) -> None:
         gateway, app = w.gateway, w.app
         gateway.models_info = lookup_from(collector.models)
         collector.on_report.append(lambda name, report: gateway.admission.notify())
-        fleet = w.fleet
-        collector.on_report.append(lambda name, report: fleet.reported())
         collector.on_report.append(KindCheck(lambda: app.state.rt.cfg).on_report)
         w.metrics.registry.register(CollectorMetrics(collector.status))
         collector.start()

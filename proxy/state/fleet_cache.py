@@ -9,21 +9,12 @@ over it as they are made (``proxy.gateway.local_view``).
 The read is a task, and waiting for it cost a request a whole turn of the event loop: on a
 busy gateway (220 KB prompts at 150 connections) the task runs only after every callback
 already queued, and every request that came in meanwhile waited for it too: 47% of
-requests, ~145 ms each. So a snapshot younger than ``stale_s`` is served at once, and the
-read it is due for starts then, for the requests after it. The request that started the
-read used to wait for it; at the rates LLM servers see (requests more than ``refresh_s``
-apart) that was every request, a turn of the loop and a store read (a Redis round trip)
-before ranking (docs/operations.md: 0.1 ms of the 2.7 ms before a short chat's request
-left on the embedded store, 0.3 of 4.6 ms on a Redis on the same host).
-What the snapshot may miss meanwhile is bounded: this replica's own reservations, and those
-it released since the snapshot was read, are laid over it (``proxy.gateway.local_view``),
-the store's reserve checks the live figures, and a
-report this replica's collector has just written (``reported``), or any write of backend
-state to the embedded store (its ``state_writes``), makes the next request wait for the
-read, so a fresh report is ranked on at once, as before. Past ``stale_s`` (a
-loop stalled that long, or a quiet gateway), after ``invalidate`` (this replica changed a
-backend's flags or the backend list), while degraded, or when forced (a held request
-looking again), the request waits for the read.
+requests, ~145 ms each. Now only the request that starts a read waits for it: while it
+runs, the snapshot before it (younger than ``stale_s``) is served. A quiet gateway, whose
+reads end within the turn, sees what it saw before: nothing older than ``refresh_s``.
+Past ``stale_s`` (a loop stalled that long), after ``invalidate`` (this replica changed a
+backend's flags or the backend list), while degraded, or when forced, every request
+waits for the read.
 
 With degraded mode (proxy.state.degraded, the default for Redis) the store itself answers
 from this replica's local scrapes and reservations while Redis is away, and ``degraded``
@@ -110,11 +101,6 @@ class FleetCache:
         self._snap: FleetSnapshot | None = None
         self._last_ok: float = 0.0
         self._inflight: asyncio.Task[FleetSnapshot] | None = None
-        # A report was written since the last read started (``reported``).
-        self._reported = False
-        # The embedded store counts its writes of backend state: a write since the last
-        # read started is known without asking it (None: a store that does not count).
-        self._writes_seen: int | None = None
         self.degraded = False
         self.store_errors = 0
         self.on_degraded_change: list[Callable[[bool], None]] = []
@@ -158,9 +144,6 @@ class FleetCache:
     async def _read(self) -> FleetSnapshot:
         now = self.clock()
         generation = self._generation
-        # This read sees every report written before it (one written while it runs says so again).
-        self._reported = False
-        self._writes_seen = self._state_writes()
         try:
             states = await self.breaker.call(lambda: self.store.read(self.names, now), "read")
         except StoreUnavailable:
@@ -197,36 +180,21 @@ class FleetCache:
         return dataclasses.replace(node, overlay=dataclasses.replace(node.overlay, pressure=reason))
 
     async def snapshot(self, force: bool = False) -> FleetSnapshot:
-        """The fleet as of at most ``stale_s`` ago; a read starts once it is ``refresh_s`` old.
+        """The fleet as of at most ``refresh_s`` ago, or up to ``stale_s`` while a read runs.
 
-        Only a snapshot past ``stale_s``, or one read before a report this replica wrote
-        (``reported``), makes the request wait for the read (the module docstring)."""
+        The request that finds the snapshot too old starts the read and waits for it; the
+        ones that come while it runs do not."""
         snap = self._snap
         if not force and snap is not None and not self.degraded and not self._invalid:
             age = self.clock() - snap.taken_at
             if age < self.refresh_s:
                 return snap
-            if age < self.stale_s:
-                reading = self._inflight
-                if reading is not None and not reading.done():
-                    # A read is on its way (the loop has not run it yet): served now, the
-                    # requests after this one get what it brings.
-                    return snap
-                if not self._reported and self._state_writes() == self._writes_seen:
-                    # Nothing new is known to be in the store: served now, and the read
-                    # starts for the requests after this one.
-                    self._read_in_flight()
-                    return snap
+            reading = self._inflight
+            if age < self.stale_s and reading is not None and not reading.done():
+                # A read is on its way (the loop has not run it yet): served now, the
+                # requests after this one get what it brings.
+                return snap
         return await asyncio.shield(self._read_in_flight())
-
-    def _state_writes(self) -> int | None:
-        writes = getattr(self.store, "state_writes", None)
-        return writes if isinstance(writes, int) else None
-
-    def reported(self) -> None:
-        """A fresh report was written (this replica's collector): the next snapshot older
-        than ``refresh_s`` waits for a read rather than being served from before it."""
-        self._reported = True
 
     def invalidate(self) -> None:
         """Snapshots wait for a read again: this replica has just changed the store.

@@ -75,9 +75,6 @@ class InProcessStore(StateStore):
         self._retry: dict[str, tuple[set[str], float]] = {}
         self._locks: dict[str, tuple[str, float]] = {}
         self._events: deque[bytes] = deque()
-        #: Writes of backend state (reports, downs, flags): a fleet snapshot read before the
-        #: last of them is not served without a read (``proxy.state.fleet_cache``).
-        self.state_writes = 0
         self._retry_sweep_at = 1024  # sweep expired retry keys when the dict grows past this
         # Replica leases (proxy.state.lease), as the Redis store keeps them: the lease set, and
         # per backend the time each lease runs to. Reservations are keyed by their field
@@ -117,13 +114,11 @@ class InProcessStore(StateStore):
 
     # --- reports ---
     async def put_report(self, name: str, report: MemoryReport, ttl_s: float) -> None:
-        self.state_writes += 1
         check_ttl(ttl_s)
         self._states[name] = _Entry(report, "up", "", self._clock() + ttl_s)
         self._known.add(name)
 
     async def mark_down(self, name: str, reason: str, ttl_s: float) -> None:
-        self.state_writes += 1
         check_ttl(ttl_s)
         entry = self._state(name)
         report = entry.report if entry is not None else None
@@ -321,16 +316,13 @@ class InProcessStore(StateStore):
 
     # --- flags ---
     async def set_draining(self, name: str, draining: bool) -> None:
-        self.state_writes += 1
         self._flags[name] = replace(self._flags.get(name, Flags()), draining=bool(draining))
 
     async def set_cooldown(self, name: str, until: float) -> None:
-        self.state_writes += 1
         check_finite(until=until)
         self._flags[name] = replace(self._flags.get(name, Flags()), cooldown_until=float(until))
 
     async def set_ceiling(self, name: str, tokens: int, now: float, until: float) -> None:
-        self.state_writes += 1
         check_tokens(tokens)
         check_finite(now=now, until=until)
         entry = self._state(name)

@@ -339,6 +339,29 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
+        "snapshot-read-awaited",
+        "every request past the refresh interval waits for the fleet read (a loop turn when busy)",
+        (
+            "tests/state/test_fleet_cache.py::test_while_a_read_runs_the_snapshot_before_it_is_served",
+        ),
+        "FleetCache.snapshot",
+        r"if age < self\.stale_s and reading is not None and not reading\.done\(\):",
+        "if False:",
+        fast=True,
+    ),
+    Mutation(
+        "snapshot-served-to-its-reader",
+        "the request that starts the fleet read is served the view before it: a reservation released since is still in it",
+        (
+            "tests/state/test_fleet_cache.py::test_a_quiet_gateway_does_not_see_a_released_reservation",
+            "tests/state/test_fleet_cache.py::test_a_quiet_gateway_sees_nothing_older_than_refresh_s",
+        ),
+        "FleetCache.snapshot",
+        r"if age < self\.stale_s and reading is not None and not reading\.done\(\):",
+        "if age < self.stale_s:",
+        fast=True,
+    ),
+    Mutation(
         "drain-seen-late",
         "a drain made by this replica waits for the next fleet read to be seen",
         (
@@ -1069,44 +1092,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         fast=True,
     ),
     Mutation(
-        "fresh-report-not-waited-for",
-        "a report this replica's collector just wrote is ranked on only after the next read, up to stale_s late",
-        (
-            "tests/state/test_fleet_cache.py::test_after_a_report_the_next_snapshot_waits_for_the_read",
-            "tests/state/test_fleet_cache.py::test_a_report_written_while_a_read_runs_is_waited_for_by_the_next",
-        ),
-        "FleetCache.snapshot",
-        r"if not self\._reported and self\._state_writes\(\) == self\._writes_seen:",
-        "if self._state_writes() == self._writes_seen:",
-        fast=True,
-    ),
-    Mutation(
-        "embedded-report-not-counted",
-        "a report written to the embedded store by anything but this replica's collector is ranked on a request late",
-        (
-            "tests/state/test_fleet_cache.py::test_a_write_to_the_embedded_store_is_waited_for_by_the_next_snapshot",
-        ),
-        "InProcessStore.put_report",
-        r"^        self\.state_writes \+= 1$",
-        "        pass",
-        fast=True,
-    ),
-    Mutation(
-        "due-snapshot-starts-no-read",
-        "a snapshot served past refresh_s starts no read: every request ranks on it until stale_s",
-        (
-            "tests/state/test_fleet_cache.py::test_a_snapshot_due_for_a_read_is_served_at_once_and_starts_it",
-        ),
-        "FleetCache.snapshot",
-        r"^                    self\._read_in_flight\(\)$",
-        "                    pass",
-        fast=True,
-    ),
-    Mutation(
         "released-reservation-still-in-view",
-        "a reservation released here stays in a snapshot read before the release, which is served while the next read runs",
+        "a reservation released here stays in a snapshot read before the release (served while a busy gateway's next read runs)",
         (
-            "tests/state/test_fleet_cache.py::test_a_quiet_gateway_does_not_see_a_released_reservation",
+            "tests/gateway/test_local_view.py::test_a_snapshot_read_before_a_release_shows_only_what_is_still_held",
         ),
         "LocalReservations.remove",
         r"b\.released\.append\(\(self\.clock\(\), e\)\)",

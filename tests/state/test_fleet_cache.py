@@ -11,7 +11,6 @@ from typing import Any
 
 from proxy.config import Config
 from proxy.core.fleet import FleetSnapshot, MemoryReport
-from proxy.gateway.local_view import LocalReservations
 from proxy.ops.maintenance import Maintenance
 from proxy.state.base import BackendState, StoreUnavailable
 from proxy.state.fleet_cache import FleetCache, node_from_state
@@ -85,25 +84,9 @@ async def test_concurrent_snapshots_are_one_read_in_flight() -> None:
     assert all(s is snaps[0] for s in snaps)
 
 
-class Uncounted(Store):
-    """The store as a Redis store is to the cache: its writes are not counted, so only
-    ``reported`` (this replica's collector) says that one was made."""
-
-    @property  # type: ignore[override]
-    def state_writes(self) -> float:
-        # Not a count (the cache reads only ints), and what the store adds to it is dropped.
-        return 0.5
-
-    @state_writes.setter
-    def state_writes(self, _: object) -> None:
-        pass
-
-
-async def seen_then_changed(
-    store: Store | None = None,
-) -> tuple[Clock, Store, FleetCache, FleetSnapshot]:
+async def seen_then_changed() -> tuple[Clock, Store, FleetCache, FleetSnapshot]:
     """A cache (refresh 20 ms, stale 0.25 s) that has read b at 60k free; b is now at 10k."""
-    clock, store = Clock(), store if store is not None else Uncounted()
+    clock, store = Clock(), Store()
     cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
     await put(store, "b", clock, free=60_000)
     first = await cache.snapshot()
@@ -111,101 +94,46 @@ async def seen_then_changed(
     return clock, store, cache, first
 
 
-async def test_a_snapshot_due_for_a_read_is_served_at_once_and_starts_it() -> None:
-    # At an LLM server's request rates every request came more than refresh_s after the last
-    # read: each waited a turn of the loop and a store read before ranking. Now the snapshot
-    # is served, and the read is for the requests after it.
+async def test_while_a_read_runs_the_snapshot_before_it_is_served() -> None:
+    # On a busy gateway the read runs a whole turn of the loop later: only the request that
+    # started it waits; the ones after it are served the snapshot before.
     clock, store, cache, first = await seen_then_changed()
     store.gate = asyncio.Event()  # the next read hangs until let go
-    clock.now += 0.1  # past refresh_s, within stale_s
-    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
-    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
-    assert store.reads == 2  # one read, started by the first of them
-    store.gate.set()
-    await asyncio.sleep(0.01)
-    fresh = await cache.snapshot()
-    assert figures(fresh) == {"a": None, "b": 10_000} and store.reads == 2
-
-
-async def test_after_a_report_the_next_snapshot_waits_for_the_read() -> None:
-    # A report this replica's collector wrote is ranked on at once: the request that starts
-    # the read waits for it; the ones that come while it runs are served the one before.
-    clock, store, cache, first = await seen_then_changed()
-    cache.reported()
-    store.gate = asyncio.Event()
     clock.now += 0.1
     starter = asyncio.create_task(cache.snapshot())
     await asyncio.sleep(0.01)
-    assert not starter.done()
+    assert not starter.done()  # it started the read: it waits for it
     assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
+    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is first
+    assert store.reads == 2  # one read for all
     store.gate.set()
     fresh = await asyncio.wait_for(starter, timeout=1.0)
-    assert figures(fresh) == {"a": None, "b": 10_000} and store.reads == 2
-    # Read since: the report is known, and the next one due is served at once again.
-    store.gate = asyncio.Event()
-    clock.now += 0.1
-    assert await asyncio.wait_for(cache.snapshot(), timeout=1.0) is fresh
-    store.gate.set()
+    assert figures(fresh) == {"a": None, "b": 10_000}
+    assert await cache.snapshot() is fresh and store.reads == 2
 
 
-async def test_a_write_to_the_embedded_store_is_waited_for_by_the_next_snapshot() -> None:
-    # The embedded store counts its writes of backend state: a report pushed into it by
-    # anything (a collector, a test, an admin call) is ranked on at once.
-    clock, _, cache, _ = await seen_then_changed(Store())
-    clock.now += 0.1
+async def test_a_quiet_gateway_sees_nothing_older_than_refresh_s() -> None:
+    clock, _, cache, _ = await seen_then_changed()
+    clock.now += 0.1  # past refresh_s, within stale_s, no read running
     assert figures(await cache.snapshot())["b"] == 10_000
 
 
-async def test_a_report_written_while_a_read_runs_is_waited_for_by_the_next() -> None:
-    # The read in flight may have read the store before the report: it does not count.
-    clock, store, cache, first = await seen_then_changed()
-    store.gate = asyncio.Event()
-    clock.now += 0.1
-    assert await cache.snapshot() is first  # starts a read, which hangs
-    await asyncio.sleep(0.01)
-    cache.reported()
-    store.gate.set()
-    await asyncio.sleep(0.01)
-    clock.now += 0.1
-    store.gate = asyncio.Event()
-    waiting = asyncio.create_task(cache.snapshot())
-    await asyncio.sleep(0.01)
-    assert not waiting.done() and store.reads == 3
-    store.gate.set()
-    await asyncio.wait_for(waiting, timeout=1.0)
-
-
-def reserved(snap: FleetSnapshot, name: str) -> tuple[int, int, int]:
-    ov = {n.name: n.overlay for n in snap.nodes}[name]
-    return ov.reserved_tokens, ov.pending_tokens, ov.inflight
-
-
 async def test_a_quiet_gateway_does_not_see_a_released_reservation() -> None:
-    # The view is served while its read runs; a reservation this replica released since
-    # that view was read is taken out of it (``LocalReservations``). Left in, on a lazily
-    # allocating node the projection counted it as another replica's reservation
-    # (``MemoryPressure._foreign``), and there the store, not the projection, decided the fit.
+    # Serving the last view to the request that starts the next read (at an LLM server's
+    # request rates, every request) was tried again: a reservation this replica released
+    # since that view stayed in it. On a lazily allocating node the projection counts a
+    # reservation it has no flight for as another replica's (``MemoryPressure._foreign``),
+    # and there the store, not the projection, decides the fit.
     clock, store = Clock(), Store()
     cache = FleetCache(config(), store, clock=clock, refresh_s=0.02, stale_s=0.25)
-    local = LocalReservations(clock)
     await put(store, "b", clock)
-    clock.now += 0.01
-    local.add("b", "r1", 20_000)
     assert await store.reserve("b", "r1", 20_000, clock.now, 60.0)
-    local.confirm("b", "r1", clock.now, created_at=clock.now)
-    clock.now += 0.05
-    held = local.apply(await cache.snapshot())
-    assert reserved(held, "b") == (20_000, 20_000, 1)
-    clock.now += 0.01
+    held = await cache.snapshot()
+    assert {n.name: n.overlay.reserved_tokens for n in held.nodes}["b"] == 20_000
     await store.release("b", "r1")
-    local.remove("b", "r1")
-    clock.now += 0.05  # the next request: past refresh_s, within stale_s
+    clock.now += 0.05  # the next request, past refresh_s, within stale_s
     view = await cache.snapshot()
-    assert reserved(view, "b") == (20_000, 20_000, 1)  # read before the release, served
-    assert reserved(local.apply(view), "b") == (0, 0, 0)
-    await asyncio.sleep(0.01)  # the read it started
-    fresh = await cache.snapshot()
-    assert reserved(fresh, "b") == (0, 0, 0) and reserved(local.apply(fresh), "b") == (0, 0, 0)
+    assert {n.name: n.overlay.reserved_tokens for n in view.nodes}["b"] == 0
 
 
 async def test_a_snapshot_past_stale_s_waits_for_the_read() -> None:
