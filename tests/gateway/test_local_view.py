@@ -170,7 +170,7 @@ life = st.one_of(
 @settings(max_examples=400, deadline=None)
 @given(st.lists(life, max_size=40))
 # Read between a reservation's confirmation and its release, served after the release.
-@example([("add", 0, 500), ("confirm", 0, 0), ("tick", 0, 1), ("remove", 0, 0), ("view", 0, 1)])
+@example([("add", 0, 500), ("confirm", 0, 0), ("tick", 0, 2), ("remove", 0, 0), ("view", 0, 1)])
 def test_a_snapshot_read_before_a_release_shows_only_what_is_still_held(
     ops: list[tuple[str, int, int]],
 ) -> None:
